@@ -1,0 +1,121 @@
+"""Shared fixtures: the real Redis, one local Ray instance per session, ../shared, the CLI.
+
+Everything here uses the real thing (DESIGN.md, "Real parts, not mocks"); only GPUs are absent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+# Offline and quiet before anything imports transformers or Ray.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster only
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+DATA = Path(__file__).resolve().parent / "data"
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    """Ray sets OMP_NUM_THREADS=1 in workers; the test process sets its own thread count."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """../shared beside the clone (third-party facts kept outside the repository)."""
+    if not SHARED.is_dir():
+        pytest.skip(
+            f"{SHARED} is absent: the real configs and fixtures live there, beside the clone"
+        )
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The shared Redis (.ci/run starts it). Tests never stop or flush it."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"Redis at {REDIS_URL} does not answer in CI: {exc}")
+        pytest.skip(f"Redis at {REDIS_URL} does not answer: {exc}")
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test run (2 cores: actors ask for fractional CPUs)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=8,  # logical slots; actors use num_cpus=0.25 or so
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}},
+        )
+    yield ray
+    # Ray is shut down at interpreter exit; leaving it up lets every module share it.
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def moectl(capsys):
+    """Run `moectl ARGS...` in-process; returns (exit_code, stdout, stderr)."""
+    from deploy.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        else:  # pragma: no cover - main always exits
+            code = 0
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
