@@ -81,19 +81,37 @@ def redis_url() -> str:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for the whole test run (2 cores: actors ask for fractional CPUs)."""
-    import ray
+    """One local Ray instance for the whole test run: a head and two labelled fake nodes.
 
-    if not ray.is_initialized():
-        ray.init(
-            num_cpus=8,  # logical slots; actors use num_cpus=0.25 or so
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}},
-        )
+    `ray.cluster_utils.Cluster` runs three raylets on this machine, so multi-node paths (discovery
+    with node-affinity tasks, placement groups spread over nodes) are exercised for real. The
+    logical CPU counts are slots, not cores: actors ask for fractional CPUs (e.g. 0.25).
+    Labels: every node carries `moe.io/node` (`head`, `fake-a`, `fake-b`).
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "include_dashboard": False,
+            "labels": {"moe.io/node": "head"},
+        },
+    )
+    for name in ("fake-a", "fake-b"):
+        cluster.add_node(num_cpus=2, labels={"moe.io/node": name})
+    ray.init(
+        address=cluster.address,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": env},
+    )
+    cluster.wait_for_nodes()
     yield ray
-    # Ray is shut down at interpreter exit; leaving it up lets every module share it.
+    ray.shutdown()
+    cluster.shutdown()
 
 
 def free_port() -> int:
