@@ -1,0 +1,329 @@
+"""TieredCache: the tiers of one cache behind one API (lookup device -> host -> redis -> disk).
+
+Public API (stable; the gRPC service, the CLI and the engine code against it):
+
+    from cache_service.store import TieredCache
+    from cache_service.namespace import CacheNamespace
+    from cache_service.block_key import BlockKey, block_key, prefix_block_keys, weights_fingerprint
+    from cache_service.codec import encode_block, decode_block
+
+    cache = TieredCache.from_urls(
+        ["host://", "redis://127.0.0.1:6379/0", "file:///var/cache/moe-kv"],
+        capacities={"host": 1 << 30, "redis": 8 << 30, "disk": 64 << 30},  # or [1<<30, 8<<30, ...]
+        namespace=CacheNamespace(model_fingerprint=fp, deployment="prod"),
+        write_through=False,          # True: puts also go to the shared tier(s) (Redis) at once
+        eviction="lru",               # or "attention" (sink_blocks=4, window_blocks=16 kwargs)
+    )
+    cache.put(key, block) -> bool                 # block = encode_block(...) bytes for this key;
+                                                  #   False if it already existed (put-if-absent)
+    cache.put_many([(key, block), ...]) -> list[bool]
+    cache.get(key) -> bytes | None                # None = miss; verified (header key + checksum)
+    cache.get_many(keys) -> list[bytes | None]
+    cache.contains(keys) -> list[bool]
+    cache.longest_prefix(keys) -> int             # leading keys present in some tier
+    cache.evict(keys) -> int                      # blocks removed (from any tier)
+    cache.record_attention(key, mass: float)      # accumulate attention mass (attention eviction)
+    cache.stats() -> dict                         # {"namespace", "tiers": [{name, url, kind,
+                                                  #   used_bytes, capacity_bytes, blocks, hits,
+                                                  #   misses, evictions, corrupt, available}]}
+    cache.health() -> dict                        # {"ok": bool, "tiers": {name: {available, url}}}
+    cache.metrics.registry                        # prometheus CollectorRegistry of this cache
+    cache.close()                                 # also a context manager
+
+Semantics:
+  - `put` validates the block (header key == key, checksum) and raises InvalidBlock otherwise.
+    It writes to the top tier, and with write_through also to every shared tier; the return value
+    is True when any of those tiers newly stored it. Blocks a tier evicts (or cannot fit: attention
+    sinks and windows are protected) are demoted to the next tier down, recursively.
+  - `get` tries the tiers in order; the first verified copy wins and is promoted into the top
+    tier. A copy that fails verification is a miss for that tier (metric
+    moe_kv_corrupt_blocks_total{tier,reason}), is deleted there, and the next tier is tried.
+  - A tier that is down (Redis) answers misses and skips writes; the cache keeps serving from the
+    others and the tier reconnects by itself (circuit breaker in the Redis tier).
+  - Keys carry placement hints (BlockKey.position/run/root, see block_key.py); build them with
+    `prefix_block_keys` or a chained `block_key`, and send them over the wire with `to_wire()`.
+  - Tier names default to the scheme kind (device, host, redis, disk); a second tier of the same
+    kind is named kind2, kind3, ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from cache_service.block_key import BlockKey
+from cache_service.codec import verify_block
+from cache_service.errors import CacheConfigError, CorruptBlock, InvalidBlock
+from cache_service.metrics import CacheMetrics
+from cache_service.namespace import CacheNamespace
+from cache_service.tiers.base import Tier, open_tier, redact
+
+_KIND_BY_SCHEME = {
+    "device": "device",
+    "host": "host",
+    "redis": "redis",
+    "rediss": "redis",
+    "redis+cluster": "redis",
+    "rediss+cluster": "redis",
+    "file": "disk",
+}
+
+
+class TieredCache:
+    """Tiers in lookup order with promotion on hit, demotion on eviction, optional write-through."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        namespace: CacheNamespace,
+        write_through: bool = False,
+        metrics: CacheMetrics | None = None,
+    ) -> None:
+        if not tiers:
+            raise CacheConfigError("a TieredCache needs at least one tier URL")
+        self.tiers = list(tiers)
+        self.namespace = namespace
+        self.write_through = write_through
+        self.metrics = metrics if metrics is not None else self.tiers[0].metrics
+
+    @classmethod
+    def from_urls(
+        cls,
+        urls: Sequence[str],
+        *,
+        capacities: dict[str, int] | Sequence[int],
+        namespace: CacheNamespace,
+        write_through: bool = False,
+        eviction: str = "lru",
+        sink_blocks: int = 4,
+        window_blocks: int = 16,
+        metrics: CacheMetrics | None = None,
+    ) -> TieredCache:
+        """Open one tier per URL; `capacities` by tier name, by URL, or one per URL in order."""
+        if not urls:
+            raise CacheConfigError("a TieredCache needs at least one tier URL")
+        metrics = metrics if metrics is not None else CacheMetrics()
+        names = _tier_names(urls)
+        if isinstance(capacities, dict):
+            missing = [
+                n
+                for n, u in zip(names, urls, strict=True)
+                if n not in capacities and u not in capacities
+            ]
+            if missing:
+                raise CacheConfigError(
+                    f"capacities has no entry for tier(s) {missing}; got {sorted(capacities)}"
+                )
+            sizes = [capacities.get(u, capacities.get(n)) for n, u in zip(names, urls, strict=True)]
+        else:
+            sizes = list(capacities)
+            if len(sizes) != len(urls):
+                raise CacheConfigError(
+                    f"{len(sizes)} capacities given for {len(urls)} tier URLs; expected one each"
+                )
+        tiers: list[Tier] = []
+        try:
+            for url, name, size in zip(urls, names, sizes, strict=True):
+                tiers.append(
+                    open_tier(
+                        url,
+                        size,
+                        namespace=namespace,
+                        eviction=eviction,
+                        sink_blocks=sink_blocks,
+                        window_blocks=window_blocks,
+                        metrics=metrics,
+                        name=name,
+                    )
+                )
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        return cls(tiers, namespace=namespace, write_through=write_through, metrics=metrics)
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def put(self, key: BlockKey, block: bytes) -> bool:
+        return self.put_many([(key, block)])[0]
+
+    def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> list[bool]:
+        items = [(key, bytes(block)) for key, block in items]
+        for key, block in items:
+            try:
+                verify_block(block, expected_key=key)
+            except CorruptBlock as exc:
+                raise InvalidBlock(f"put of block {key.hex} refused: {exc}") from None
+        stored = self._insert(0, items)
+        if self.write_through:
+            for index, tier in enumerate(self.tiers):
+                if index > 0 and tier.shared:
+                    extra = self._insert(index, items)
+                    stored = [a or b for a, b in zip(stored, extra, strict=True)]
+        return stored
+
+    def _insert(self, index: int, items: list[tuple[BlockKey, bytes]]) -> list[bool]:
+        """Put into tier `index`; demote whatever it evicts into the tiers below."""
+        result = self.tiers[index].put_many(items)
+        pending = result.evicted
+        below = index + 1
+        while pending and below < len(self.tiers):
+            self.metrics.demotions.labels(tier=self.tiers[below - 1].name).inc(len(pending))
+            pending = self.tiers[below].put_many(pending).evicted
+            below += 1
+        return result.stored
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        keys = list(keys)
+        found: list[bytes | None] = [None] * len(keys)
+        promote: list[tuple[BlockKey, bytes]] = []
+        todo = list(range(len(keys)))
+        for level, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            started = time.perf_counter()
+            datas = tier.get_many([keys[i] for i in todo])
+            self.metrics.latency.labels(tier=tier.name, op="get").observe(
+                time.perf_counter() - started
+            )
+            still, corrupt = [], []
+            hits = read = 0
+            for i, data in zip(todo, datas, strict=True):
+                if data is not None and self._verified(tier, keys[i], data):
+                    found[i] = data
+                    hits += 1
+                    read += len(data)
+                    if level > 0:
+                        promote.append((keys[i], data))
+                else:
+                    if data is not None:
+                        corrupt.append(keys[i])
+                    still.append(i)
+            if corrupt:
+                tier.delete(corrupt)
+            self.metrics.hits.labels(tier=tier.name).inc(hits)
+            self.metrics.misses.labels(tier=tier.name).inc(len(still))
+            self.metrics.bytes_read.labels(tier=tier.name).inc(read)
+            todo = still
+        if promote:
+            self.metrics.promotions.labels(tier=self.tiers[0].name).inc(len(promote))
+            self._insert(0, promote)
+        return found
+
+    def _verified(self, tier: Tier, key: BlockKey, data: bytes) -> bool:
+        try:
+            verify_block(data, expected_key=key)
+        except CorruptBlock as exc:
+            self.metrics.corrupt.labels(tier=tier.name, reason=exc.reason).inc()
+            return False
+        return True
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        keys = list(keys)
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                break
+            for i, hit in zip(todo, tier.contains([keys[i] for i in todo]), strict=True):
+                present[i] = hit
+        return present
+
+    def longest_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """Leading keys present in some tier; one batched round trip per tier at most.
+
+        Step 1: each tier answers presence for the keys no upper tier had. Step 2: the prefix ends
+        at the first key no tier has. A tier is skipped once the union covers everything.
+        """
+        keys = list(keys)
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                break
+            started = time.perf_counter()
+            answers = tier.contains([keys[i] for i in todo])
+            self.metrics.latency.labels(tier=tier.name, op="contains").observe(
+                time.perf_counter() - started
+            )
+            for i, hit in zip(todo, answers, strict=True):
+                present[i] = hit
+        for count, hit in enumerate(present):
+            if not hit:
+                return count
+        return len(keys)
+
+    # -- management -----------------------------------------------------------------------------
+
+    def evict(self, keys: Sequence[BlockKey]) -> int:
+        keys = list(keys)
+        removed = [False] * len(keys)
+        for tier in self.tiers:
+            answers = tier.contains(keys)
+            tier.delete([k for k, hit in zip(keys, answers, strict=True) if hit])
+            removed = [a or b for a, b in zip(removed, answers, strict=True)]
+        return sum(removed)
+
+    def record_attention(self, key: BlockKey, mass: float) -> None:
+        for tier in self.tiers:
+            tier.record_attention(key, float(mass))
+
+    def stats(self) -> dict:
+        rows = []
+        for tier in self.tiers:
+            value = self.metrics.value
+            rows.append(
+                {
+                    "name": tier.name,
+                    "kind": tier.kind,
+                    "url": redact(tier.describe()),
+                    "used_bytes": tier.used_bytes(),
+                    "capacity_bytes": tier.capacity_bytes,
+                    "blocks": tier.block_count(),
+                    "hits": int(value("moe_kv_hits_total", tier=tier.name)),
+                    "misses": int(value("moe_kv_misses_total", tier=tier.name)),
+                    "evictions": int(value("moe_kv_evictions_total", tier=tier.name)),
+                    "corrupt": int(
+                        sum(
+                            s.value
+                            for m in self.metrics.corrupt.collect()
+                            for s in m.samples
+                            if s.name.endswith("_total") and s.labels.get("tier") == tier.name
+                        )
+                    ),
+                    "available": tier.available(),
+                }
+            )
+        return {"namespace": self.namespace.prefix, "tiers": rows}
+
+    def health(self) -> dict:
+        tiers = {
+            t.name: {"available": t.available(), "url": redact(t.describe())} for t in self.tiers
+        }
+        return {"ok": all(t["available"] for t in tiers.values()), "tiers": tiers}
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _tier_names(urls: Sequence[str]) -> list[str]:
+    names, seen = [], {}
+    for url in urls:
+        scheme = url.split("://", 1)[0].lower() if isinstance(url, str) else ""
+        kind = _KIND_BY_SCHEME.get(scheme, scheme or "tier")
+        seen[kind] = seen.get(kind, 0) + 1
+        names.append(kind if seen[kind] == 1 else f"{kind}{seen[kind]}")
+    return names
