@@ -1,0 +1,233 @@
+"""Self-attention over a flat token batch: GQA (with optional q/k norm) and MLA (DeepSeek-V3).
+
+Tokens of several sequences are concatenated: x is [T, hidden] with `seq_lens` summing to T, and
+each token attends causally within its own sequence (and within `sliding_window` when set).
+Tensor parallelism splits the query heads evenly over `tp_size` ranks; the output projection is
+row-parallel and `reduce` (the TP all-reduce, identity when None) sums the partial outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.arch import ArchConfig
+from actors.layers.norm import RMSNorm
+from actors.layers.rope import apply_rotary
+from actors.layers.share import Share, cols, full, rows
+from cluster.errors import InputError
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: Sequence[int],
+    *,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention per sequence.
+
+    q [T, h, d], k [T, hk, d], v [T, hk, dv] with hk dividing h (query head j reads KV head
+    j // (h/hk)); returns [T, h, dv].
+    """
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    start = 0
+    for n in seq_lens:
+        stop = start + n
+        qs = q[start:stop].transpose(0, 1)
+        ks = k[start:stop].transpose(0, 1).repeat_interleave(rep, dim=0)
+        vs = v[start:stop].transpose(0, 1).repeat_interleave(rep, dim=0)
+        i = torch.arange(n, device=q.device)
+        mask = i[None, :] <= i[:, None]
+        if window is not None:
+            mask &= i[None, :] > i[:, None] - window
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[start:stop] = o.transpose(0, 1)
+        start = stop
+    return out
+
+
+def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    if heads % tp_size:
+        raise InputError(f"tp={tp_size} does not divide {heads} attention heads")
+    if not 0 <= tp_rank < tp_size:
+        raise InputError(f"tp_rank={tp_rank} is outside 0..{tp_size - 1}")
+    local = heads // tp_size
+    return tp_rank * local, local
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention (Mixtral, Qwen3-MoE with q/k RMSNorm per head). x [T, H] -> [T, H].
+
+    KV heads are split over TP ranks when tp_size divides them, otherwise (tp_size a multiple of
+    kv_heads) each rank keeps the one KV head its query heads read.
+    """
+
+    def __init__(
+        self, arch: ArchConfig, *, tp_rank: int = 0, tp_size: int = 1, reduce: Reduce | None = None
+    ) -> None:
+        super().__init__()
+        self.arch, self.reduce = arch, reduce
+        self.head0, self.heads = _split_heads(arch.num_heads, tp_rank, tp_size)
+        kv = arch.num_kv_heads
+        if kv % tp_size == 0:
+            self.kv0, self.kv_heads = tp_rank * (kv // tp_size), kv // tp_size
+        elif tp_size % kv == 0:
+            self.kv0, self.kv_heads = tp_rank // (tp_size // kv), 1
+        else:
+            raise InputError(f"tp={tp_size} neither divides nor is a multiple of {kv} KV heads")
+        d, hid, bias = arch.head_dim, arch.hidden_size, arch.attention_bias
+        self.q_proj = nn.Linear(hid, self.heads * d, bias=bias)
+        self.k_proj = nn.Linear(hid, self.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hid, self.kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.heads * d, hid, bias=False)
+        self.o_bias = nn.Parameter(torch.zeros(hid)) if bias else None
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.arch.head_dim
+        q = self.q_proj(x).view(t, self.heads, d)
+        k = self.k_proj(x).view(t, self.kv_heads, d)
+        v = self.v_proj(x).view(t, self.kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin, interleave=False)
+        k = apply_rotary(k, cos, sin, interleave=False)
+        o = attend(
+            q, k, v, seq_lens, scale=self.arch.softmax_scale, window=self.arch.sliding_window
+        )
+        y = self.o_proj(o.reshape(t, self.heads * d))
+        if self.reduce is not None:
+            y = self.reduce(y)
+        return y + self.o_bias if self.o_bias is not None else y
+
+    def shares(self, prefix: str) -> list[Share]:
+        a, d, hid = self.arch, self.arch.head_dim, self.arch.hidden_size
+        q0, q1 = self.head0 * d, (self.head0 + self.heads) * d
+        k0, k1 = self.kv0 * d, (self.kv0 + self.kv_heads) * d
+        out = [
+            rows(f"{prefix}q_proj.weight", (a.num_heads * d, hid), q0, q1, "q_proj.weight"),
+            rows(f"{prefix}k_proj.weight", (a.num_kv_heads * d, hid), k0, k1, "k_proj.weight"),
+            rows(f"{prefix}v_proj.weight", (a.num_kv_heads * d, hid), k0, k1, "v_proj.weight"),
+            cols(f"{prefix}o_proj.weight", (hid, a.num_heads * d), q0, q1, "o_proj.weight"),
+        ]
+        if a.attention_bias:
+            out += [
+                rows(f"{prefix}q_proj.bias", (a.num_heads * d,), q0, q1, "q_proj.bias"),
+                rows(f"{prefix}k_proj.bias", (a.num_kv_heads * d,), k0, k1, "k_proj.bias"),
+                rows(f"{prefix}v_proj.bias", (a.num_kv_heads * d,), k0, k1, "v_proj.bias"),
+                full(f"{prefix}o_proj.bias", (hid,), "o_bias"),
+            ]
+        if a.qk_norm:
+            out += [
+                full(f"{prefix}q_norm.weight", (d,), "q_norm.weight"),
+                full(f"{prefix}k_norm.weight", (d,), "k_norm.weight"),
+            ]
+        return out
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3). x [T, H] -> [T, H].
+
+    q = q_b(norm(q_a(x))) (or q_proj(x) without q_lora_rank), split per head into a no-position
+    part [nope] and a rotary part [rope]. One latent c = kv_a(x) = [kv_lora_rank | rope] is shared
+    by all heads: its rotary part is the single shared rotary key, norm(c[:kv_lora_rank]) is
+    expanded by kv_b into per-head [k_nope | v]. TP splits the heads (q_b / kv_b rows, o_proj
+    columns); q_a and kv_a are replicated.
+    """
+
+    def __init__(
+        self, arch: ArchConfig, *, tp_rank: int = 0, tp_size: int = 1, reduce: Reduce | None = None
+    ) -> None:
+        super().__init__()
+        self.arch, self.reduce = arch, reduce
+        self.head0, self.heads = _split_heads(arch.num_heads, tp_rank, tp_size)
+        a, hid, bias = arch, arch.hidden_size, arch.attention_bias
+        if a.q_lora_rank is None:
+            self.q_proj = nn.Linear(hid, self.heads * a.head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hid, a.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, self.heads * a.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hid, a.kv_lora_rank + a.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(
+            a.kv_lora_rank, self.heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.heads * a.v_head_dim, hid, bias=False)
+        self.o_bias = nn.Parameter(torch.zeros(hid)) if bias else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
+    ) -> torch.Tensor:
+        a, t, h = self.arch, x.shape[0], self.heads
+        nope, rope, dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        # Step 1: queries, split into the position-free and rotary parts.
+        if a.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(t, h, nope + rope).split([nope, rope], dim=-1)
+        # Step 2: the shared latent and the shared rotary key.
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, rope], dim=-1)
+        q_rot = apply_rotary(q_rot, cos, sin, interleave=a.rope.interleave)
+        k_rot = apply_rotary(k_rot.view(t, 1, rope), cos, sin, interleave=a.rope.interleave)
+        # Step 3: per-head keys and values from the normalised latent.
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, h, nope + dv)
+        k_nope, v = kv.split([nope, dv], dim=-1)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(t, h, rope)), dim=-1)
+        o = attend(q, k, v, seq_lens, scale=a.softmax_scale)
+        y = self.o_proj(o.reshape(t, h * dv))
+        if self.reduce is not None:
+            y = self.reduce(y)
+        return y + self.o_bias if self.o_bias is not None else y
+
+    def shares(self, prefix: str) -> list[Share]:
+        a, hid = self.arch, self.arch.hidden_size
+        h0, h1, nh = self.head0, self.head0 + self.heads, a.num_heads
+        qk, kvd, dv = a.head_dim, a.qk_nope_head_dim + a.v_head_dim, a.v_head_dim
+        kv_a = a.kv_lora_rank + a.qk_rope_head_dim
+        out = []
+        if a.q_lora_rank is None:
+            out.append(
+                rows(f"{prefix}q_proj.weight", (nh * qk, hid), h0 * qk, h1 * qk, "q_proj.weight")
+            )
+        else:
+            r = a.q_lora_rank
+            out += [
+                full(f"{prefix}q_a_proj.weight", (r, hid), "q_a_proj.weight"),
+                full(f"{prefix}q_a_layernorm.weight", (r,), "q_a_layernorm.weight"),
+                rows(f"{prefix}q_b_proj.weight", (nh * qk, r), h0 * qk, h1 * qk, "q_b_proj.weight"),
+            ]
+            if a.attention_bias:
+                out.append(full(f"{prefix}q_a_proj.bias", (r,), "q_a_proj.bias"))
+        out += [
+            full(f"{prefix}kv_a_proj_with_mqa.weight", (kv_a, hid), "kv_a_proj_with_mqa.weight"),
+            full(f"{prefix}kv_a_layernorm.weight", (a.kv_lora_rank,), "kv_a_layernorm.weight"),
+            rows(
+                f"{prefix}kv_b_proj.weight",
+                (nh * kvd, a.kv_lora_rank),
+                h0 * kvd,
+                h1 * kvd,
+                "kv_b_proj.weight",
+            ),
+            cols(f"{prefix}o_proj.weight", (hid, nh * dv), h0 * dv, h1 * dv, "o_proj.weight"),
+        ]
+        if a.attention_bias:
+            out += [
+                full(f"{prefix}kv_a_proj_with_mqa.bias", (kv_a,), "kv_a_proj_with_mqa.bias"),
+                full(f"{prefix}o_proj.bias", (hid,), "o_bias"),
+            ]
+        return out

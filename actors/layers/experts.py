@@ -1,0 +1,110 @@
+"""Routed experts as grouped matrix products over the tokens routed to them.
+
+`grouped_swiglu` is the one place a kernel is chosen: here a padded batched matmul (every expert
+is one batch entry, its tokens padded to the busiest expert's count), loop-free and exact on CPU.
+A GPU build can swap in `torch._grouped_mm` (CUDA, torch >= 2.8) behind the same signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.layers.share import Share, full
+
+
+def grouped_swiglu(
+    x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts over rows grouped by expert.
+
+    x_sorted [R, H]: rows of expert 0 first, then expert 1, ...; counts [E] int64 rows per expert
+    (sum R); w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]. Returns [R, H]:
+    row r -> w_down[e] @ (silu(gate_e x_r) * (up_e x_r)) for its expert e.
+    """
+    r, e = x_sorted.shape[0], counts.shape[0]
+    if r == 0:
+        return x_sorted.new_zeros(0, w_down.shape[1])
+    # Step 1: each row's expert and slot inside that expert's padded block.
+    expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(r, device=counts.device) - starts[expert]
+    capacity = int(counts.max())
+    # Step 2: scatter into [E, capacity, H], two batched matmuls, gather back.
+    padded = x_sorted.new_zeros(e, capacity, x_sorted.shape[1])
+    padded[expert, slot] = x_sorted
+    gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))
+    return out[expert, slot]
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts this rank holds, stacked: w_gate_up [E_local, 2I, H], w_down [E_local, H, I].
+
+    `local_experts` are global expert ids; local index i holds global expert local_experts[i].
+    """
+
+    def __init__(
+        self, hidden: int, intermediate: int, local_experts: Sequence[int], num_experts: int
+    ) -> None:
+        super().__init__()
+        self.hidden, self.intermediate, self.num_experts = hidden, intermediate, num_experts
+        self.local_experts = tuple(int(e) for e in local_experts)
+        n = len(self.local_experts)
+        self.w_gate_up = nn.Parameter(torch.zeros(n, 2 * intermediate, hidden))
+        self.w_down = nn.Parameter(torch.zeros(n, hidden, intermediate))
+
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu(x_sorted, counts, self.w_gate_up, self.w_down)
+
+    def shares(self, prefix: str, *, fused: bool, names: tuple[str, str, str]) -> list[Share]:
+        """Checkpoint boxes for the local experts.
+
+        fused: `{prefix}gate_up_proj` [E, 2I, H] and `{prefix}down_proj` [E, H, I] (transformers'
+        in-memory layout); otherwise per-expert `{prefix}{e}.{gate,up,down}.weight` with the
+        file's `names` (('gate_proj', 'up_proj', 'down_proj'), Mixtral ('w1', 'w3', 'w2')).
+        """
+        h, i, e_all = self.hidden, self.intermediate, self.num_experts
+        out: list[Share] = []
+        for local, e in enumerate(self.local_experts):
+            if fused:
+                gu = (e_all, 2 * i, h)
+                dn = (e_all, h, i)
+                out += [
+                    Share(
+                        name=f"{prefix}gate_up_proj",
+                        shape=gu,
+                        box=((e, e + 1), (0, 2 * i), (0, h)),
+                        param="w_gate_up",
+                        dst=(local,),
+                    ),
+                    Share(
+                        name=f"{prefix}down_proj",
+                        shape=dn,
+                        box=((e, e + 1), (0, h), (0, i)),
+                        param="w_down",
+                        dst=(local,),
+                    ),
+                ]
+            else:
+                g, u, d = names
+                out += [
+                    _half(full(f"{prefix}{e}.{g}.weight", (i, h), "w_gate_up"), local, 0, i),
+                    _half(full(f"{prefix}{e}.{u}.weight", (i, h), "w_gate_up"), local, i, 2 * i),
+                    full(f"{prefix}{e}.{d}.weight", (h, i), "w_down", dst=(local,)),
+                ]
+        return out
+
+
+def _half(share: Share, local: int, start: int, stop: int) -> Share:
+    """Place a per-expert gate or up matrix into rows [start, stop) of w_gate_up[local]."""
+    return Share(
+        name=share.name,
+        shape=share.shape,
+        box=share.box,
+        param=share.param,
+        dst=(local, (start, stop)),
+    )

@@ -1,0 +1,143 @@
+"""One MoE block: router, routed experts (this rank's slice), shared experts, routing statistics.
+
+Expert parallelism plugs in through a dispatcher with the `ExpertDispatch` signature: it sends
+each (token, chosen expert) pair to the rank holding that expert and brings the results back,
+applying the routing weights in `combine`. `LocalDispatch` is the world-size-1 version (every
+expert local, no communication); `actors/comm/` provides the all-to-all one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from actors.arch import ArchConfig
+from actors.layers.experts import GroupedExperts
+from actors.layers.mlp import MLP
+from actors.layers.router import Router
+from actors.layers.share import Share
+from cluster.errors import InputError
+
+
+class ExpertDispatch(Protocol):
+    """Moves routed tokens to expert owners and back."""
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """x [T, H], topk_ids [T, K] global ids, topk_weights [T, K] ->
+        (recv_x [R, H], recv_expert_ids [R] global ids all held by this rank, handle)."""
+        ...
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        """y [R, H] (expert outputs, rows as received) -> out [T, H] = sum_k weight * output."""
+        ...
+
+
+class LocalDispatch:
+    """World size 1: every (token, k) pair stays here."""
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        t, k = topk_ids.shape
+        token = torch.arange(t, device=x.device).repeat_interleave(k)
+        return x[token], topk_ids.reshape(-1), (token, topk_weights.reshape(-1), t)
+
+    def combine(self, y: torch.Tensor, handle: Any) -> torch.Tensor:
+        token, weights, t = handle
+        out = y.new_zeros(t, y.shape[1])
+        return out.index_add_(0, token, y * weights[:, None].to(y.dtype))
+
+
+class MoE(nn.Module):
+    """x [T, H] -> [T, H] = routed experts (weighted) + shared experts.
+
+    `local_experts`: the global expert ids this rank holds (default all). Without an `ep`
+    dispatcher they must be all experts. `routed_counts` [E] int64 accumulates, for every
+    expert, the (token, k) pairs the router sent to it (the rebalancer's routing statistics;
+    counted on every rank from its own tokens before dispatch).
+    """
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        *,
+        local_experts: Sequence[int] | None = None,
+        ep: ExpertDispatch | None = None,
+    ) -> None:
+        super().__init__()
+        e = arch.num_experts
+        local = tuple(range(e)) if local_experts is None else tuple(int(x) for x in local_experts)
+        bad = [x for x in local if not 0 <= x < e]
+        if bad or len(set(local)) != len(local):
+            raise InputError(f"local_experts {list(local)}: expected distinct ids in 0..{e - 1}")
+        if ep is None and sorted(local) != list(range(e)):
+            raise InputError(
+                f"local_experts {list(local)} is a slice of {e} experts but no expert-parallel dispatcher was given"
+            )
+        self.arch = arch
+        self.ep: ExpertDispatch = ep if ep is not None else LocalDispatch()
+        self.gate = Router(arch)
+        self.experts = GroupedExperts(arch.hidden_size, arch.moe_intermediate_size, local, e)
+        self.shared_experts = (
+            MLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
+            if arch.n_shared_experts
+            else None
+        )
+        to_local = torch.full((e,), -1, dtype=torch.int64)
+        to_local[list(local)] = torch.arange(len(local))
+        self.register_buffer("global_to_local", to_local, persistent=False)
+        self.register_buffer("routed_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, capture: dict[str, torch.Tensor] | None = None, name: str = ""
+    ) -> torch.Tensor:
+        # Step 1: route and count.
+        logits, ids, weights = self.gate(x)
+        self.routed_counts += torch.bincount(ids.reshape(-1), minlength=self.arch.num_experts)
+        # Step 2: send (token, expert) pairs to their owners; group the received rows by expert.
+        recv_x, recv_ids, handle = self.ep.dispatch(x, ids, weights)
+        local = self.global_to_local[recv_ids]
+        order = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=len(self.experts.local_experts))
+        # Step 3: grouped expert GEMMs, rows back in received order, weighted sum per token.
+        y_sorted = self.experts(recv_x[order], counts)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        routed = self.ep.combine(y, handle).to(x.dtype)
+        out = routed
+        shared = None
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            out = routed + shared
+        if capture is not None:
+            capture[f"{name}.gate"] = logits
+            capture[f"{name}.gate.topk_ids"] = ids
+            capture[f"{name}.gate.topk_weights"] = weights
+            capture[f"{name}.experts"] = routed
+            if shared is not None:
+                capture[f"{name}.shared_experts"] = shared
+        return out
+
+    def shares(self, prefix: str, *, fused: bool) -> list[Share]:
+        """Checkpoint boxes; `prefix` is the block's name in the file (`model.layers.3.mlp.`)."""
+        names = (
+            ("w1", "w3", "w2")
+            if self.arch.family == "mixtral" and not fused
+            else ("gate_proj", "up_proj", "down_proj")
+        )
+        out = [s.prefixed("gate.") for s in self.gate.shares(f"{prefix}gate.")]
+        out += [
+            s.prefixed("experts.")
+            for s in self.experts.shares(f"{prefix}experts.", fused=fused, names=names)
+        ]
+        if self.shared_experts is not None:
+            out += [
+                s.prefixed("shared_experts.")
+                for s in self.shared_experts.shares(f"{prefix}shared_experts.")
+            ]
+        return out

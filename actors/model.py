@@ -1,0 +1,246 @@
+"""A pipeline stage: a contiguous range of decoder layers of one model, one TP/EP slice of them.
+
+The first stage embeds token ids; the last applies the final norm and lm_head. A forward runs
+over a flat token batch: several sequences concatenated, with their lengths, for prefill and
+teacher forcing (causal attention within each sequence, no KV cache).
+
+`capture`, when given a dict, is filled with intermediate outputs named after transformers'
+module names so a validator can hook the reference model the same way:
+`model.embed_tokens`, `model.layers.{i}.self_attn`, `model.layers.{i}.mlp` (and, for MoE layers,
+`.mlp.gate` [T, E] router logits, `.mlp.gate.topk_ids`, `.mlp.gate.topk_weights`,
+`.mlp.experts` (weighted routed sum), `.mlp.shared_experts`), `model.layers.{i}` (layer output),
+`model.norm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Sequence
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from actors.arch import ArchConfig
+from actors.layers.attention import GQAAttention, MLAttention
+from actors.layers.mlp import MLP
+from actors.layers.moe import ExpertDispatch, MoE
+from actors.layers.norm import RMSNorm
+from actors.layers.rope import RotaryEmbedding
+from actors.layers.share import Share, full
+from cluster.errors import InputError
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+Capture = dict[str, torch.Tensor] | None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)). x [T, H] -> [T, H]."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        index: int,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        tp_reduce: Reduce | None,
+        local_experts: Sequence[int] | None,
+        ep: ExpertDispatch | None,
+    ) -> None:
+        super().__init__()
+        self.arch, self.index = arch, index
+        self.name = f"model.layers.{index}"
+        attn_cls = MLAttention if arch.mla else GQAAttention
+        self.self_attn = attn_cls(arch, tp_rank=tp_rank, tp_size=tp_size, reduce=tp_reduce)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp: MoE | MLP
+        if arch.is_moe_layer(index):
+            self.mlp = MoE(arch, local_experts=local_experts, ep=ep)
+        else:
+            self.mlp = MLP(
+                arch.hidden_size,
+                arch.intermediate_size,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                reduce=tp_reduce,
+            )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seq_lens: Sequence[int],
+        capture: Capture,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, seq_lens)
+        h = x + attn
+        normed = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            ff = self.mlp(normed, capture, f"{self.name}.mlp")
+        else:
+            ff = self.mlp(normed)
+        out = h + ff
+        if capture is not None:
+            capture[f"{self.name}.self_attn"] = attn
+            capture[f"{self.name}.mlp"] = ff
+            capture[self.name] = out
+        return out
+
+    def shares(self, names: Container[str]) -> list[Share]:
+        """Checkpoint boxes of this layer; `names` (the checkpoint's tensor names) picks the expert layout."""
+        p = f"{self.name}."
+        out = [s.prefixed("self_attn.") for s in self.self_attn.shares(f"{p}self_attn.")]
+        out += [
+            full(f"{p}input_layernorm.weight", (self.arch.hidden_size,), "input_layernorm.weight"),
+            full(
+                f"{p}post_attention_layernorm.weight",
+                (self.arch.hidden_size,),
+                "post_attention_layernorm.weight",
+            ),
+        ]
+        if isinstance(self.mlp, MoE):
+            fused = f"{p}mlp.experts.gate_up_proj" in names
+            block = "mlp" if fused else self.arch.moe_prefix
+            out += [s.prefixed("mlp.") for s in self.mlp.shares(f"{p}{block}.", fused=fused)]
+        else:
+            out += [s.prefixed("mlp.") for s in self.mlp.shares(f"{p}mlp.")]
+        return out
+
+
+class StageModel(nn.Module):
+    """Layers [start, stop) of `arch`, for one (tp_rank, expert slice).
+
+    first: holds embed_tokens and takes token ids; last: holds the final norm and lm_head and
+    returns logits. `tp_reduce` is the TP all-reduce (None when tp_size == 1); `ep` the expert
+    dispatcher (None: all experts local). Parameters are created on `device` (use "meta" to list
+    shares of a huge model without allocating it).
+    """
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        *,
+        layer_range: tuple[int, int],
+        first: bool,
+        last: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_reduce: Reduce | None = None,
+        local_experts: Sequence[int] | None = None,
+        ep: ExpertDispatch | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        start, stop = layer_range
+        if not 0 <= start <= stop <= arch.num_layers:
+            raise InputError(
+                f"layer_range={layer_range} is outside the model's {arch.num_layers} layers"
+            )
+        if first and start != 0:
+            raise InputError(f"layer_range={layer_range}: the first stage must start at layer 0")
+        if last and stop != arch.num_layers:
+            raise InputError(
+                f"layer_range={layer_range}: the last stage must end at layer {arch.num_layers}"
+            )
+        self.arch, self.layer_range, self.first, self.last = arch, (start, stop), first, last
+        with torch.device(device) if device is not None else nullcontext():
+            self.rotary = RotaryEmbedding(arch.rope)
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size) if first else None
+            self.layers = nn.ModuleDict(
+                {
+                    str(i): DecoderLayer(
+                        arch,
+                        i,
+                        tp_rank=tp_rank,
+                        tp_size=tp_size,
+                        tp_reduce=tp_reduce,
+                        local_experts=local_experts,
+                        ep=ep,
+                    )
+                    for i in range(start, stop)
+                }
+            )
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if last else None
+            self.lm_head = (
+                nn.Linear(arch.hidden_size, arch.vocab_size, bias=False) if last else None
+            )
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: Sequence[int],
+        *,
+        capture: Capture = None,
+    ) -> torch.Tensor:
+        """inputs: token ids [T] int64 (first stage) or hidden states [T, H]; positions [T] int64;
+        seq_lens: lengths of the concatenated sequences (sum T). Returns logits [T, vocab] on the
+        last stage, else hidden states [T, H]."""
+        t = inputs.shape[0]
+        if sum(seq_lens) != t or positions.shape != (t,):
+            raise InputError(
+                f"seq_lens sum {sum(seq_lens)} and positions {tuple(positions.shape)} must match {t} tokens"
+            )
+        if self.first:
+            x = self.embed_tokens(inputs)
+            if capture is not None:
+                capture["model.embed_tokens"] = x
+        else:
+            x = inputs
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, seq_lens, capture)
+        if not self.last:
+            return x
+        x = self.norm(x)
+        logits = self.lm_head(x)
+        if capture is not None:
+            capture["model.norm"] = x
+            capture["lm_head"] = logits
+        return logits
+
+    def shares(self, names: Container[str]) -> list[Share]:
+        """Every checkpoint box this stage loads. `names`: the checkpoint's (logical) tensor names."""
+        a = self.arch
+        out: list[Share] = []
+        if self.first:
+            out.append(
+                full(
+                    "model.embed_tokens.weight",
+                    (a.vocab_size, a.hidden_size),
+                    "embed_tokens.weight",
+                )
+            )
+        for key, layer in self.layers.items():
+            out += [s.prefixed(f"layers.{key}.") for s in layer.shares(names)]
+        if self.last:
+            out.append(full("model.norm.weight", (a.hidden_size,), "norm.weight"))
+            head = "lm_head.weight"
+            if a.tie_word_embeddings and head not in names:
+                head = "model.embed_tokens.weight"
+            out.append(full(head, (a.vocab_size, a.hidden_size), "lm_head.weight"))
+        return out
+
+    def routing_counts(self) -> dict[int, torch.Tensor]:
+        """Layer index -> [num_experts] int64 tokens routed to each expert since the last reset."""
+        return {
+            layer.index: layer.mlp.routed_counts.clone()
+            for layer in self.layers.values()
+            if isinstance(layer.mlp, MoE)
+        }
+
+    def reset_routing_counts(self) -> None:
+        for layer in self.layers.values():
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.routed_counts.zero_()
+
+
+def positions_for(
+    seq_lens: Sequence[int], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Positions 0..L_i-1 of each sequence, concatenated: [sum L_i] int64."""
+    return torch.cat([torch.arange(n, device=device) for n in seq_lens])
