@@ -155,6 +155,6 @@ def open_tier(
         from cache_service.tiers.disk import DiskTier
 
         return DiskTier(url=url, name=name or "disk", namespace=namespace, policy=policy, **common)
-    from cache_service.tiers.redis import RedisTier
+    from cache_service.tiers.redis_tier import RedisTier
 
     return RedisTier(url=url, name=name or "redis", namespace=namespace, **common)

@@ -1,0 +1,444 @@
+"""Redis tier (standalone, TLS, ACL, Cluster): the shared tier other replicas see.
+
+Keys (everything of ours starts with `moe:kv` and carries the namespace `<deployment>:<fp hash>`;
+the only braces are the hash tag, the 32-hex run tag of the block = digest of the first block of
+its run of 64, so a run shares one cluster slot and runs spread over the nodes):
+
+    moe:kv:<ns>:{<run>}:<block hex>    the encoded block (raw bytes, optional TTL)
+    moe:kvidx:<ns>:{<run>}             sorted set: block hex -> last use (unix seconds)
+    moe:kvsz:<ns>:{<run>}              hash: block hex -> stored bytes
+    moe:kvruns:<ns>                    sorted set: run hex -> last use (eviction order of runs)
+    moe:kvmeta:<ns>                    hash: bytes, blocks (the tier's byte accounting)
+
+A put runs one Lua script per run (put-if-absent + index + per-run sizes, atomic), then one
+pipeline updates the namespace totals. When the total exceeds the tier's budget the tier evicts
+least recently used blocks of the least recently used runs (a Lua script per run), found through
+its own index: it never deletes a key outside its namespace, never scans the keyspace, never
+flushes, and does not rely on Redis's maxmemory. Evicted values are returned for demotion.
+Totals are updated after the per-run script, so a process killed between the two leaves the
+accounting off by that batch; expired (TTL) values stay accounted until eviction reaches them.
+
+URL query options: ttl_s (block TTL, default none), timeout_s (socket timeouts, 1.0),
+retries (2, exponential backoff from 10 ms), breaker_failures (3), breaker_cooldown_s (2.0),
+max_connections (32), cluster=1 (same as the redis+cluster:// scheme; one seed host:port, the
+client discovers the other nodes). Eviction on this tier is LRU whatever the cache's policy:
+attention mass lives in the engine process and is not shared across replicas.
+
+Faults (connection refused, timeouts, cluster errors) never reach the caller: reads miss, writes
+are skipped, the fault is counted (moe_kv_tier_errors_total) and a circuit breaker marks the tier
+unavailable after `breaker_failures` consecutive faults; after the cool-down one call probes and,
+if it succeeds, the tier is available again (the client reconnects by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from cache_service.block_key import BlockKey
+from cache_service.circuit_breaker import CircuitBreaker
+from cache_service.errors import CacheConfigError
+from cache_service.metrics import CacheMetrics
+from cache_service.namespace import CacheNamespace
+from cache_service.tiers import redis_scripts
+from cache_service.tiers.base import PutResult, Tier, redact
+
+log = logging.getLogger(__name__)
+
+PASSWORD_ENV = "MOE_CACHE_REDIS_PASSWORD"
+_OPTIONS = {
+    "ttl_s": float,
+    "timeout_s": float,
+    "retries": int,
+    "breaker_failures": int,
+    "breaker_cooldown_s": float,
+    "max_connections": int,
+    "cluster": int,
+}
+_FAULTS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+_EVICT_ROUNDS = 64
+
+
+class RedisTier(Tier):
+    """Blocks in Redis under a namespace, with its own byte budget, LRU index and breaker."""
+
+    kind = "redis"
+    shared = True
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        name: str,
+        capacity_bytes: int,
+        namespace: CacheNamespace,
+        metrics: CacheMetrics | None,
+    ) -> None:
+        super().__init__(name=name, capacity_bytes=capacity_bytes, metrics=metrics)
+        self.url = url
+        self._connect_url, self.cluster, options = _parse_url(url)
+        self.ttl_ms = int(options.get("ttl_s", 0) * 1000)
+        self._timeout = options.get("timeout_s", 1.0)
+        self._retries = options.get("retries", 2)
+        self._max_connections = options.get("max_connections", 32)
+        ns = namespace.prefix
+        self._ns = ns
+        self._meta = f"moe:kvmeta:{ns}"
+        self._runs = f"moe:kvruns:{ns}"
+        self._breaker = CircuitBreaker(
+            failure_threshold=options.get("breaker_failures", 3),
+            cooldown_s=options.get("breaker_cooldown_s", 2.0),
+            on_change=self._availability_changed,
+        )
+        self._client_lock = threading.Lock()
+        self._client: Any = None
+        self._scripts: dict[str, str] = {}
+        self._last_totals = (0, 0)
+        self._connect_at_start()
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def _connect_at_start(self) -> None:
+        """Bad credentials are a config error; an unreachable server only marks us unavailable."""
+        try:
+            self._get_client().ping()
+        except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+            self.close()
+            raise CacheConfigError(
+                f"Redis at {redact(self.url)} rejected the credentials: {exc}"
+            ) from None
+        except redis.exceptions.ResponseError as exc:
+            if "WRONGPASS" in str(exc) or "NOAUTH" in str(exc) or "NOPERM" in str(exc):
+                self.close()
+                raise CacheConfigError(
+                    f"Redis at {redact(self.url)} rejected the credentials: {exc}"
+                ) from None
+            raise
+        except _FAULTS as exc:
+            log.warning(
+                "Redis tier %s unreachable at start (%s); serving without it", redact(self.url), exc
+            )
+            self.metrics.errors.labels(tier=self.name).inc()
+            self._breaker.trip()
+
+    def _get_client(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._new_client()
+                self._scripts = {}
+            return self._client
+
+    def _new_client(self) -> Any:
+        common = {
+            "socket_timeout": self._timeout,
+            "socket_connect_timeout": self._timeout,
+            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), self._retries),
+            "decode_responses": False,
+        }
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(
+                self._connect_url, max_connections=self._max_connections, **common
+            )
+        pool = redis.BlockingConnectionPool.from_url(
+            self._connect_url,
+            max_connections=self._max_connections,
+            timeout=self._timeout,
+            **common,
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _drop_client(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*_FAULTS):
+                client.close()
+
+    def _availability_changed(self, up: bool) -> None:
+        self.metrics.available.labels(tier=self.name).set(1 if up else 0)
+        log.warning(
+            "Redis tier %s is %s", redact(self.url), "available again" if up else "unavailable"
+        )
+
+    def available(self) -> bool:
+        return not self._breaker.is_open
+
+    def _call(self, op: str, work: Callable[[Any], Any], fallback: Any) -> Any:
+        """Run `work(client)` through the breaker; a fault becomes `fallback` and a metric."""
+        if not self._breaker.allow():
+            return fallback
+        started = time.perf_counter()
+        try:
+            client = self._get_client()
+            try:
+                result = work(client)
+            except redis.exceptions.NoScriptError:
+                self._scripts = {}
+                result = work(client)
+        except _FAULTS as exc:
+            self.metrics.errors.labels(tier=self.name).inc()
+            log.debug("Redis tier %s: %s failed: %s", redact(self.url), op, exc)
+            if isinstance(
+                exc, redis.exceptions.RedisClusterException | redis.exceptions.ClusterError
+            ):
+                self._drop_client()
+            self._breaker.failure()
+            return fallback
+        self._breaker.success()
+        self.metrics.latency.labels(tier=self.name, op=op).observe(time.perf_counter() - started)
+        return result
+
+    def _sha(self, client: Any, name: str) -> str:
+        sha = self._scripts.get(name)
+        if sha is None:
+            sha = client.script_load(getattr(redis_scripts, name))
+            sha = sha.decode() if isinstance(sha, bytes) else sha
+            self._scripts[name] = sha
+        return sha
+
+    # -- key layout ----------------------------------------------------------------------------
+
+    def _tag(self, run: bytes) -> str:
+        return run.hex()
+
+    def _value_prefix(self, run: str) -> str:
+        return f"moe:kv:{self._ns}:{{{run}}}:"
+
+    def _index_keys(self, run: str) -> tuple[str, str]:
+        return f"moe:kvidx:{self._ns}:{{{run}}}", f"moe:kvsz:{self._ns}:{{{run}}}"
+
+    def value_key(self, key: BlockKey) -> str:
+        return self._value_prefix(self._tag(key.run_tag)) + key.hex
+
+    def _by_run(self, keys: Sequence[BlockKey]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(self._tag(key.run_tag), []).append(i)
+        return groups
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        keys = list(keys)
+        if not keys:
+            return []
+        groups = self._by_run(keys)
+
+        def work(client: Any) -> list[bytes | None]:
+            now = time.time()
+            pipe = client.pipeline(transaction=False)
+            for run, idx in groups.items():
+                for i in idx:
+                    pipe.execute_command("GET", self.value_key(keys[i]))
+                scored = [part for i in idx for part in (now, keys[i].hex)]
+                pipe.execute_command("ZADD", self._index_keys(run)[0], "XX", *scored)
+                pipe.execute_command("ZADD", self._runs, "XX", now, run)
+            replies = pipe.execute()
+            out: list[bytes | None] = [None] * len(keys)
+            pos = 0
+            for idx in groups.values():
+                for i in idx:
+                    out[i] = replies[pos]
+                    pos += 1
+                pos += 2
+            return out
+
+        return self._call("get", work, [None] * len(keys))
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        keys = list(keys)
+        if not keys:
+            return []
+
+        def work(client: Any) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.execute_command("EXISTS", self.value_key(key))
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call("contains", work, [False] * len(keys))
+
+    def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> PutResult:
+        items = list(items)
+        if not items:
+            return PutResult(stored=[])
+        groups = self._by_run([key for key, _ in items])
+
+        def work(client: Any) -> list[bool]:
+            # Step 1: one put script per run (value + run index + run sizes, atomic).
+            sha = self._sha(client, "PUT")
+            now = time.time()
+            pipe = client.pipeline(transaction=False)
+            for run, idx in groups.items():
+                index, sizes = self._index_keys(run)
+                value_keys = [self.value_key(items[i][0]) for i in idx]
+                argv: list[Any] = [self.ttl_ms, now]
+                for i in idx:
+                    argv += [items[i][0].hex, items[i][1]]
+                pipe.execute_command("EVALSHA", sha, 2 + len(idx), index, sizes, *value_keys, *argv)
+            replies = pipe.execute()
+            # Step 2: namespace totals and run recency.
+            stored = [False] * len(items)
+            added_bytes = added_blocks = 0
+            totals = client.pipeline(transaction=False)
+            for (run, idx), reply in zip(groups.items(), replies, strict=True):
+                added_bytes += int(reply[0])
+                added_blocks += int(reply[1])
+                for i, flag in zip(idx, reply[2:], strict=True):
+                    stored[i] = bool(flag)
+                totals.execute_command("ZADD", self._runs, now, run)
+            totals.execute_command("HINCRBY", self._meta, "bytes", added_bytes)
+            totals.execute_command("HINCRBY", self._meta, "blocks", added_blocks)
+            answers = totals.execute()
+            self._last_totals = (int(answers[-2]), int(answers[-1]))
+            self.metrics.bytes_written.labels(tier=self.name).inc(
+                sum(len(items[i][1]) for i, s in enumerate(stored) if s)
+            )
+            return stored
+
+        stored = self._call("put", work, None)
+        if stored is None:
+            return PutResult(stored=[False] * len(items))
+        evicted = self._enforce_budget() if self._last_totals[0] > self.capacity_bytes else []
+        return PutResult(stored=stored, evicted=evicted)
+
+    def _enforce_budget(self) -> list[tuple[BlockKey, bytes]]:
+        """Evict LRU blocks of the LRU runs until the namespace total fits the budget."""
+
+        def work(client: Any) -> list[tuple[BlockKey, bytes]]:
+            sha = self._sha(client, "EVICT_LRU")
+            out: list[tuple[BlockKey, bytes]] = []
+            used = int(client.hget(self._meta, "bytes") or 0)
+            for _ in range(_EVICT_ROUNDS):
+                over = used - self.capacity_bytes
+                if over <= 0:
+                    break
+                oldest = client.zrange(self._runs, 0, 0)
+                if not oldest:
+                    break
+                run = oldest[0].decode()
+                index, sizes = self._index_keys(run)
+                freed, count, left, pairs = client.execute_command(
+                    "EVALSHA", sha, 2, index, sizes, over, self._value_prefix(run), 1
+                )
+                pipe = client.pipeline(transaction=False)
+                pipe.execute_command("HINCRBY", self._meta, "bytes", -int(freed))
+                pipe.execute_command("HINCRBY", self._meta, "blocks", -int(count))
+                if int(left) == 0:
+                    pipe.execute_command("ZREM", self._runs, run)
+                used, blocks = (int(v) for v in pipe.execute()[:2])
+                self._last_totals = (used, blocks)
+                run_bytes = bytes.fromhex(run)
+                for member, value in zip(pairs[::2], pairs[1::2], strict=True):
+                    key = BlockKey(digest=bytes.fromhex(member.decode()), run=run_bytes)
+                    out.append((key, value))
+                self.metrics.evictions.labels(tier=self.name).inc(int(count))
+            return out
+
+        return self._call("evict", work, [])
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        keys = list(keys)
+        if not keys:
+            return 0
+        groups = self._by_run(keys)
+
+        def work(client: Any) -> int:
+            sha = self._sha(client, "DELETE")
+            pipe = client.pipeline(transaction=False)
+            for run, idx in groups.items():
+                index, sizes = self._index_keys(run)
+                members = [keys[i].hex for i in idx]
+                pipe.execute_command(
+                    "EVALSHA", sha, 2, index, sizes, self._value_prefix(run), *members
+                )
+            replies = pipe.execute()
+            totals = client.pipeline(transaction=False)
+            freed = sum(int(r[0]) for r in replies)
+            count = sum(int(r[1]) for r in replies)
+            totals.execute_command("HINCRBY", self._meta, "bytes", -freed)
+            totals.execute_command("HINCRBY", self._meta, "blocks", -count)
+            for run, reply in zip(groups, replies, strict=True):
+                if int(reply[3]) == 0:
+                    totals.execute_command("ZREM", self._runs, run)
+            answers = totals.execute()
+            self._last_totals = (int(answers[0]), int(answers[1]))
+            return sum(int(r[2]) for r in replies)
+
+        return self._call("delete", work, 0)
+
+    def _totals(self) -> tuple[int, int]:
+        def work(client: Any) -> tuple[int, int]:
+            used, blocks = client.hmget(self._meta, ["bytes", "blocks"])
+            self._last_totals = (int(used or 0), int(blocks or 0))
+            return self._last_totals
+
+        return self._call("stats", work, self._last_totals)
+
+    def used_bytes(self) -> int:
+        used = self._totals()[0]
+        self.metrics.used_bytes.labels(tier=self.name).set(used)
+        return used
+
+    def block_count(self) -> int:
+        return self._totals()[1]
+
+    def describe(self) -> str:
+        return redact(self.url)
+
+    def close(self) -> None:
+        self._drop_client()
+
+
+def _parse_url(url: str) -> tuple[str, bool, dict[str, Any]]:
+    """Split our options off the URL; returns (URL for redis-py, cluster?, options)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    cluster = scheme.endswith("+cluster")
+    base_scheme = scheme.removesuffix("+cluster")
+    if not parts.hostname:
+        raise CacheConfigError(f"tier URL {redact(url)!r} names no host")
+    try:
+        parts.port  # noqa: B018 - validates the port
+    except ValueError:
+        raise CacheConfigError(f"tier URL {redact(url)!r} has an invalid port") from None
+    options: dict[str, Any] = {}
+    passthrough = []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in _OPTIONS:
+            try:
+                options[name] = _OPTIONS[name](value)
+            except ValueError:
+                raise CacheConfigError(
+                    f"tier URL {redact(url)!r}: {name}={value!r} is not a {_OPTIONS[name].__name__}"
+                ) from None
+            if options[name] < 0:
+                raise CacheConfigError(f"tier URL {redact(url)!r}: {name}={value!r} must be >= 0")
+        else:
+            passthrough.append((name, value))
+    cluster = cluster or bool(options.get("cluster"))
+    netloc = parts.netloc
+    if parts.username and parts.password is None and os.environ.get(PASSWORD_ENV):
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{parts.username}:{quote(os.environ[PASSWORD_ENV], safe='')}@{host}"
+    path = parts.path
+    if cluster and path not in ("", "/", "/0"):
+        raise CacheConfigError(f"tier URL {redact(url)!r}: Redis Cluster has only database 0")
+    if cluster:
+        path = ""
+    connect = parts._replace(
+        scheme=base_scheme, netloc=netloc, path=path, query=urlencode(passthrough)
+    )
+    return connect.geturl(), cluster, options
