@@ -212,6 +212,28 @@ def load_stage_model(
     return model, load_stage(model, index, rank=rank)
 
 
+def read_tensor(
+    index: CheckpointIndex,
+    name: str,
+    box: tuple[tuple[int, int], ...] | None = None,
+    log: ReadLog | None = None,
+) -> torch.Tensor:
+    """One logical tensor (or a box of it), dequantised; for validators and tools."""
+    if name not in index:
+        raise InputError(f"checkpoint {index.directory} has no tensor {name}")
+    box = box if box is not None else tuple((0, n) for n in index.logical_shape(name))
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def handle(n: str) -> Any:
+            path = index.entries[n].file
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path]
+
+        return _read_box(index, name, box, handle, log if log is not None else ReadLog())
+
+
 def _read_box(
     index: CheckpointIndex, name: str, box: tuple[tuple[int, int], ...], handle: Any, log: ReadLog
 ) -> torch.Tensor:
