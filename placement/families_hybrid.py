@@ -73,6 +73,8 @@ def kimi_linear_family(f: ConfigFields, family: str) -> Decoder:
             LayerSpec(index=i, attention=attn, ffn=ffn, tensors=tuple(t + ft + _norms(p, c.hidden)))
         )
     feats = _features(f)
+    if f.bool("mla_use_nope", default=False):
+        feats.add("mla_nope")
     if c.activation not in ("silu", "swish"):
         feats.add(f"activation_{c.activation}")
     return Decoder(
