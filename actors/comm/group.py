@@ -1,0 +1,278 @@
+"""One process group of one parallel axis: its ranks, a timeout, an abort switch.
+
+Every collective of `actors/comm` goes through `Group.wait`, so a dead or absent peer turns into
+`CollectiveTimeout` after `timeout_s` and a control call (`abort`) turns a blocked step into
+`CommAborted` at once, instead of hanging the worker. A group of one rank has no process group
+(`pg is None`) and the axis modules return at once.
+
+The world itself is built by `init_world` from a `Rendezvous` handed out by the driver: a fresh
+TCP store address and world id at every (re)build, so ranks of an old world can never join a new
+one.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A collective did not complete; the world must be rebuilt with a fresh rendezvous."""
+
+
+class CollectiveTimeout(CommError):
+    """A peer did not arrive within the group's timeout (dead, hung or absent)."""
+
+
+class CommAborted(CommError):
+    """A control call aborted the worker while it waited on a collective."""
+
+
+def free_tcp_address(host: str = "127.0.0.1") -> str:
+    """`tcp://host:port` with a port the OS just reported free (bound and released)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rendezvous:
+    """Where the ranks of one world meet; a fresh one for every (re)build."""
+
+    address: str
+    """`tcp://host:port` of the TCP store that rank 0 hosts."""
+    world_id: str
+    """Prefix of every store key, unique per build."""
+    backend: str = "gloo"
+    """"gloo" (CPU) or "nccl" (CUDA)."""
+    timeout_s: float = 60.0
+    """Seconds a rendezvous or collective may wait for its peers."""
+
+    @classmethod
+    def fresh(
+        cls, *, backend: str = "gloo", host: str = "127.0.0.1", timeout_s: float = 60.0
+    ) -> Rendezvous:
+        """A new address on a free port of `host` and a new world id."""
+        return cls(
+            address=free_tcp_address(host),
+            world_id=uuid.uuid4().hex[:12],
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.removeprefix("tcp://").rpartition(":")
+        return host, int(port)
+
+
+@dataclass(eq=False, kw_only=True)
+class Group:
+    """Ranks of one axis group seen from one member.
+
+    `ranks` are global ranks of the world; `index` is this member's position in them (the rank
+    an axis module uses as `tp_rank`, `ep_rank`, stage). `pg` is None when the group has one rank.
+    """
+
+    axis: str
+    ranks: tuple[int, ...]
+    index: int
+    pg: dist.ProcessGroup | None
+    timeout_s: float = 60.0
+    backend: str = "gloo"
+    aborted: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def single(cls, axis: str, rank: int = 0) -> Group:
+        """The world-size-1 group: every collective returns its input."""
+        return cls(axis=axis, ranks=(rank,), index=0, pg=None)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def wait(self, work, what: str, *, p2p: bool = False) -> None:
+        """Block until `work` completes; raise on timeout, abort, or a peer's failure.
+
+        gloo runs collectives on its own threads and reports completion through
+        `is_completed`, so polling it keeps this thread free to notice an abort. gloo's
+        point-to-point works only complete inside `wait`, so `p2p=True` waits on a helper
+        thread instead. NCCL's `wait` only orders the CUDA stream; its watchdog enforces the
+        process-group timeout and `abort` tears the communicator down.
+        """
+        if work is None:
+            return
+        if self.backend == "nccl":
+            work.wait()
+            return
+        if p2p:
+            self._wait_on_thread(work, what)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        delay = 1e-5
+        while not work.is_completed():
+            self._check(what, deadline)
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise CommError(f"{what} on {self.axis} group {self.ranks} failed: {exc}") from exc
+
+    def _check(self, what: str, deadline: float) -> None:
+        if self.aborted.is_set():
+            raise CommAborted(f"{what} on {self.axis} group {self.ranks} aborted")
+        if time.monotonic() > deadline:
+            raise CollectiveTimeout(
+                f"{what} on {self.axis} group {self.ranks} (rank {self.ranks[self.index]}) "
+                f"did not complete within {self.timeout_s:g} s"
+            )
+
+    def _wait_on_thread(self, work, what: str) -> None:
+        done = threading.Event()
+        failure: list[RuntimeError] = []
+
+        def waiter() -> None:
+            try:
+                work.wait(timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=waiter, name=f"wait-{what}", daemon=True).start()
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(0.02):
+            self._check(what, deadline + 1.0)
+        if failure:
+            if "imed out" in str(failure[0]):
+                raise CollectiveTimeout(
+                    f"{what} on {self.axis} group {self.ranks} (rank {self.ranks[self.index]}) "
+                    f"did not complete within {self.timeout_s:g} s"
+                ) from failure[0]
+            raise CommError(f"{what} on {self.axis} group {self.ranks} failed: {failure[0]}")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the group, in place; returns it."""
+        if self.pg is None:
+            return tensor
+        self.wait(dist.all_reduce(tensor, group=self.pg, async_op=True), "all_reduce")
+        return tensor
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> torch.Tensor:
+        """`all_to_all_single` with per-rank row counts along dim 0; returns `output`."""
+        if self.pg is None:
+            output.copy_(tensor)
+            return output
+        work = dist.all_to_all_single(
+            output, tensor, output_splits, input_splits, group=self.pg, async_op=True
+        )
+        self.wait(work, "all_to_all")
+        return output
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's `tensor` (same shape everywhere), in group order."""
+        if self.pg is None:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in self.ranks]
+        self.wait(dist.all_gather(out, tensor, group=self.pg, async_op=True), "all_gather")
+        return out
+
+    def isend(self, tensor: torch.Tensor, dst_index: int, tag: int = 0):
+        """Start sending `tensor` to group member `dst_index`; returns the work to `wait`."""
+        return dist.isend(tensor, group=self.pg, group_dst=dst_index, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src_index: int, tag: int = 0):
+        """Start receiving into `tensor` from group member `src_index`; returns the work."""
+        return dist.irecv(tensor, group=self.pg, group_src=src_index, tag=tag)
+
+    def barrier(self) -> None:
+        """Wait until every member arrives (an all-reduce of one element)."""
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def init_world(
+    rendezvous: Rendezvous, *, rank: int, world_size: int, aborted: threading.Event | None = None
+) -> Group:
+    """Join the world of `rendezvous` as `rank`; returns the world group.
+
+    Step 1: rank 0 hosts a TCP store at the rendezvous address; the others connect to it.
+    Step 2: every key lives under the world id, so a stale rank of an earlier build finds
+    nothing. Step 3: the default process group is built over that store with the timeout.
+    """
+    aborted = aborted or threading.Event()
+    if world_size == 1:
+        return Group(axis="world", ranks=(0,), index=0, pg=None, aborted=aborted)
+    timeout = timedelta(seconds=rendezvous.timeout_s)
+    host, port = rendezvous.host_port
+    store = dist.TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    prefixed = dist.PrefixStore(f"moe/{rendezvous.world_id}/", store)
+    dist.init_process_group(
+        rendezvous.backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
+    )
+    return Group(
+        axis="world",
+        ranks=tuple(range(world_size)),
+        index=rank,
+        pg=dist.group.WORLD,
+        timeout_s=rendezvous.timeout_s,
+        backend=rendezvous.backend,
+        aborted=aborted,
+    )
+
+
+def new_axis_group(
+    world: Group, axis: str, groups: tuple[tuple[int, ...], ...], rank: int
+) -> Group:
+    """The group of `axis` containing `rank`; every rank must call this with the same `groups`.
+
+    torch.distributed requires every member of the world to take part in creating every
+    subgroup, in the same order; groups of one rank get no process group.
+    """
+    mine: Group | None = None
+    for ranks in groups:
+        pg = None
+        if len(ranks) > 1 and world.pg is not None:
+            pg = dist.new_group(
+                list(ranks), timeout=timedelta(seconds=world.timeout_s), backend=world.backend
+            )
+        if rank in ranks:
+            mine = Group(
+                axis=axis,
+                ranks=ranks,
+                index=ranks.index(rank),
+                pg=pg,
+                timeout_s=world.timeout_s,
+                backend=world.backend,
+                aborted=world.aborted,
+            )
+    if mine is None:
+        raise ValueError(f"rank {rank} is in no {axis} group of {groups}")
+    return mine
+
+
+def destroy_world() -> None:
+    """Tear down the default process group and its subgroups (no-op when none exists)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
