@@ -49,6 +49,9 @@ class EvictionPolicy(ABC):
     def record_attention(self, key: BlockKey, mass: float) -> None:  # noqa: B027 - optional hook
         """Add attention mass to a block (ignored by policies that do not use it)."""
 
+    def note(self, key: BlockKey) -> None:  # noqa: B027 - optional hook
+        """A block is about to be stored (called before victims are chosen for it)."""
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used first."""
@@ -101,6 +104,10 @@ class AttentionPolicy(EvictionPolicy):
 
     def admit(self, key: BlockKey, size: int) -> None:
         self._entries[key] = _Entry(key=key, size=size, mass=0.0, tick=next(self._clock))
+        self.note(key)
+
+    def note(self, key: BlockKey) -> None:
+        """Move the sequence's recent window forward to this block's position."""
         if key.position >= 0:
             root = key.root_tag
             self._last_position[root] = max(self._last_position.get(root, -1), key.position)

@@ -15,7 +15,7 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
         eviction="lru",               # or "attention" (sink_blocks=4, window_blocks=16 kwargs)
     )
     cache.put(key, block) -> bool                 # block = encode_block(...) bytes for this key;
-                                                  #   False if it already existed (put-if-absent)
+                                                  #   False if the tier(s) written already held it
     cache.put_many([(key, block), ...]) -> list[bool]
     cache.get(key) -> bytes | None                # None = miss; verified (header key + checksum)
     cache.get_many(keys) -> list[bytes | None]
@@ -33,7 +33,8 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
 Semantics:
   - `put` validates the block (header key == key, checksum) and raises InvalidBlock otherwise.
     It writes to the top tier, and with write_through also to every shared tier; the return value
-    is True when any of those tiers newly stored it. Blocks a tier evicts (or cannot fit: attention
+    is True when any of those tiers newly stored it (put-if-absent per tier, atomic in Redis and
+    on disk; lower tiers are not consulted, so a block held only further down is re-stored). Blocks a tier evicts (or cannot fit: attention
     sinks and windows are protected) are demoted to the next tier down, recursively.
   - `get` tries the tiers in order; the first verified copy wins and is promoted into the top
     tier. A copy that fails verification is a miss for that tier (metric

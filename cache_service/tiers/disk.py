@@ -107,6 +107,7 @@ class DiskTier(Tier):
                     stored.append(False)
                     continue
                 need = self._used + size - self.capacity_bytes
+                self._policy.note(key)
                 if need > 0:
                     evicted.extend(self._evict_locked(need))
                 if self._used + size > self.capacity_bytes:

@@ -64,6 +64,7 @@ class MemoryTier(Tier):
                     continue
                 # Step 1: make room (the policy may refuse: sinks and windows are protected).
                 need = self._used + size - self.capacity_bytes
+                self._policy.note(key)
                 if need > 0:
                     evicted.extend(self._evict_locked(need))
                 if self._used + size > self.capacity_bytes:

@@ -6,6 +6,7 @@ server binds 127.0.0.1 on a free port, keeps no data on disk and is stopped by i
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import socket
@@ -192,10 +193,8 @@ class TcpProxy:
             pass
         finally:
             for sock in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 sock.close()
 
     def cut(self) -> None:
@@ -203,10 +202,8 @@ class TcpProxy:
         with self._lock:
             conns, self._conns = self._conns, []
         for sock in conns:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             sock.close()
 
     def restore(self) -> None:

@@ -73,7 +73,7 @@ def test_key_is_keyed_blake2b_128_and_deterministic_across_processes():
 
 def test_prefix_keys_chain_and_equal_prefixes_share_blocks():
     common = dict((k, v) for k, v in BASE.items() if k not in ("parent", "token_ids"))
-    tokens_a = list(range(16 * 70)) + [1, 2, 3]  # trailing partial block gets no key
+    tokens_a = [*range(16 * 70), 1, 2, 3]  # trailing partial block gets no key
     tokens_b = list(range(16 * 40)) + [5] * (16 * 10)
     a = prefix_block_keys(**common, token_ids=tokens_a)
     b = prefix_block_keys(**common, token_ids=tokens_b)
