@@ -134,7 +134,7 @@ def gqa_family(f: ConfigFields, family: str) -> Decoder:
     use_sliding = f.bool("use_sliding_window", default=family in ("mistral", "mixtral", "llama"))
     max_window_layers = f.int("max_window_layers", default=0)
     qwen = family.startswith("qwen")
-    bias = f.bool("attention_bias", default=False)
+    bias = f.bool("attention_bias", default=family == "gpt_oss")
     qkv_bias = f.bool("qkv_bias", default=True) if family == "qwen2_moe" else bias
     if family == "qwen2":
         qkv_bias = True
