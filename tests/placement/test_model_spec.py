@@ -269,7 +269,6 @@ def test_fp8_block_bytes_match_a_count_over_transformers_tensors(tmp_path):
         quantization_config={"quant_method": "fp8", "weight_block_size": [block, block]},
     )
     spec = load_model_spec(write_config(tmp_path, config))
-    _, _, _ = reference_counts(config)
     cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "quantization_config"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
