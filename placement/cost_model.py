@@ -1,0 +1,454 @@
+"""The cost model: predicted prefill and decode step times of one replica under a parallel layout.
+
+Every efficiency constant and nominal number the planner uses lives in `Constants` below, with its
+meaning; nothing else in `placement/` hard-codes one. The model, per pipeline stage and per layer:
+
+- compute: FLOPs of the rank / (peak bf16 FLOP/s x mfu). Attention and dense MLP FLOPs of a
+  rank's own sequences are split over `tp`; routed-expert FLOPs of all the stage's tokens are split
+  over the `dp x tp` ranks of the stage (times an imbalance factor).
+- memory-bound decode: bytes the rank reads (its weights, the experts the batch touches, its KV
+  and linear-attention state) / (HBM bandwidth x efficiency). A layer takes max(compute, memory).
+- communication, not overlapped: TP all-reduce (ring, 2 (t-1)/t of the bytes) twice per layer;
+  EP all-to-all dispatch + combine per MoE layer, with the bytes for ranks in the same NVLink
+  domain over NVLink and the rest over the network; PP send/recv of the hidden states between
+  stages. Bandwidths come from the Topology (measured where it has them, else nominal) x link
+  efficiency, plus the link latency per message.
+- pipeline: m micro-batches through p stages take (m + p - 1) slowest-stage micro-steps; the
+  bubble is (p - 1) / (m + p - 1).
+
+Units: bytes, FLOPs, seconds inside; the `Estimate` reports milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constants:
+    """Efficiency factors and nominal sizes (the one place they are stated)."""
+
+    prefill_mfu: float = 0.5
+    """Fraction of the device's peak dense bf16 FLOP/s that prefill GEMMs reach (large batches)."""
+    decode_mfu: float = 0.4
+    """The same fraction for decode GEMMs (small, skinny matrices)."""
+    hbm_efficiency: float = 0.8
+    """Fraction of nominal HBM bandwidth a memory-bound decode kernel reaches."""
+    link_efficiency: float = 0.8
+    """NCCL bus bandwidth / link bandwidth for large messages (NVLink, PCIe and InfiniBand)."""
+    act_bytes: int = 2
+    """Bytes per activation element (bf16 hidden states, TP all-reduce payload, PP send/recv)."""
+    dispatch_bytes: int = 2
+    """Bytes per element of a token sent in the EP all-to-all (bf16; fp8 dispatch would be 1)."""
+    logits_bytes: int = 4
+    """Bytes per logit (fp32) in the staging buffer of the last stage."""
+    expert_imbalance: float = 1.0
+    """Max / mean expert-rank load assumed by the cost model (1.0: after rebalancing)."""
+    usable_hbm_fraction: float = 0.92
+    """Share of HBM the plan may hand out; the rest absorbs allocator fragmentation."""
+    reserved_bytes: int = 2 * GiB
+    """Per device: CUDA context, cuBLAS/NCCL internal state and the framework runtime."""
+    gemm_workspace_bytes: int = 64 * MiB
+    """cuBLAS / grouped-GEMM workspace per device."""
+    attention_workspace_bytes: int = 256 * MiB
+    """Attention kernel workspace (split-KV partial results, metadata) per device."""
+    nccl_buffer_bytes: int = 64 * MiB
+    """Communication buffers per process group a rank belongs to (NCCL_BUFFSIZE 4 MiB x 16 channels)."""
+    prefill_chunk_tokens: int = 8192
+    """Chunked prefill: tokens per micro-batch per data-parallel rank (sizes activation staging)."""
+    hidden_buffers: int = 6
+    """Hidden-sized activation buffers alive at once inside a layer (residual, normed input,
+    attention output, q/k/v staging, MoE combine output, a spare), reused by every layer."""
+    kv_block_tokens: int = 16
+    """KV-cache block size in tokens; the KV region is handed out in whole blocks."""
+
+
+DEFAULT_CONSTANTS = Constants()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCosts:
+    """The numbers the planner needs from a ModelSpec, per decoder layer (length-L tuples).
+
+    Byte counts are stored bytes (quantization and scales included); FLOPs are per token.
+    """
+
+    name: str
+    """Model name for messages."""
+    hidden_size: int
+    """Width of the residual stream (bytes moved per token per hop = hidden x act_bytes)."""
+    vocab_size: int
+    """Vocabulary size (lm_head FLOPs and logits staging)."""
+    max_context: int
+    """Longest context the model supports (max_position_embeddings)."""
+    num_heads: int
+    """Attention (query) heads, the TP split unit."""
+    num_kv_heads: int
+    """KV heads of the GQA layers (num_heads when there are none)."""
+    num_experts: int
+    """Routed experts per MoE layer (0: dense model)."""
+    top_k: int
+    """Experts per token."""
+    n_group: int
+    """Expert groups of a group-limited router (1 without)."""
+    expert_hidden: int
+    """Width of the tokens the routed experts receive (hidden, or a smaller latent)."""
+    is_moe: tuple[bool, ...]
+    """[L] layer has routed experts."""
+    tp_bytes: tuple[int, ...]
+    """[L] weight bytes split over TP ranks (attention, dense MLP, shared experts, latent proj)."""
+    replicated_bytes: tuple[int, ...]
+    """[L] weight bytes every rank keeps whole (norms, router)."""
+    expert_bytes: tuple[int, ...]
+    """[L] bytes of ONE routed expert (0 in dense layers)."""
+    dense_flops: tuple[float, ...]
+    """[L] FLOPs per token outside the routed experts and the attention scores (split over TP)."""
+    expert_flops: tuple[float, ...]
+    """[L] FLOPs per token of ONE routed expert; a token uses top_k of them."""
+    score_flops_per_ctx: tuple[float, ...]
+    """[L] attention-score FLOPs per token per attended context token (0 for linear attention)."""
+    score_flops_const: tuple[float, ...]
+    """[L] context-independent mixer FLOPs per token (linear-attention state products)."""
+    window: tuple[int, ...]
+    """[L] attended-token cap (sliding window / chunk); 0 = full context."""
+    kv_bytes_per_token: tuple[int, ...]
+    """[L] KV-cache bytes per token at the KV dtype (0 for linear attention)."""
+    kv_shards: tuple[int, ...]
+    """[L] units the KV splits into over TP (GQA: KV heads; MLA latent: 1, replicated)."""
+    state_bytes_per_seq: tuple[int, ...]
+    """[L] fixed recurrent state per sequence (linear attention), split over TP by heads."""
+    state_shards: tuple[int, ...]
+    """[L] heads the state splits over (1 when there is no state)."""
+    mlp_width: int
+    """Widest MLP intermediate a token passes through (dense or shared expert), for staging."""
+    embed_bytes: int
+    """Input embedding bytes (first stage, vocab-split over TP)."""
+    lm_head_bytes: int
+    """Output projection bytes (last stage, vocab-split over TP) plus the final norm."""
+    weight_dtypes: tuple[tuple[str, int], ...] = ()
+    """(dtype, total bytes) of the whole model's weights, e.g. (("bf16", ...), ("mxfp4", ...))."""
+    expert_dtype: str = "bf16"
+    """Stored dtype of the routed experts (for the per-region breakdown)."""
+    dense_dtype: str = "bf16"
+    """Stored dtype of everything else."""
+    _arrays: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        arrays = {
+            name: np.asarray(getattr(self, name), dtype=np.float64)
+            for name in (
+                "tp_bytes", "replicated_bytes", "expert_bytes", "dense_flops", "expert_flops",
+                "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token",
+                "kv_shards", "state_bytes_per_seq", "state_shards",
+            )
+        }  # fmt: skip
+        arrays["is_moe"] = np.asarray(self.is_moe, dtype=bool)
+        object.__setattr__(self, "_arrays", arrays)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.is_moe)
+
+    def array(self, name: str) -> np.ndarray:
+        """[L] the named per-layer field as float64 (read-only use)."""
+        return self._arrays[name]
+
+    @property
+    def total_weight_bytes(self) -> int:
+        experts = sum(b * self.num_experts for b in self.expert_bytes)
+        return (
+            sum(self.tp_bytes) + sum(self.replicated_bytes) + experts
+            + self.embed_bytes + self.lm_head_bytes
+        )  # fmt: skip
+
+
+def split_share(shards: np.ndarray, tp: int) -> np.ndarray:
+    """Fraction of a TP-split quantity one rank holds: 1/tp when `shards` >= tp, else 1/shards.
+
+    shards: [L] heads (or 1 for a replicated latent). A rank always holds at least one whole unit.
+    """
+    return 1.0 / np.minimum(np.maximum(shards, 1.0), tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """Bandwidth and latency each collective of one layout actually crosses (one direction)."""
+
+    tp_GBps: float
+    """Between the ranks of a TP group (inside one NVLink domain or one node)."""
+    tp_latency_us: float
+    ep_local: int
+    """Ranks of an EP group that share the sending rank's NVLink domain / node (itself included)."""
+    ep_local_GBps: float
+    """Bandwidth to those ranks."""
+    ep_remote_GBps: float
+    """Per-GPU bandwidth to EP ranks in other domains (the network); inf when none."""
+    ep_latency_us: float
+    pp_GBps: float
+    """Between consecutive pipeline stages (the slowest boundary)."""
+    pp_latency_us: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """The figures of one accelerator the model needs."""
+
+    peak_flops: float
+    """Dense bf16 FLOP/s."""
+    hbm_GBps: float
+    """HBM bandwidth, 10^9 B/s."""
+    hbm_bytes: int
+    """HBM capacity."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseTime:
+    """Predicted time of one phase (a prefill batch or one decode step) and where it goes."""
+
+    total_ms: float
+    compute_ms: float
+    """Sum over the slowest stage's layers of max(compute, memory), pipeline-scaled."""
+    memory_bound_ms: float
+    """Part of compute_ms where memory reads dominate."""
+    comm_ms: float
+    """TP + EP + PP communication on the critical path, pipeline-scaled."""
+    bubble: float
+    """Pipeline bubble fraction (p - 1) / (m + p - 1)."""
+    micro_batches: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """What one phase processes on one replica."""
+
+    sequences: int
+    """Sequences in the batch of the replica."""
+    new_tokens: int
+    """Tokens per sequence computed in this phase (isl for prefill, 1 for decode)."""
+    context: int
+    """Tokens each new token attends (average: isl / 2 in prefill, isl + osl / 2 in decode)."""
+    decode: bool
+
+
+def phase_time(
+    costs: ModelCosts,
+    *,
+    pp: int,
+    dp: int,
+    tp: int,
+    etp: int,
+    stage_starts: tuple[int, ...],
+    slots_per_rank: int,
+    links: Links,
+    device: Device,
+    step: Step,
+    constants: Constants = DEFAULT_CONSTANTS,
+) -> PhaseTime:
+    """Predict one phase for one layout. Shapes: per-layer arrays [L], reduced to stages [pp].
+
+    stage_starts: [pp] first layer of each stage (ascending, starting at 0).
+    """
+    c = constants
+    hidden = costs.hidden_size
+    seqs_per_dp = math.ceil(step.sequences / dp)
+    # Step 1: micro-batches. Prefill: chunks of prefill_chunk_tokens per dp rank; decode: as many
+    # as stages (each at least one sequence).
+    if step.decode:
+        m = max(1, min(pp, seqs_per_dp)) if pp > 1 else 1
+        tokens_dp = math.ceil(seqs_per_dp / m)
+        logits_tokens = tokens_dp
+    else:
+        total = seqs_per_dp * step.new_tokens
+        m = max(1, math.ceil(total / c.prefill_chunk_tokens))
+        tokens_dp = math.ceil(total / m)
+        logits_tokens = math.ceil(seqs_per_dp / m)
+    tokens_stage = tokens_dp * dp
+    mfu = c.decode_mfu if step.decode else c.prefill_mfu
+    flop_rate = device.peak_flops * mfu
+    hbm_rate = device.hbm_GBps * 1e9 * c.hbm_efficiency
+    # Step 2: per-layer compute on one rank.
+    ctx = float(step.context)
+    window = costs.array("window")
+    attended = np.where(window > 0, np.minimum(window, ctx), ctx)
+    score = costs.array("score_flops_const") + costs.array("score_flops_per_ctx") * attended
+    is_moe = costs.array("is_moe")
+    flops = tokens_dp * (costs.array("dense_flops") + score) / tp
+    ep_ranks = dp * tp
+    flops = flops + np.where(
+        is_moe,
+        tokens_stage * costs.top_k * costs.array("expert_flops") * c.expert_imbalance / ep_ranks,
+        0.0,
+    )
+    compute_s = flops / flop_rate
+    # Step 3: per-layer bytes read on one rank (weights once per micro-batch, KV and state).
+    touched = 1.0
+    if costs.num_experts:
+        touched = 1.0 - (1.0 - costs.top_k / costs.num_experts) ** tokens_stage
+    weights = (
+        costs.array("tp_bytes") / tp
+        + costs.array("replicated_bytes")
+        + np.minimum(slots_per_rank, costs.num_experts)
+        * costs.array("expert_bytes")
+        / etp
+        * touched
+    )
+    kv = costs.array("kv_bytes_per_token") * split_share(costs.array("kv_shards"), tp)
+    state = costs.array("state_bytes_per_seq") * split_share(costs.array("state_shards"), tp)
+    if step.decode:
+        reads = weights + tokens_dp * (attended * kv + 2 * state)
+    else:
+        reads = weights + tokens_dp * kv
+    memory_s = reads / hbm_rate
+    layer_s = np.maximum(compute_s, memory_s)
+    # Step 4: communication per layer.
+    comm_s = np.zeros(costs.num_layers)
+    if tp > 1:
+        nbytes = tokens_dp * hidden * c.act_bytes
+        bw = links.tp_GBps * 1e9 * c.link_efficiency
+        per = 2 * (tp - 1) / tp * nbytes / bw + 2 * (tp - 1) * links.tp_latency_us * 1e-6
+        comm_s += 2 * per
+    if costs.num_experts and ep_ranks > 1:
+        sent = math.ceil(tokens_dp / tp) * costs.top_k * costs.expert_hidden * c.dispatch_bytes
+        local = min(links.ep_local, ep_ranks)
+        local_bytes = sent * (local - 1) / ep_ranks
+        remote_bytes = sent * (ep_ranks - local) / ep_ranks
+        eff = c.link_efficiency * 1e9
+        t = max(
+            local_bytes / (links.ep_local_GBps * eff), remote_bytes / (links.ep_remote_GBps * eff)
+        )
+        comm_s += np.where(is_moe, 2 * (t + links.ep_latency_us * 1e-6), 0.0)
+    # Step 5: stage sums; the first stage embeds, the last applies the lm_head.
+    starts = np.asarray(stage_starts)
+    stage_layer = np.add.reduceat(layer_s, starts)
+    stage_mem = np.add.reduceat(np.where(memory_s > compute_s, layer_s, 0.0), starts)
+    stage_comm = np.add.reduceat(comm_s, starts)
+    head_flops = logits_tokens * 2.0 * hidden * costs.vocab_size / tp
+    head_s = max(head_flops / flop_rate, costs.lm_head_bytes / tp / hbm_rate)
+    stage_layer[-1] += head_s
+    if pp > 1:
+        send = tokens_dp * hidden * c.act_bytes / tp
+        stage_comm[:-1] += (
+            send / (links.pp_GBps * 1e9 * c.link_efficiency) + links.pp_latency_us * 1e-6
+        )
+    stage_total = stage_layer + stage_comm
+    slowest = int(np.argmax(stage_total))
+    # Step 6: the pipeline: (m + p - 1) micro-steps of the slowest stage.
+    scale = m + pp - 1
+    return PhaseTime(
+        total_ms=1e3 * scale * float(stage_total[slowest]),
+        compute_ms=1e3 * scale * float(stage_layer[slowest]),
+        memory_bound_ms=1e3 * scale * float(stage_mem[slowest]),
+        comm_ms=1e3 * scale * float(stage_comm[slowest]),
+        bubble=(pp - 1) / scale,
+        micro_batches=m,
+    )
+
+
+_DTYPE_LABEL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _quant_label(spec) -> str:
+    q = spec.quantization
+    if q.method in ("fp8", "fbgemm_fp8"):
+        return "fp8"
+    if q.method == "mxfp4" or (q.weight_bits == 4 and q.group_size == 32 and q.scale_bytes == 1):
+        return "mxfp4"
+    return f"int{q.weight_bits}" if q.method in ("gptq", "awq") else f"w{q.weight_bits}"
+
+
+def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
+    """The planner's per-layer numbers from a `placement.model_spec.ModelSpec`.
+
+    TP-split bytes: attention, dense MLP, shared experts, latent projections; replicated: norms,
+    router and buffers. Routed experts: stored bytes of one expert (quantization honoured).
+    """
+    kv_size = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}[kv_dtype]
+    plain = _DTYPE_LABEL.get(spec.weight_dtype, spec.weight_dtype)
+    quant = _quant_label(spec) if spec.quantization.active else plain
+    by_dtype: dict[str, int] = {}
+    fields: dict[str, list] = {k: [] for k in (
+        "is_moe", "tp_bytes", "replicated_bytes", "expert_bytes", "dense_flops", "expert_flops",
+        "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token", "kv_shards",
+        "state_bytes_per_seq", "state_shards",
+    )}  # fmt: skip
+    dense_labels: set[str] = set()
+    heads, kv_heads, mlp_width, expert_hidden, top_k, n_group, experts = 1, [], 0, 0, 0, 1, 0
+    for i, layer in enumerate(spec.layers):
+        att, ffn = layer.attention, layer.ffn
+        tp_b = rep_b = exp_b = 0
+        expert_matmul = 0
+        for t in layer.tensors:
+            nbytes = spec.tensor_bytes(t)
+            label = quant if spec.quantization.applies_to(t) else plain
+            by_dtype[label] = by_dtype.get(label, 0) + nbytes
+            if t.role == "experts":
+                exp_b += nbytes
+                if t.matmul and not t.buffer:
+                    expert_matmul += t.numel_per_copy
+            elif t.role in ("attention", "mlp", "shared", "latent") and not t.buffer:
+                tp_b += nbytes
+                dense_labels.add(label)
+            else:
+                rep_b += nbytes
+        fields["is_moe"].append(layer.is_moe)
+        fields["tp_bytes"].append(tp_b)
+        fields["replicated_bytes"].append(rep_b)
+        fields["expert_bytes"].append(spec.expert_weight_bytes(i) if layer.is_moe else 0)
+        fields["expert_flops"].append(2.0 * expert_matmul)
+        fields["dense_flops"].append(2.0 * (layer.active_matmul_params - ffn.top_k * expert_matmul))
+        if att.keeps_kv:
+            fields["score_flops_per_ctx"].append(float(att.score_flops(1)))
+            fields["score_flops_const"].append(0.0)
+            if att.kind != "mla":
+                kv_heads.append(att.num_kv_heads)
+        else:
+            fields["score_flops_per_ctx"].append(0.0)
+            fields["score_flops_const"].append(float(att.score_flops(1)))
+        fields["window"].append(att.window or 0)
+        fields["kv_bytes_per_token"].append(att.kv_elements_per_token * kv_size)
+        fields["kv_shards"].append(1 if att.kind == "mla" else max(att.num_kv_heads, 1))
+        state = att.state_elements * 4 + att.conv_state_elements * kv_size
+        fields["state_bytes_per_seq"].append(state)
+        fields["state_shards"].append(max(att.num_heads, 1) if state else 1)
+        heads = max(heads, att.num_heads)
+        mlp_width = max(mlp_width, ffn.intermediate_size, ffn.shared_intermediate_size)
+        if layer.is_moe:
+            experts = max(experts, ffn.num_experts)
+            top_k = max(top_k, ffn.top_k)
+            n_group = max(n_group, ffn.n_group)
+            expert_hidden = max(expert_hidden, ffn.expert_hidden_size or spec.hidden_size)
+    embed = lm_head = 0
+    for t in spec.top_level:
+        nbytes = spec.tensor_bytes(t)
+        by_dtype[plain] = by_dtype.get(plain, 0) + nbytes
+        if t.role == "embedding":
+            embed += nbytes
+        else:
+            lm_head += nbytes
+    if spec.tie_word_embeddings:
+        lm_head += embed
+    return ModelCosts(
+        name=spec.source,
+        hidden_size=spec.hidden_size,
+        vocab_size=spec.vocab_size,
+        max_context=spec.max_context,
+        num_heads=heads,
+        num_kv_heads=min(kv_heads) if kv_heads else heads,
+        num_experts=experts,
+        top_k=top_k,
+        n_group=n_group,
+        expert_hidden=expert_hidden,
+        mlp_width=mlp_width,
+        embed_bytes=embed,
+        lm_head_bytes=lm_head,
+        weight_dtypes=tuple(sorted(by_dtype.items())),
+        expert_dtype=quant if experts and spec.quantization.active else plain,
+        dense_dtype="+".join(sorted(dense_labels | {plain})),
+        **{k: tuple(v) for k, v in fields.items()},
+    )
