@@ -359,3 +359,29 @@ def plan(spec, topology, workload: Workload, **options) -> Plan:
     """The best Plan of `spec` (a ModelSpec) on `topology` (a Topology) for `workload`."""
     costs = costs_from_spec(spec, kv_dtype=workload.kv_dtype)
     return build_plan(costs, ClusterView(topology), workload, **options)
+
+
+def predict_memory(
+    spec,
+    layout: Layout,
+    *,
+    hbm_bytes: int,
+    context: int,
+    prefill_tokens: int = 1,
+    decode_sequences: int = 1,
+    kv_dtype: str = "bf16",
+    constants: Constants = DEFAULT_CONSTANTS,
+) -> tuple[DeviceMemory, ...]:
+    """[pp] predicted bytes per region of one device of each stage, for a given Layout.
+
+    For the runtime's check of what it really allocates: prefill_tokens / decode_sequences are
+    the micro-batch one data-parallel rank runs; slots per EP rank follow `layout.expert_owners`.
+    """
+    costs = costs_from_spec(spec, kv_dtype=kv_dtype)
+    dims = layout.dims
+    slots = max((len(layout.local_experts(r)) for r in range(dims.ep)), default=0)
+    return plan_memory(
+        costs, capacity=hbm_bytes, pp=dims.pp, dp=dims.dp, tp=dims.tp, etp=dims.etp,
+        stage_bounds=layout.stage_bounds, slots_per_rank=slots, context=context,
+        prefill_tokens=prefill_tokens, decode_sequences=decode_sequences, constants=constants,
+    )  # fmt: skip
