@@ -1,0 +1,72 @@
+"""Faults: a redis-server the test owns, behind a TCP proxy it cuts and restores, stopped and
+restarted. The cache keeps answering (misses, no exceptions) and recovers by itself."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cache_service.store import TieredCache
+from tests.cache_service.kv_blocks import block_for, keys_for, namespace
+from tests.cache_service.redis_servers import RedisServer, TcpProxy, have_redis_server
+
+pytestmark = pytest.mark.skipif(not have_redis_server(), reason="redis-server is not installed")
+BLOCK = len(block_for(keys_for(1)[0], 0))
+OPTS = "timeout_s=0.3&retries=1&breaker_failures=2&breaker_cooldown_s=0.5"
+
+
+def _wait(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_cut_connection_then_restore_and_restart():
+    server = RedisServer().start()
+    proxy = TcpProxy(server.port)
+    try:
+        url = f"redis://127.0.0.1:{proxy.port}/0?{OPTS}"
+        keys = keys_for(50)
+        with TieredCache.from_urls(
+            ["host://", url],
+            capacities=[10 * BLOCK, 1000 * BLOCK],
+            namespace=namespace(),
+            write_through=True,
+        ) as cache:
+            cache.put_many([(k, block_for(k, i)) for i, k in enumerate(keys[:20])])
+            assert cache.tiers[1].contains(keys[:20]) == [True] * 20
+            # Step 1: cut. Reads still answer (host hits, Redis misses), writes do not raise.
+            proxy.cut()
+            got = cache.get_many(keys[:20])
+            assert got[:10] == [None] * 10  # only in Redis, which is cut
+            assert all(g is not None for g in got[10:])  # the 10 newest live in host
+            for round_ in range(4):
+                batch = keys[20 + 5 * round_ : 25 + 5 * round_]
+                items = [(k, block_for(k, 20 + 5 * round_ + i)) for i, k in enumerate(batch)]
+                assert cache.put_many(items) == [True] * 5
+                assert all(cache.get_many(batch))
+            assert cache.health()["ok"] is False
+            assert cache.metrics.value("moe_kv_tier_errors_total", tier="redis") >= 2
+            started = time.monotonic()
+            assert cache.get(keys_for(1, seed=3)[0]) is None
+            assert time.monotonic() - started < 1.0  # breaker open: fail fast, no timeout wait
+            # Step 2: restore. After the cool-down a probe succeeds and Redis serves again.
+            proxy.restore()
+            assert _wait(lambda: cache.contains([keys[0]]) == [True] and cache.health()["ok"])
+            assert cache.get(keys[0]) is not None
+            # Step 3: stop the server, restart it on the same port (data gone: no persistence).
+            server.stop()
+            assert cache.contains([keys[0]]) in ([False], [True])
+            assert _wait(lambda: not cache.health()["ok"] or cache.contains([keys[1]]) == [False])
+            server.start()
+            assert _wait(
+                lambda: cache.health()["ok"] and cache.put(keys[45], block_for(keys[45], 45))
+            )
+            assert cache.tiers[1].contains([keys[45]]) == [True]
+    finally:
+        proxy.close()
+        server.cleanup()
