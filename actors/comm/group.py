@@ -88,6 +88,8 @@ class Group:
     timeout_s: float = 60.0
     backend: str = "gloo"
     aborted: threading.Event = field(default_factory=threading.Event)
+    waited_s: float = 0.0
+    """Seconds this member spent blocked in `wait` (communication not hidden by compute)."""
 
     @classmethod
     def single(cls, axis: str, rank: int = 0) -> Group:
@@ -109,6 +111,13 @@ class Group:
         """
         if work is None:
             return
+        start = time.monotonic()
+        try:
+            self._wait(work, what, p2p)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _wait(self, work, what: str, p2p: bool) -> None:
         if self.backend == "nccl":
             work.wait()
             return

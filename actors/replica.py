@@ -1,0 +1,193 @@
+"""Driver side of one model replica: start its workers, hand out the rendezvous, fan out steps.
+
+`Replica` runs the ranks as Ray actors (`actors/worker_shell.py`); `run_in_processes` runs the
+same `ShardWorker` code on local processes (torch.multiprocessing) for machines without Ray.
+Every (re)build draws a fresh rendezvous, so ranks of a broken world never rejoin a new one.
+Only small step descriptions go out and only the last stage's logits come back: activations
+move between workers over the collective backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from actors.comm.group import Rendezvous
+from actors.rank_runner import run_ranks
+from actors.worker import StepBatch, StepResult
+from placement.parallel_dims import Layout
+
+
+def gather_logits(results: Sequence[StepResult], num_sequences: int) -> list[torch.Tensor]:
+    """Per-sequence logits [L_i, vocab] in batch order from the ranks that returned them."""
+    found: dict[int, torch.Tensor] = {}
+    for r in results:
+        for seq, logits in zip(r.seq_indices, r.logits, strict=True):
+            found[seq] = logits
+    missing = sorted(set(range(num_sequences)) - set(found))
+    if missing:
+        raise RuntimeError(f"no rank returned logits for sequences {missing}")
+    return [found[i] for i in range(num_sequences)]
+
+
+class Replica:
+    """The ShardWorker actors of one replica on a Ray cluster (ray.init already called).
+
+    `node_ids` (one per rank, optional) pins rank r to a node; otherwise Ray places the actors.
+    `num_cpus`/`num_gpus` are the per-actor resource requests (fractional allowed).
+    `actors` reuses already started ShardWorkerActors (the first `world` of them; they are
+    rebuilt for this layout and not killed by `shutdown`), e.g. a pool shared by many layouts.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        checkpoint_dir: str | Path,
+        backend: str = "gloo",
+        device: str = "cpu",
+        num_cpus: float = 0.25,
+        num_gpus: float = 0,
+        node_ids: Sequence[str] | None = None,
+        timeout_s: float = 60.0,
+        actors: Sequence | None = None,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from actors.worker_shell import shard_worker_actor
+
+        world = layout.dims.world
+        if node_ids is not None and len(node_ids) != world:
+            raise ValueError(f"{len(node_ids)} node ids given for {world} ranks")
+        self.layout, self.checkpoint_dir = layout, str(checkpoint_dir)
+        self.backend, self.device, self.timeout_s = backend, device, timeout_s
+        self._owned = actors is None
+        if actors is not None:
+            if len(actors) < world:
+                raise ValueError(f"{len(actors)} actors given for {world} ranks")
+            self.actors = list(actors[:world])
+            self._ray = ray
+            self.rendezvous: Rendezvous | None = None
+            self.build()
+            return
+        actor_cls = shard_worker_actor()
+        self.actors = []
+        for rank in range(world):
+            options: dict[str, object] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+            if node_ids is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    node_id=node_ids[rank], soft=False
+                )
+            self.actors.append(actor_cls.options(**options).remote())
+        self._ray = ray
+        self.rendezvous = None
+        self.build()
+
+    def build(self) -> None:
+        """(Re)build every worker over a fresh rendezvous hosted by rank 0's node."""
+        ray = self._ray
+        host = "127.0.0.1"
+        if len(self.actors) > 1:
+            node = ray.get(self.actors[0].rendezvous_host.remote(), timeout=self.timeout_s)
+            if node != ray.util.get_node_ip_address():
+                host = node
+        self.rendezvous = Rendezvous.fresh(
+            backend=self.backend, host=host, timeout_s=self.timeout_s
+        )
+        refs = [
+            actor.build.remote(
+                layout=self.layout,
+                rank=rank,
+                checkpoint_dir=self.checkpoint_dir,
+                rendezvous=self.rendezvous if len(self.actors) > 1 else None,
+                device=self.device,
+            )
+            for rank, actor in enumerate(self.actors)
+        ]
+        ray.get(refs, timeout=self.timeout_s * 2)
+
+    def step_async(self, batch: StepBatch) -> list:
+        """One `step` call per worker; returns the object refs (rank order)."""
+        return [actor.step.remote(batch) for actor in self.actors]
+
+    def step(self, batch: StepBatch) -> list[StepResult]:
+        """Run one step on every worker; returns every rank's StepResult (rank order)."""
+        return self._ray.get(self.step_async(batch), timeout=self.timeout_s * 2)
+
+    def logits(self, batch: StepBatch) -> list[torch.Tensor]:
+        """Per-sequence logits [L_i, vocab] of one step, in batch order."""
+        return gather_logits(self.step(batch), len(batch.token_ids))
+
+    def abort(self) -> list[bool]:
+        """Abort every worker through its control slot; returns which had a step in flight."""
+        return self._ray.get([a.abort.remote() for a in self.actors], timeout=self.timeout_s)
+
+    def health(self) -> list[dict[str, object]]:
+        return self._ray.get([a.health.remote() for a in self.actors], timeout=self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Kill the actors this replica started (their process groups go with them); borrowed
+        actors only leave the world."""
+        if self._owned:
+            for actor in self.actors:
+                self._ray.kill(actor)
+        else:
+            self._ray.get([a.close.remote() for a in self.actors], timeout=self.timeout_s)
+        self.actors = []
+
+
+def _process_rank(rank, world_size, rendezvous, layout, checkpoint_dir, batches):
+    from actors.worker import ShardWorker
+
+    worker = ShardWorker(
+        layout=layout,
+        rank=rank,
+        checkpoint_dir=checkpoint_dir,
+        rendezvous=rendezvous if world_size > 1 else None,
+    )
+    try:
+        out = []
+        for batch in batches:
+            r = worker.step(batch)
+            out.append(
+                {
+                    "seq_indices": list(r.seq_indices),
+                    "logits": list(r.logits),
+                    "timings_s": r.timings_s,
+                }
+            )
+        return out
+    finally:
+        worker.close()
+
+
+def run_in_processes(
+    layout: Layout,
+    checkpoint_dir: str | Path,
+    batches: Sequence[StepBatch],
+    *,
+    timeout_s: float = 120.0,
+) -> list[list[torch.Tensor]]:
+    """Run `batches` on `layout.dims.world` local processes (gloo); per batch, per-sequence logits.
+
+    The same ShardWorker as the Ray path; each call builds a fresh world on a free port.
+    """
+    world = layout.dims.world
+    per_rank = run_ranks(
+        _process_rank,
+        world,
+        args=(layout, str(checkpoint_dir), list(batches)),
+        rendezvous=Rendezvous.fresh(timeout_s=timeout_s),
+        timeout_s=timeout_s * 2,
+    )
+    out = []
+    for b, batch in enumerate(batches):
+        results = [
+            StepResult(rank=r, seq_indices=tuple(v[b]["seq_indices"]), logits=tuple(v[b]["logits"]))
+            for r, v in enumerate(per_rank)
+        ]
+        out.append(gather_logits(results, len(batch.token_ids)))
+    return out

@@ -1,0 +1,338 @@
+"""ShardWorker: one rank of a model replica, a plain class (no Ray).
+
+Built from (Layout, rank, checkpoint, rendezvous), it joins the replica's torch.distributed world,
+builds its axis groups, loads its pipeline stage's layers, its TP slice of attention and dense
+MLPs and its EP slice of every MoE layer, and runs one step over the step description that every
+rank of the replica receives. World size 1 needs no rendezvous and no process group, so the same
+class serves tests and single-GPU benchmarks; `actors/worker_shell.py` wraps it in a Ray actor.
+
+The parallel chain, in order (DESIGN.md, "Parallel axes"): DP picks this rank's sequences, PP runs
+them through the stage in micro-batches, TP splits attention heads (all-reduce after o_proj),
+EP sends routed tokens to the experts' owners inside each MoE layer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from actors.comm.ep import ExpertParallel
+from actors.comm.group import (
+    CommAborted,
+    CommError,
+    Group,
+    Rendezvous,
+    destroy_world,
+    init_world,
+    new_axis_group,
+)
+from actors.comm.pp import PipelineParallel
+from actors.comm.tp import TensorParallel
+from actors.layers.moe import MoE
+from actors.weights import load_stage_model
+from cluster.errors import InputError
+from placement.parallel_dims import Axis, Layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBatch:
+    """The step description every rank of a replica receives (small; no activations)."""
+
+    token_ids: tuple[tuple[int, ...], ...]
+    """Token ids of each sequence (the whole sequence: prefill / teacher forcing)."""
+    positions: tuple[tuple[int, ...], ...] | None = None
+    """Position of each token; None means 0 .. L_i - 1."""
+
+    def __post_init__(self) -> None:
+        if not self.token_ids or any(len(s) == 0 for s in self.token_ids):
+            raise InputError(
+                f"step batch: {len(self.token_ids)} sequences given; each needs at least one token"
+            )
+        if self.positions is not None:
+            got = [len(p) for p in self.positions]
+            want = [len(s) for s in self.token_ids]
+            if got != want:
+                raise InputError(f"step batch: positions lengths {got} differ from tokens {want}")
+
+    def positions_of(self, seq: int) -> tuple[int, ...]:
+        if self.positions is None:
+            return tuple(range(len(self.token_ids[seq])))
+        return self.positions[seq]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What one rank returns from a step; only last-stage TP-rank-0 ranks carry logits."""
+
+    rank: int
+    seq_indices: tuple[int, ...]
+    """Indices (into StepBatch.token_ids) of the sequences whose logits follow."""
+    logits: tuple[torch.Tensor, ...]
+    """[L_i, vocab] float logits of each of those sequences."""
+    timings_s: dict[str, float] = field(default_factory=dict)
+    """Seconds spent per region this step: attention, moe, dense_mlp, embed_head, wait_<axis>."""
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes per memory region: weights, activations_peak (CUDA only), kv_cache (0: no cache yet)."""
+    routed: dict[int, list[int]] = field(default_factory=dict)
+    """Layer -> [num_experts] (token, k) rows this rank's tokens routed to each expert this step."""
+
+
+def split_round_robin(count: int, parts: int) -> list[list[int]]:
+    """Indices 0..count-1 dealt to `parts` owners: owner d takes d, d+parts, d+2*parts ..."""
+    return [list(range(d, count, parts)) for d in range(parts)]
+
+
+def split_contiguous(items: list[int], parts: int) -> list[list[int]]:
+    """`items` cut into `parts` contiguous chunks, the first ones one longer when uneven."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        n = base + (1 if p < extra else 0)
+        out.append(items[start : start + n])
+        start += n
+    return out
+
+
+class ShardWorker:
+    """One rank: its groups, its shard of the model, and `step`.
+
+    `rendezvous` is required when the layout's world has more than one rank; every (re)build of
+    a replica uses a fresh one. `device` "cpu" pairs with gloo, "cuda" with NCCL.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        rank: int,
+        checkpoint_dir: str | Path,
+        rendezvous: Rendezvous | None = None,
+        device: str = "cpu",
+        num_threads: int | None = 1,
+    ) -> None:
+        # Ray sets OMP_NUM_THREADS=1; the thread count is set here explicitly either way.
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        dims = layout.dims
+        if dims.etp != 1:
+            raise InputError(f"etp={dims.etp}: expert tensor parallelism is not implemented yet")
+        if dims.world > 1 and rendezvous is None:
+            raise InputError(
+                f"layout {dims.shorthand} has {dims.world} ranks: a rendezvous is needed"
+            )
+        self.layout, self.rank = layout, rank
+        self.coord = dims.coords(rank)
+        self.rendezvous = rendezvous
+        self.aborted = threading.Event()
+        self.steps = 0
+        self.broken: str | None = None
+        self.in_step = False
+        if device.startswith("cuda"):
+            torch.cuda.set_device(self._local_device_index(device))
+        self.device = torch.device(device)
+
+        # Step 1: join the world; Step 2: every rank creates every axis group in the same order.
+        if dims.world > 1:
+            self.world = init_world(
+                rendezvous, rank=rank, world_size=dims.world, aborted=self.aborted
+            )
+            groups = {
+                axis: new_axis_group(self.world, axis.value, dims.groups(axis), rank)
+                for axis in (Axis.TP, Axis.DP, Axis.PP, Axis.EP)
+            }
+        else:
+            self.world = Group(axis="world", ranks=(0,), index=0, pg=None, aborted=self.aborted)
+            groups = {axis: Group.single(axis.value) for axis in Axis}
+        self.groups = groups
+        self.tp = TensorParallel(groups[Axis.TP])
+        self.pp = PipelineParallel(groups[Axis.PP])
+        ep_index = dims.ep_rank(rank)
+        self.ep = (
+            ExpertParallel(groups[Axis.EP], layout.expert_owner_from(ep_index), tp=groups[Axis.TP])
+            if groups[Axis.EP].size > 1
+            else None
+        )
+
+        # Step 3: load this rank's shard only.
+        stage = self.coord.pp
+        layers = layout.layer_range(stage)
+        self.model, self.read_log = load_stage_model(
+            checkpoint_dir,
+            layer_range=(layers.start, layers.stop),
+            first=stage == 0,
+            last=stage == dims.pp - 1,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
+            tp_reduce=self.tp.all_reduce if self.tp.size > 1 else None,
+            local_experts=layout.local_experts(ep_index) if self.ep is not None else None,
+            ep=self.ep,
+            rank=rank,
+            device=self.device,
+        )
+        arch = self.model.arch
+        dims.check_model(
+            num_layers=arch.num_layers,
+            num_attention_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            num_experts=arch.num_experts,
+        )
+        if arch.num_layers != layout.num_layers:
+            raise InputError(
+                f"layout has {layout.num_layers} layers, the checkpoint {arch.num_layers}"
+            )
+        self._timings: dict[str, float] = defaultdict(float)
+        self._install_timers()
+
+    @staticmethod
+    def _local_device_index(device: str) -> int:
+        return int(device.split(":")[1]) if ":" in device else 0
+
+    def _install_timers(self) -> None:
+        """Forward hooks accumulating seconds per region (attention, moe, dense_mlp)."""
+        for layer in self.model.layers.values():
+            for module, region in (
+                (layer.self_attn, "attention"),
+                (layer.mlp, "moe" if isinstance(layer.mlp, MoE) else "dense_mlp"),
+            ):
+                module.register_forward_pre_hook(self._start_timer)
+                module.register_forward_hook(self._stop_timer(region))
+
+    def _start_timer(self, module, args) -> None:
+        module._t0 = time.perf_counter()
+
+    def _stop_timer(self, region: str):
+        def hook(module, args, output) -> None:
+            self._timings[region] += time.perf_counter() - module._t0
+
+        return hook
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, batch: StepBatch) -> StepResult:
+        """Run every sequence of `batch` through the replica; returns this rank's part.
+
+        Step 1: DP: this rank takes sequences dp, dp + DP, ... (TP members take the same).
+        Step 2: PP: they are cut into micro-batches, the same count on every DP rank so the
+        EP all-to-alls of a stage pair up; a DP rank without sequences runs empty micro-batches.
+        Step 3: the last stage's TP rank 0 returns the logits of its sequences.
+        """
+        if self.broken is not None:
+            raise CommError(f"rank {self.rank} is broken ({self.broken}); rebuild the replica")
+        self.in_step = True
+        self._timings.clear()
+        for group in self.groups.values():
+            group.waited_s = 0.0
+        self.model.reset_routing_counts()
+        start = time.perf_counter()
+        try:
+            result = self._step(batch)
+        except CommError as exc:
+            self.broken = type(exc).__name__
+            raise
+        finally:
+            self.in_step = False
+        self.steps += 1
+        self._timings["step"] = time.perf_counter() - start
+        for axis, group in self.groups.items():
+            if group.size > 1:
+                self._timings[f"wait_{axis.value}"] = group.waited_s
+        return StepResult(
+            rank=self.rank,
+            seq_indices=result[0],
+            logits=result[1],
+            timings_s=dict(self._timings),
+            memory_bytes=self.memory_bytes(),
+            routed=self._routed(),
+        )
+
+    def _step(self, batch: StepBatch) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
+        dims = self.layout.dims
+        owners = split_round_robin(len(batch.token_ids), dims.dp)
+        mine = owners[self.coord.dp]
+        num_mb = max(1, min(dims.pp, min(len(o) for o in owners)))
+        microbatches = split_contiguous(mine, num_mb)
+        hidden = self.model.arch.hidden_size
+
+        def tokens_of(m: int) -> int:
+            return sum(len(batch.token_ids[s]) for s in microbatches[m])
+
+        def compute(m: int, x: torch.Tensor | None) -> torch.Tensor:
+            seqs = microbatches[m]
+            lens = [len(batch.token_ids[s]) for s in seqs]
+            positions = torch.tensor(
+                [p for s in seqs for p in batch.positions_of(s)], dtype=torch.int64
+            ).to(self.device)
+            if x is None:
+                x = torch.tensor(
+                    [t for s in seqs for t in batch.token_ids[s]], dtype=torch.int64
+                ).to(self.device)
+            t0 = time.perf_counter()
+            out = self.model(x, positions, lens)
+            self._timings["stage_forward"] += time.perf_counter() - t0
+            return out
+
+        dtype = next(self.model.parameters()).dtype
+        outputs = self.pp.run(
+            num_mb, compute, lambda m: (tokens_of(m), hidden), dtype=dtype, device=self.device
+        )
+        if not self.pp.is_last or self.tp.rank != 0:
+            return (), ()
+        logits: list[torch.Tensor] = []
+        for m, out in enumerate(outputs):
+            lens = [len(batch.token_ids[s]) for s in microbatches[m]]
+            logits.extend(t.cpu() for t in torch.split(out, lens))
+        return tuple(s for mb in microbatches for s in mb), tuple(logits)
+
+    def _routed(self) -> dict[int, list[int]]:
+        """Routing counts of this step; TP members share tokens, so only TP rank 0 reports."""
+        if self.tp.rank != 0:
+            return {}
+        return {layer: c.tolist() for layer, c in self.model.routing_counts().items()}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes per region: weights (parameters + buffers), activations peak (CUDA), kv_cache."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
+        out = {"weights": weights, "kv_cache": 0}
+        if self.device.type == "cuda":
+            out["activations_peak"] = torch.cuda.max_memory_allocated(self.device) - weights
+        return out
+
+    # --------------------------------------------------------------- control
+
+    def abort(self) -> bool:
+        """Fail the step in flight (if any) at its next wait; the worker must then be rebuilt.
+
+        Safe to call from another thread. Returns whether a step was in flight.
+        """
+        self.aborted.set()
+        if self.rendezvous is not None and self.rendezvous.backend == "nccl":
+            # NCCL collectives block in the kernel, not in Python: tear the communicators down.
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._abort_process_group()
+        self.broken = self.broken or CommAborted.__name__
+        return self.in_step
+
+    def health(self) -> dict[str, object]:
+        """Small status dict: rank, coordinates, steps done, in_step, broken reason, world id."""
+        return {
+            "rank": self.rank,
+            "pp": self.coord.pp,
+            "dp": self.coord.dp,
+            "tp": self.coord.tp,
+            "steps": self.steps,
+            "in_step": self.in_step,
+            "broken": self.broken,
+            "world_id": self.rendezvous.world_id if self.rendezvous else None,
+        }
+
+    def close(self) -> None:
+        """Leave the world (destroys this process's process groups)."""
+        if self.layout.dims.world > 1:
+            destroy_world()
