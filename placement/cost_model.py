@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cluster.errors import InputError
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -368,7 +370,10 @@ def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
     TP-split bytes: attention, dense MLP, shared experts, latent projections; replicated: norms,
     router and buffers. Routed experts: stored bytes of one expert (quantization honoured).
     """
-    kv_size = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}[kv_dtype]
+    sizes = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
+    if kv_dtype not in sizes:
+        raise InputError(f"--kv-dtype {kv_dtype!r}: expected one of {', '.join(sizes)}")
+    kv_size = sizes[kv_dtype]
     plain = _DTYPE_LABEL.get(spec.weight_dtype, spec.weight_dtype)
     quant = _quant_label(spec) if spec.quantization.active else plain
     by_dtype: dict[str, int] = {}

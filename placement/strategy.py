@@ -10,9 +10,9 @@ layout as the GPUs hold (at most one per sequence); the sequences split evenly o
 Symmetry: ranks map to GPUs contiguously in topology order (TP innermost, PP outermost), and every
 node of a homogeneous cluster is alike, so one canonical placement stands for all its node
 permutations. Pruning: the memory plan is computed first and a layout that does not fit is never
-timed; the fast search only visits dp with ep dividing the experts (or a power of two, or the
-largest that fits), pp <= 8 or dividing the layers or a power of two, and the smallest etp that
-keeps ep <= experts. `exhaustive=True` visits every combination (tests compare both on small cases).
+timed; the fast search visits every dp up to 64 and beyond that only dp with ep dividing the
+experts (or a power of two, or the largest that fits); pp <= 8 or dividing the layers or a power
+of two; the smallest etp that keeps ep <= experts and the smallest that makes ep divide them. `exhaustive=True` visits every combination (tests compare both on small cases).
 
 Objective: `latency` minimises one request's time (waves x (prefill + osl x decode step));
 `throughput` minimises GPU-milliseconds per output token.
@@ -226,8 +226,12 @@ def _pp_options(num_layers: int, max_pp: int, exhaustive: bool) -> list[int]:
     return sorted(p for p in keep if p <= min(num_layers, max_pp))
 
 
+FULL_DP_UP_TO = 64
+"""The fast search visits every dp up to this; beyond it only the dp named in the docstring."""
+
+
 def _dp_options(costs: ModelCosts, tp: int, max_dp: int, exhaustive: bool) -> list[int]:
-    if exhaustive or not costs.num_experts:
+    if exhaustive or not costs.num_experts or max_dp <= FULL_DP_UP_TO:
         return list(range(1, max_dp + 1))
     experts = costs.num_experts
     keep = {1, max_dp}
@@ -253,7 +257,8 @@ def _etp_options(costs: ModelCosts, ranks: int, exhaustive: bool) -> list[int]:
     ]
     if exhaustive or not legal:
         return legal
-    return legal[:1]
+    dividing = [e for e in legal if costs.num_experts % (ranks // e) == 0]
+    return sorted(set(legal[:1] + dividing[:1]))
 
 
 def evaluate(

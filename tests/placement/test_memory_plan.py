@@ -1,0 +1,129 @@
+"""The memory plan: regions add up, weights match the ModelSpec's bytes, KV from published figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.errors import InputError
+from placement.cost_model import costs_from_spec
+from placement.memory_plan import plan_memory
+from placement.model_spec import load_model_spec
+from placement.parallel_dims import Layout, ParallelDims
+from placement.plan import predict_memory
+
+H200 = 141_000_000_000
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def specs(shared_dir):
+    names = ("deepseek-v3", "kimi-k3", "mixtral-8x7b")
+    return {n: load_model_spec(shared_dir / "models" / f"{n}.config.json") for n in names}
+
+
+def _layout(spec, pp=1, dp=1, tp=1):
+    experts = max((layer.ffn.num_experts for layer in spec.layers), default=0)
+    return Layout.build(
+        ParallelDims(pp=pp, dp=dp, tp=tp), num_layers=spec.num_layers, num_experts=experts
+    )
+
+
+def test_regions_add_up_to_the_device(specs):
+    spec = specs["mixtral-8x7b"]
+    for mem in predict_memory(spec, _layout(spec, pp=2, dp=2), hbm_bytes=H200, context=4096):
+        total = mem.reserved + mem.weights + mem.activations + mem.workspace + mem.kv_cache
+        assert total == H200
+        assert sum(v for _, v in mem.weights_by_dtype) == mem.weights
+        assert sum(v for _, v in mem.workspace_parts) == mem.workspace
+
+
+def test_weights_over_the_ranks_of_a_replica_equal_the_model(specs):
+    spec = specs["deepseek-v3"]
+    # pp=4, one rank per stage: every weight exactly once.
+    stages = predict_memory(spec, _layout(spec, pp=4), hbm_bytes=10 * H200, context=1024)
+    assert sum(m.weights for m in stages) == pytest.approx(spec.weight_bytes(), abs=8)
+    # ep=8 (dp=8): experts once, everything else on each of the 8 ranks.
+    expert_bytes = sum(
+        spec.expert_weight_bytes(i) * layer.ffn.num_experts for i, layer in enumerate(spec.layers)
+    )
+    (mem,) = predict_memory(spec, _layout(spec, dp=8), hbm_bytes=10 * H200, context=1024)
+    assert 8 * mem.weights == pytest.approx(
+        expert_bytes + 8 * (spec.weight_bytes() - expert_bytes), abs=64
+    )
+
+
+def test_kv_bytes_per_token_match_the_published_figures(specs):
+    # /work/shared/models/README.md: DeepSeek-V3 MLA 70,272 B/token bf16; Mixtral 131,072.
+    (ds,) = predict_memory(
+        specs["deepseek-v3"], _layout(specs["deepseek-v3"], dp=8), hbm_bytes=H200, context=4096
+    )
+    assert ds.kv_bytes_per_token == 70_272
+    mix = specs["mixtral-8x7b"]
+    (one,) = predict_memory(mix, _layout(mix), hbm_bytes=H200, context=4096)
+    (tp8,) = predict_memory(mix, _layout(mix, tp=8), hbm_bytes=H200, context=4096)
+    assert one.kv_bytes_per_token == 131_072
+    assert tp8.kv_bytes_per_token == 131_072 // 8  # 8 KV heads split over 8 ranks
+    # MLA's latent is not split by heads: every TP rank keeps all of it.
+    (ds_tp,) = predict_memory(
+        specs["deepseek-v3"],
+        _layout(specs["deepseek-v3"], dp=2, tp=8),
+        hbm_bytes=H200,
+        context=4096,
+    )
+    assert ds_tp.kv_bytes_per_token == 70_272
+
+
+def test_linear_attention_state_counts_in_the_kv_region(specs):
+    spec = specs["kimi-k3"]
+    stages = predict_memory(spec, _layout(spec, pp=4, dp=4), hbm_bytes=H200, context=1_048_576)
+    state = sum(m.state_bytes_per_sequence for m in stages)
+    # README: about 414 MiB fp32 KDA state per sequence (plus the short-convolution state).
+    assert 414 * MiB <= state <= 1.05 * 414 * MiB
+    for m in stages:
+        usable = max(m.kv_cache, 0)
+        assert m.max_sequences == usable // (
+            1_048_576 * m.kv_bytes_per_token + m.state_bytes_per_sequence
+        )
+
+
+def test_longer_context_never_raises_capacity(specs):
+    spec = specs["mixtral-8x7b"]
+    layout = _layout(spec, dp=4, tp=2)
+    previous = None
+    for context in (1024, 4096, 16384, 32768):
+        (mem,) = predict_memory(
+            spec,
+            layout,
+            hbm_bytes=H200,
+            context=context,
+            prefill_tokens=context,
+            decode_sequences=8,
+        )
+        if previous is not None:
+            assert mem.kv_capacity_tokens <= previous.kv_capacity_tokens
+            assert mem.max_sequences <= previous.max_sequences
+        previous = mem
+
+
+def test_a_device_too_small_does_not_fit(specs):
+    spec = specs["mixtral-8x7b"]
+    costs = costs_from_spec(spec)
+    (mem,) = plan_memory(
+        costs,
+        capacity=48_000_000_000,
+        pp=1,
+        dp=1,
+        tp=1,
+        etp=1,
+        stage_bounds=((0, spec.num_layers),),
+        slots_per_rank=8,
+        context=4096,
+        prefill_tokens=4096,
+        decode_sequences=1,
+    )
+    assert not mem.fits and mem.kv_cache < 0 and mem.max_sequences == 0
+
+
+def test_unknown_kv_dtype_is_refused(specs):
+    with pytest.raises(InputError, match="int3"):
+        costs_from_spec(specs["mixtral-8x7b"], kv_dtype="int3")
