@@ -77,7 +77,7 @@ class StepResult:
     timings_s: dict[str, float] = field(default_factory=dict)
     """Seconds spent per region this step: attention, moe, dense_mlp, embed_head, wait_<axis>."""
     memory_bytes: dict[str, int] = field(default_factory=dict)
-    """Bytes per memory region: weights, activations_peak (CUDA only), kv_cache (0: no cache yet)."""
+    """Bytes per memory region: weights, buffers, activations_peak (CUDA only), kv_cache."""
     routed: dict[int, list[int]] = field(default_factory=dict)
     """Layer -> [num_experts] (token, k) rows this rank's tokens routed to each expert this step."""
 
@@ -295,12 +295,15 @@ class ShardWorker:
         return {layer: c.tolist() for layer, c in self.model.routing_counts().items()}
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes per region: weights (parameters + buffers), activations peak (CUDA), kv_cache."""
+        """Bytes per region: weights (parameters), buffers (rope tables, expert maps, counters),
+        activations peak (CUDA), kv_cache (0: the prefill path keeps none)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
-        out = {"weights": weights, "kv_cache": 0}
+        buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
+        out = {"weights": weights, "buffers": buffers, "kv_cache": 0}
         if self.device.type == "cuda":
-            out["activations_peak"] = torch.cuda.max_memory_allocated(self.device) - weights
+            out["activations_peak"] = (
+                torch.cuda.max_memory_allocated(self.device) - weights - buffers
+            )
         return out
 
     # --------------------------------------------------------------- control
