@@ -93,3 +93,6 @@ def test_layout_logits_match_transformers(family, layout_text, checkpoints, acto
     dims = layout.dims
     returning = sorted(r.rank for r in results if r.seq_indices)
     assert returning == [dims.rank_of(pp=dims.pp - 1, dp=d, tp=0) for d in range(dims.dp)]
+    # Data-parallel attention: each sequence ran on exactly one DP rank.
+    returned = sorted(i for r in results for i in r.seq_indices)
+    assert returned == list(range(len(seqs)))
