@@ -1,0 +1,211 @@
+"""Paged KV storage of one pipeline stage, and the per-step view attention reads it through.
+
+Layout (DESIGN.md, `KVBlock`), one tensor per layer of the stage:
+- GQA: keys and values `[num_blocks, block_size, kv_heads, head_dim]` each (rotary already
+  applied to the keys, q/k norm too).
+- MLA: one latent `[num_blocks, block_size, kv_lora_rank + rope_dim]`: the normalised latent
+  (after `kv_a_layernorm`) then the rotated shared key. Per-head keys and values are expanded from
+  it by `kv_b_proj` at attention time, as the dense path does.
+
+A token's slot is `block_id * block_size + offset`; a sequence's block table lists its blocks in
+order, so token j of the sequence lives in slot `table[j // block_size] * block_size + j % block_size`.
+
+Per-block key summaries (for block-sparse attention: a query q bounds its score against every key
+of a block by sum(max(q * min, q * max))) are the element-wise min and max over the block's
+tokens: GQA `[num_blocks, kv_heads, head_dim]`, MLA `[num_blocks, kv_lora_rank + rope_dim]`. They
+are recomputed when a block fills (its last slot is written) or is loaded from the tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from actors.arch import ArchConfig
+from cluster.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVLayout:
+    """What one stage stores per token and layer."""
+
+    mla: bool
+    block_size: int
+    layer_range: tuple[int, int]
+    """Global layer indices [start, stop) of this stage."""
+    kv_head_range: tuple[int, int]
+    """Global KV heads [start, stop) this rank stores (MLA: (0, 1), the one shared latent)."""
+    head_dim: int = 0
+    """GQA key/value head size."""
+    latent_dim: int = 0
+    """MLA kv_lora_rank + qk_rope_head_dim."""
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv_head_range[1] - self.kv_head_range[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_range[1] - self.layer_range[0]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block of all the stage's layers, as the tiers store it.
+
+        GQA `[layers, 2 (k, v), block_size, kv_heads, head_dim]`; MLA `[layers, block_size, latent]`.
+        """
+        if self.mla:
+            return (self.num_layers, self.block_size, self.latent_dim)
+        return (self.num_layers, 2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @classmethod
+    def for_stage(
+        cls,
+        arch: ArchConfig,
+        *,
+        block_size: int,
+        layer_range: tuple[int, int],
+        kv_head_range: tuple[int, int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> KVLayout:
+        if block_size <= 0:
+            raise InputError(f"block_size={block_size} must be a positive token count")
+        if arch.mla:
+            return cls(
+                mla=True,
+                block_size=block_size,
+                layer_range=layer_range,
+                kv_head_range=(0, 1),
+                latent_dim=arch.kv_lora_rank + arch.qk_rope_head_dim,
+                dtype=dtype,
+            )
+        return cls(
+            mla=False,
+            block_size=block_size,
+            layer_range=layer_range,
+            kv_head_range=kv_head_range or (0, arch.num_kv_heads),
+            head_dim=arch.head_dim,
+            dtype=dtype,
+        )
+
+
+class KVCache:
+    """The stage's paged KV tensors and key summaries (see the module docstring for shapes)."""
+
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
+    ) -> None:
+        if num_blocks <= 0:
+            raise InputError(f"num_blocks={num_blocks} must be positive")
+        self.layout, self.num_blocks = layout, num_blocks
+        n, b = num_blocks, layout.block_size
+        layers = range(*layout.layer_range)
+        kw = {"dtype": layout.dtype, "device": device}
+        if layout.mla:
+            tok = (layout.latent_dim,)
+            self.k = {i: torch.zeros(n, b, *tok, **kw) for i in layers}
+            self.v: dict[int, torch.Tensor] = {}
+        else:
+            tok = (layout.kv_heads, layout.head_dim)
+            self.k = {i: torch.zeros(n, b, *tok, **kw) for i in layers}
+            self.v = {i: torch.zeros(n, b, *tok, **kw) for i in layers}
+        self.key_min = {i: torch.zeros(n, *tok, **kw) for i in layers}
+        self.key_max = {i: torch.zeros(n, *tok, **kw) for i in layers}
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.k.values(), *self.v.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        """Store the new tokens' keys (MLA: latents [T, latent]) and values [T, kv, d] at `slots` [T]."""
+        flat = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        flat[slots] = k.to(flat.dtype)
+        if v is not None:
+            self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(flat.dtype)
+
+    def gather(
+        self, layer: int, block_table: Sequence[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first `length` tokens of a sequence: keys [L, kv, d] (MLA latents [L, latent]), values."""
+        ids = torch.as_tensor(list(block_table), dtype=torch.int64, device=self.k[layer].device)
+        k = self.k[layer][ids].flatten(0, 1)[:length]
+        v = self.v[layer][ids].flatten(0, 1)[:length] if self.v else None
+        return k, v
+
+    def update_summaries(self, block_ids: Sequence[int]) -> None:
+        """Recompute the min/max key summaries of `block_ids` in every layer."""
+        if not block_ids:
+            return
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        for layer, keys in self.k.items():
+            blocks = keys[ids.to(keys.device)]
+            self.key_min[layer][ids] = blocks.amin(dim=1)
+            self.key_max[layer][ids] = blocks.amax(dim=1)
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block of every layer, `layout.block_shape`, a CPU copy."""
+        layers = sorted(self.k)
+        if self.layout.mla:
+            out = torch.stack([self.k[i][block_id] for i in layers])
+        else:
+            out = torch.stack(
+                [torch.stack((self.k[i][block_id], self.v[i][block_id])) for i in layers]
+            )
+        return out.to("cpu")
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Fill one block of every layer from `data` (`layout.block_shape`); refreshes its summaries."""
+        if tuple(data.shape) != self.layout.block_shape:
+            raise InputError(
+                f"KV block of shape {tuple(data.shape)}; this stage stores {self.layout.block_shape}"
+            )
+        for j, i in enumerate(sorted(self.k)):
+            if self.layout.mla:
+                self.k[i][block_id] = data[j].to(self.k[i])
+            else:
+                self.k[i][block_id] = data[j, 0].to(self.k[i])
+                self.v[i][block_id] = data[j, 1].to(self.v[i])
+        self.update_summaries([block_id])
+
+
+@dataclass(frozen=True, kw_only=True)
+class PagedContext:
+    """One step's view of the paged cache, handed to every attention layer.
+
+    The step's new tokens are the flat batch [T] of the forward: sequence i contributes
+    `query_lens[i]` tokens, and after this step its first `context_lens[i]` tokens are in the cache
+    (the cached prefix plus the new ones). `slot_mapping` [T] int64 is where each new token's K/V go.
+    """
+
+    cache: KVCache
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    slot_mapping: torch.Tensor
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        self.cache.write(layer, self.slot_mapping, k, v)
+
+    def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.cache.gather(layer, self.block_tables[seq], self.context_lens[seq])
+
+    def filled_blocks(self) -> list[int]:
+        """Blocks whose last slot was written this step (their summaries need refreshing)."""
+        b = self.cache.layout.block_size
+        full = self.slot_mapping[(self.slot_mapping % b) == b - 1] // b
+        return sorted(set(full.tolist()))
+
+
+def slots_for(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Slots of token positions [start, stop) of a sequence with this block table."""
+    return [block_table[j // block_size] * block_size + j % block_size for j in range(start, stop)]

@@ -1,0 +1,95 @@
+"""Block manager: free deque, reference counts, prefix caching by cache_service block keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.block_manager import BlockKeyer, BlockManager, OutOfBlocks
+from cache_service.block_key import block_key
+from cluster.errors import InputError
+
+KEYER = BlockKeyer(
+    secret=b"s3cret",
+    weights_fingerprint="fp",
+    kv_dtype="float32",
+    codec="raw",
+    layer_range=(0, 2),
+    kv_head_range=(0, 2),
+    block_size=4,
+)
+
+
+def test_keys_are_the_cache_service_chain():
+    tokens = list(range(11))
+    keys = []
+    KEYER.extend(keys, tokens, 1)
+    KEYER.extend(keys, tokens, 2)  # continues the chain from the first key
+    parent = None
+    for i in range(2):
+        parent = block_key(
+            secret=b"s3cret",
+            weights_fingerprint="fp",
+            kv_dtype="float32",
+            codec="raw",
+            layer_range=(0, 2),
+            kv_head_range=(0, 2),
+            block_size=4,
+            parent=parent,
+            token_ids=tokens[4 * i : 4 * i + 4],
+        )
+        assert keys[i] == parent
+    assert [k.position for k in keys] == [0, 1]
+
+
+def test_allocate_release_and_ref_counts():
+    bm = BlockManager(4, 4)
+    a, b = bm.allocate(), bm.allocate()
+    assert bm.free_count == 2 and bm.ref_count[a] == 1
+    bm.release([a, b])
+    assert bm.free_count == 4
+    with pytest.raises(RuntimeError):
+        bm.release([a])
+    for _ in range(4):
+        bm.allocate()
+    assert not bm.can_allocate(1)
+    with pytest.raises(OutOfBlocks):
+        bm.allocate()
+
+
+def test_prefix_hits_share_blocks_and_survive_release_until_reused():
+    bm = BlockManager(3, 4)
+    keys = []
+    KEYER.extend(keys, list(range(8)), 2)
+    blocks = [bm.allocate(), bm.allocate()]
+    for blk, key in zip(blocks, keys, strict=True):
+        assert bm.register(blk, key)
+    assert bm.lookup(keys) == blocks
+    for blk in blocks:
+        bm.acquire(blk)  # a second sequence shares the prefix
+    assert [bm.ref_count[b] for b in blocks] == [2, 2]
+    bm.release(blocks)
+    bm.release(blocks)
+    assert bm.free_count == 3
+    # Cached-free: still found, and acquiring revives it without losing contents.
+    assert bm.lookup(keys) == blocks
+    bm.acquire(blocks[0])
+    assert bm.free_count == 2 and bm.ref_count[blocks[0]] == 1
+    bm.release([blocks[0]])
+    # Reusing a cached-free block drops its key; the chain now stops where the hole is.
+    taken = [bm.allocate() for _ in range(2)]
+    assert blocks[1] in taken or blocks[0] in taken
+    assert len(bm.lookup(keys)) < 2
+
+
+def test_a_key_already_held_elsewhere_is_not_registered_twice():
+    bm = BlockManager(2, 4)
+    keys = []
+    KEYER.extend(keys, [1, 2, 3, 4], 1)
+    a, b = bm.allocate(), bm.allocate()
+    assert bm.register(a, keys[0]) and not bm.register(b, keys[0])
+    assert bm.lookup(keys) == [a]
+
+
+def test_bad_sizes():
+    with pytest.raises(InputError):
+        BlockManager(0, 16)
