@@ -9,7 +9,8 @@ meaning; nothing else in `placement/` hard-codes one. The model, per pipeline st
 - memory-bound decode: bytes the rank reads (its weights, the experts the batch touches, its KV
   and linear-attention state) / (HBM bandwidth x efficiency). A layer takes max(compute, memory).
 - communication, not overlapped: TP all-reduce (ring, 2 (t-1)/t of the bytes) twice per layer;
-  EP all-to-all dispatch + combine per MoE layer, with the bytes for ranks in the same NVLink
+  EP all-to-all dispatch + combine per MoE layer (a routed token goes to each of the etp ranks
+  that hold a slice of its expert), with the bytes for ranks in the same NVLink
   domain over NVLink and the rest over the network; PP send/recv of the hidden states between
   stages. Bandwidths come from the Topology (measured where it has them, else nominal) x link
   efficiency, plus the link latency per message.
@@ -270,7 +271,8 @@ def phase_time(
         m = max(1, math.ceil(total / c.prefill_chunk_tokens))
         tokens_dp = math.ceil(total / m)
         logits_tokens = math.ceil(seqs_per_dp / m)
-    tokens_stage = tokens_dp * dp
+    # Tokens the stage really holds per micro-batch (idle dp ranks carry none).
+    tokens_stage = min(tokens_dp * dp, math.ceil(step.sequences * step.new_tokens / m))
     mfu = c.decode_mfu if step.decode else c.prefill_mfu
     flop_rate = device.peak_flops * mfu
     hbm_rate = device.hbm_GBps * 1e9 * c.hbm_efficiency
@@ -316,7 +318,10 @@ def phase_time(
         per = 2 * (tp - 1) / tp * nbytes / bw + 2 * (tp - 1) * links.tp_latency_us * 1e-6
         comm_s += 2 * per
     if costs.num_experts and ep_ranks > 1:
-        sent = math.ceil(tokens_dp / tp) * costs.top_k * costs.expert_hidden * c.dispatch_bytes
+        # Each routed copy goes to all etp ranks that hold a slice of the expert.
+        sent = (
+            math.ceil(tokens_dp / tp) * costs.top_k * etp * costs.expert_hidden * c.dispatch_bytes
+        )
         local = min(links.ep_local, ep_ranks)
         local_bytes = sent * (local - 1) / ep_ranks
         remote_bytes = sent * (ep_ranks - local) / ep_ranks

@@ -5,14 +5,16 @@ a TP group stays inside one NVLink domain (inside one node where there is no NVL
 the attention heads (and divides or is a multiple of the KV heads); ep <= routed experts, uneven
 expert counts padded with replicas (ceil(E / ep) slots per rank, deliberately); layers split as
 evenly as possible (the first L % pp stages take one layer more). Replicas: as many copies of the
-layout as the GPUs hold (at most one per sequence); the sequences split evenly over them.
+layout as the GPUs hold while every dp rank keeps a sequence (latency objective; throughput uses
+one replica); the sequences split evenly.
 
 Symmetry: ranks map to GPUs contiguously in topology order (TP innermost, PP outermost), and every
 node of a homogeneous cluster is alike, so one canonical placement stands for all its node
 permutations. Pruning: the memory plan is computed first and a layout that does not fit is never
 timed; the fast search visits every dp up to 64 and beyond that only dp with ep dividing the
 experts (or a power of two, or the largest that fits); pp <= 8 or dividing the layers or a power
-of two; the smallest etp that keeps ep <= experts and the smallest that makes ep divide them. `exhaustive=True` visits every combination (tests compare both on small cases).
+of two; the smallest etp that keeps ep <= experts and the smallest that makes ep divide them. etp divides tp (an expert's
+slices stay inside the TP group's NVLink domain); dp never exceeds the sequences of a replica. `exhaustive=True` visits every combination (tests compare both on small cases).
 
 Objective: `latency` minimises one request's time (waves x (prefill + osl x decode step));
 `throughput` minimises GPU-milliseconds per output token.
@@ -251,10 +253,8 @@ def _dp_options(costs: ModelCosts, tp: int, max_dp: int, exhaustive: bool) -> li
     return sorted(keep)
 
 
-def _etp_options(costs: ModelCosts, ranks: int, exhaustive: bool) -> list[int]:
-    legal = [
-        e for e in _divisors(ranks) if not costs.num_experts or ranks // e <= costs.num_experts
-    ]
+def _etp_options(costs: ModelCosts, tp: int, ranks: int, exhaustive: bool) -> list[int]:
+    legal = [e for e in _divisors(tp) if not costs.num_experts or ranks // e <= costs.num_experts]
     if exhaustive or not legal:
         return legal
     dividing = [e for e in legal if costs.num_experts % (ranks // e) == 0]
@@ -275,7 +275,13 @@ def evaluate(
 ) -> Candidate | None:
     """Score one layout; None when it does not fit (or, with best_score, cannot beat it)."""
     world = pp * dp * tp
-    replicas = max(1, min(view.num_gpus // world, workload.concurrency))
+    if dp > workload.concurrency:
+        return None
+    # Latency: as many replicas as the GPUs hold while every dp rank keeps a sequence.
+    # Throughput: one replica serves them all (a copy would add GPUs in proportion).
+    replicas = max(1, min(view.num_gpus // world, workload.concurrency // dp))
+    if workload.objective == "throughput":
+        replicas = 1
     sequences = math.ceil(workload.concurrency / replicas)
     seqs_dp = math.ceil(sequences / dp)
     ep = dp * tp // etp
@@ -354,9 +360,9 @@ def search(
     evaluated = 0
     for tp in tp_options(costs, view):
         for pp in _pp_options(costs.num_layers, view.num_gpus // tp, exhaustive):
-            max_dp = view.num_gpus // (tp * pp)
+            max_dp = min(view.num_gpus // (tp * pp), workload.concurrency)
             for dp in _dp_options(costs, tp, max_dp, exhaustive):
-                for etp in _etp_options(costs, dp * tp, exhaustive):
+                for etp in _etp_options(costs, tp, dp * tp, exhaustive):
                     cand = evaluate(
                         costs, view, workload, pp=pp, dp=dp, tp=tp, etp=etp, constants=constants,
                     )  # fmt: skip
