@@ -1,0 +1,176 @@
+"""Request validation into OpenAI's error shape, and the bodies the server sends back.
+
+The expected shapes are OpenAI's published ones: the error object has message/type/param/code,
+a type mismatch is a 400 invalid_request_error, and the official `openai` client's own models
+parse the response bodies.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deploy.openai_protocol import (
+    MAX_BODY_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    chat_choice,
+    check_context,
+    completion_body,
+    parse_request,
+    text_choice,
+    usage,
+)
+
+
+def _parse(data, kind="completion"):
+    body = data if isinstance(data, bytes) else json.dumps(data).encode()
+    return parse_request(body, kind)
+
+
+def _error(data, kind="completion") -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        _parse(data, kind)
+    err = info.value
+    body = err.body()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert "\n" not in body["error"]["message"]
+    return err
+
+
+def test_valid_requests_parse():
+    req = _parse({"model": "m", "prompt": "hi", "max_tokens": 5, "stop": "x", "vendor_extra": 1})
+    assert isinstance(req, CompletionRequest)
+    assert req.prompts() == ["hi"] and req.stop == ["x"] and req.max_tokens == 5
+    assert _parse({"model": "m", "prompt": [1, 2, 3]}).prompts() == [[1, 2, 3]]
+    assert _parse({"model": "m", "prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    chat = _parse(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}],
+                },
+            ],
+            "max_completion_tokens": 7,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        "chat",
+    )
+    assert isinstance(chat, ChatCompletionRequest)
+    assert chat.budget() == 7 and chat.include_usage
+    assert chat.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "param"),
+    [
+        ({"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": "10"}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),
+        ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+        ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+        ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": "m", "prompt": 5}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": 7, "prompt": "x"}, "model"),
+        ({"prompt": "x"}, "model"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ],
+)
+def test_bad_completion_fields_are_400_naming_the_param(data, param):
+    err = _error(data)
+    assert err.status == 400
+    assert err.type == "invalid_request_error"
+    assert err.param == param
+    assert param in err.message
+
+
+@pytest.mark.parametrize(
+    ("data", "param"),
+    [
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": "m", "messages": "hello"}, "messages"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ],
+)
+def test_bad_chat_fields_are_400(data, param):
+    err = _error(data, "chat")
+    assert (err.status, err.param) == (400, param)
+
+
+def test_malformed_bodies():
+    assert _error(b"{not json").status == 400
+    assert "not valid JSON" in _error(b"{not json").message
+    assert _error(b"[1, 2]").status == 400
+    assert _error(b"\xff\xfe").status == 400
+    big = json.dumps({"model": "m", "prompt": "a" * MAX_BODY_BYTES}).encode()
+    err = _error(big)
+    assert (err.status, err.code) == (413, "request_too_large")
+
+
+def test_context_limit():
+    check_context(1000, 24, 1024, "prompt")
+    with pytest.raises(ProtocolError) as info:
+        check_context(1000, 25, 1024, "max_tokens")
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
+    assert "1024" in err.message and "1000" in err.message
+
+
+def test_error_types_by_status():
+    assert ProtocolError(401, "x").type == "authentication_error"
+    assert ProtocolError(404, "x", code="model_not_found").type == "invalid_request_error"
+    assert ProtocolError(503, "x").type == "server_error"
+
+
+def test_bodies_parse_with_the_official_openai_models():
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    u = usage(10, 4, 8)
+    assert u["total_tokens"] == 14
+    comp = Completion.model_validate(
+        completion_body(
+            request_id="cmpl-1",
+            model="m",
+            choices=[text_choice(0, "abc", "length")],
+            usage_=u,
+            chat=False,
+        )
+    )
+    assert comp.choices[0].text == "abc" and comp.usage.prompt_tokens_details.cached_tokens == 8
+    chat = ChatCompletion.model_validate(
+        completion_body(
+            request_id="chatcmpl-1",
+            model="m",
+            choices=[chat_choice(0, "hi", "stop", delta=False)],
+            usage_=u,
+            chat=True,
+        )
+    )
+    assert chat.choices[0].message.content == "hi" and chat.object == "chat.completion"
+    chunk = ChatCompletionChunk.model_validate(
+        completion_body(
+            request_id="chatcmpl-1",
+            model="m",
+            choices=[chat_choice(0, "h", None, delta=True)],
+            usage_=None,
+            chat=True,
+            chunk=True,
+        )
+    )
+    assert chunk.choices[0].delta.content == "h" and chunk.usage is None
