@@ -14,7 +14,10 @@ model_app = typer.Typer(
 
 
 def register(app: typer.Typer) -> None:
+    from placement import plan_cli
+
     app.add_typer(model_app, name="model")
+    plan_cli.register(app)
 
 
 @model_app.command("inspect")
