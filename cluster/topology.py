@@ -202,9 +202,9 @@ class Device:
 
     id: str
     kind: Literal["gpu", "nic", "cpu"]
+    name: str | None
     node: str
     local_id: str
-    name: str | None
     hbm_bytes: int | None = None
     peak_bf16_flops: float | None = None
     hbm_bandwidth_GBps: float | None = None
