@@ -5,7 +5,7 @@ may come from an untrusted Redis):
 
     offset size  field
     0      4     magic b"MKVB"
-    4      1     version (1)
+    4      1     version (2; version-1 blocks, BLAKE2b-checksummed, read as corrupt: a miss)
     5      1     codec id       0 raw, 1 int8, 2 fp8 (e4m3)
     6      1     compression id 0 none, 1 lz4 (block), 2 zstd
     7      1     dtype id of the original tensor (see _DTYPES)
@@ -16,8 +16,18 @@ may come from an untrusted Redis):
     60     4     number of float32 scales
     64     8     stored payload length in bytes (after compression)
     72     8     raw payload length in bytes (before compression)
-    80     16    checksum: BLAKE2b-128 over header (checksum zeroed) + scales + payload
+    80     16    checksum: XXH3-128 over bytes [0, 80) + bytes [96, end) (scales + payload)
     96     4*n   scales (float32), then the payload
+
+The checksum catches accidental corruption (torn writes, bit rot, truncation) at tens of GB/s; it
+is not a MAC. Misfiling is caught by the header key (the keyed BLAKE2b `BlockKey` digest), which
+every reader compares with the key it asked for.
+
+Trust ("verify once"): `encode_block` returns an `EncodedBlock`, a `bytes` subclass only this
+module constructs. Its bytes were produced here, checksummed here and cannot change afterwards
+(immutable), so the store admits one with `check_header` (magic, version, key, lengths) instead of
+re-hashing it. Bytes of any other origin (Redis, disk, the network, a caller's buffer) go
+through `verify_block`, checksum included.
 
 Quantisation is symmetric with one scale per slice along dim 0 ("per-block scales": for the
 paged layout [layers, 2, block_size, kv_heads, head_dim] one scale per layer; a 1-D tensor has
@@ -28,27 +38,31 @@ one scale). Stated error bounds, per slice with absmax A:
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from cache_service.block_key import DIGEST_BYTES, BlockKey
 from cache_service.errors import CacheConfigError, CorruptBlock
 
 MAGIC = b"MKVB"
-VERSION = 1
+VERSION = 2
 MAX_DIMS = 8
 MAX_RAW_BYTES = 256 * 2**20
 _HEADER = struct.Struct(f"<4sBBBBB3x{MAX_DIMS}I{DIGEST_BYTES}sIQQ{DIGEST_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_BYTES - DIGEST_BYTES
+_MAGIC_VERSION = struct.Struct("<4sB")
+_KEY_OFFSET = 12 + 4 * MAX_DIMS
+_KEY_LENGTHS = struct.Struct(f"<{DIGEST_BYTES}sIQ")
 
 CODECS = {"raw": 0, "int8": 1, "fp8": 2}
 COMPRESSIONS = {None: 0, "none": 0, "lz4": 1, "zstd": 2}
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
 _COMPRESSION_NAMES = {0: None, 1: "lz4", 2: "zstd"}
+_TRUST = object()
 _DTYPES: dict[int, torch.dtype] = {
     1: torch.float16,
     2: torch.bfloat16,
@@ -63,6 +77,22 @@ _DTYPES: dict[int, torch.dtype] = {
 _DTYPE_IDS = {v: k for k, v in _DTYPES.items()}
 _QUANTISABLE = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = 448.0
+
+
+class EncodedBlock(bytes):
+    """Bytes of a block `encode_block` just produced (immutable; checksum computed here).
+
+    Only `encode_block` makes these: the constructor refuses callers without the module's token,
+    so untrusted bytes cannot be labelled trusted by accident. Slicing or `bytes(...)` yields plain
+    bytes (untrusted again).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, data: bytes, *, token: object = None) -> EncodedBlock:
+        if token is not _TRUST:
+            raise TypeError("EncodedBlock is made only by codec.encode_block")
+        return super().__new__(cls, data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +122,10 @@ def encode_block(
     codec: str = "raw",
     compression: str | None = None,
 ) -> bytes:
-    """Encode one block tensor (any shape up to 8 dims) for `key`; returns header+scales+payload."""
+    """Encode one block tensor (any shape up to 8 dims) for `key`; returns header+scales+payload.
+
+    The result is an `EncodedBlock` (a `bytes`): the store admits it without re-hashing.
+    """
     if codec not in CODECS:
         raise CacheConfigError(f"codec={codec!r}; expected one of {sorted(CODECS)}")
     if compression not in COMPRESSIONS:
@@ -113,7 +146,7 @@ def encode_block(
         raise CacheConfigError(f"block payload {raw_len} bytes exceeds {MAX_RAW_BYTES}")
     # Step 2: compress.
     payload = _compress(payload, compression)
-    # Step 3: header with a zeroed checksum, then checksum over everything.
+    # Step 3: header, then the checksum over the header (less its checksum field) and the body.
     shape = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
     header = _HEADER.pack(
         MAGIC,
@@ -129,8 +162,8 @@ def encode_block(
         raw_len,
         b"\x00" * DIGEST_BYTES,
     )
-    checksum = _checksum(header, scales, payload)
-    return header[:_CHECKSUM_OFFSET] + checksum + scales + payload
+    checksum = _checksum(header[:_CHECKSUM_OFFSET], scales, payload)
+    return EncodedBlock(header[:_CHECKSUM_OFFSET] + checksum + scales + payload, token=_TRUST)
 
 
 def read_header(data: bytes | memoryview) -> KVBlockHeader:
@@ -142,7 +175,7 @@ def read_header(data: bytes | memoryview) -> KVBlockHeader:
     shape = fields[6 : 6 + MAX_DIMS]
     key, n_scales, payload_len, raw_len, checksum = fields[6 + MAX_DIMS :]
     if magic != MAGIC or version != VERSION:
-        raise CorruptBlock("header", f"bad magic/version {magic!r}/{version}")
+        raise CorruptBlock("header", f"bad magic/version {magic!r}/{version}; expected {VERSION}")
     if codec_id not in _CODEC_NAMES or comp_id not in _COMPRESSION_NAMES or dtype_id not in _DTYPES:
         raise CorruptBlock("header", f"unknown codec/compression/dtype id {codec_id}/{comp_id}")
     if ndim > MAX_DIMS or any(shape[ndim:]):
@@ -182,10 +215,37 @@ def verify_block(data: bytes | memoryview, *, expected_key: BlockKey) -> KVBlock
             "key_mismatch", f"block holds key {header.key.hex()}, expected {expected_key.hex}"
         )
     view = memoryview(data)
-    zeroed = bytes(view[:_CHECKSUM_OFFSET]) + b"\x00" * DIGEST_BYTES
-    if _checksum(zeroed, view[HEADER_BYTES:]) != header.checksum:
+    if _checksum(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]) != header.checksum:
         raise CorruptBlock("checksum", f"checksum mismatch in block {expected_key.hex}")
     return header
+
+
+def check_header(data: bytes, *, expected_key: BlockKey) -> None:
+    """The cheap check of a trusted block (an `EncodedBlock`): magic, version, key, total length.
+
+    No checksum: use it only for bytes whose checksum was computed in this process from bytes that
+    cannot have changed since; everything else goes through `verify_block`. Raises CorruptBlock.
+    """
+    if len(data) < HEADER_BYTES:
+        raise CorruptBlock("truncated", f"block of {len(data)} bytes is shorter than its header")
+    magic, version = _MAGIC_VERSION.unpack_from(data, 0)
+    if magic != MAGIC or version != VERSION:
+        raise CorruptBlock("header", f"bad magic/version {magic!r}/{version}; expected {VERSION}")
+    key, n_scales, payload_len = _KEY_LENGTHS.unpack_from(data, _KEY_OFFSET)
+    if key != expected_key.digest:
+        raise CorruptBlock(
+            "key_mismatch", f"block holds key {key.hex()}, expected {expected_key.hex}"
+        )
+    if len(data) != HEADER_BYTES + 4 * n_scales + payload_len:
+        raise CorruptBlock(
+            "truncated",
+            f"block is {len(data)} bytes, its header says {HEADER_BYTES + 4 * n_scales + payload_len}",
+        )
+
+
+def is_trusted(data: object) -> bool:
+    """True for bytes `encode_block` produced in this process (see the module docstring)."""
+    return type(data) is EncodedBlock
 
 
 def decode_block(data: bytes | memoryview, *, expected_key: BlockKey) -> torch.Tensor:
@@ -262,7 +322,8 @@ def _decompress(payload: memoryview, compression: str | None, raw_len: int) -> b
 
 
 def _checksum(*parts: bytes | memoryview) -> bytes:
-    digest = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"moe-kv-sum-v1")
+    """XXH3-128 (16 bytes, canonical big-endian form) over the parts in order."""
+    digest = xxhash.xxh3_128()
     for part in parts:
         digest.update(part)
     return digest.digest()

@@ -31,13 +31,20 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
     cache.close()                                 # also a context manager
 
 Semantics:
-  - `put` validates the block (header key == key, checksum) and raises InvalidBlock otherwise.
+  - `put` validates the block and raises InvalidBlock otherwise: a block `encode_block` made in
+    this process (an `EncodedBlock`: immutable, checksummed when made) gets the cheap header
+    check (magic, version, key, lengths); any other bytes are verified in full (checksum too).
     It writes to the top tier, and with write_through also to every shared tier; the return value
     is True when any of those tiers newly stored it (put-if-absent per tier, atomic in Redis and
     on disk; lower tiers are not consulted, so a block held only further down is re-stored). Blocks a tier evicts (or cannot fit: attention
     sinks and windows are protected) are demoted to the next tier down, recursively.
   - `get` tries the tiers in order; the first verified copy wins and is promoted into the top
-    tier. A copy that fails verification is a miss for that tier (metric
+    tier. Every copy read from Redis or disk is verified in full (header, key, checksum). A tier
+    whose `holds_verified` is True (the host tier without CUDA) hands back the very immutable
+    `bytes` objects that were verified when they entered it, so its reads skip re-hashing; the
+    store verifies whatever it demotes into such a tier from one that is not (the device tier).
+    Corrupted process memory is outside this threat model. A copy that fails verification is a
+    miss for that tier (metric
     moe_kv_corrupt_blocks_total{tier,reason}), is deleted there, and the next tier is tried.
   - A tier that is down (Redis) answers misses and skips writes; the cache keeps serving from the
     others and the tier reconnects by itself (circuit breaker in the Redis tier).
@@ -53,7 +60,7 @@ import time
 from collections.abc import Sequence
 
 from cache_service.block_key import BlockKey
-from cache_service.codec import verify_block
+from cache_service.codec import check_header, is_trusted, verify_block
 from cache_service.errors import CacheConfigError, CorruptBlock, InvalidBlock
 from cache_service.metrics import CacheMetrics
 from cache_service.namespace import CacheNamespace
@@ -150,12 +157,7 @@ class TieredCache:
         return self.put_many([(key, block)])[0]
 
     def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> list[bool]:
-        items = [(key, bytes(block)) for key, block in items]
-        for key, block in items:
-            try:
-                verify_block(block, expected_key=key)
-            except CorruptBlock as exc:
-                raise InvalidBlock(f"put of block {key.hex} refused: {exc}") from None
+        items = [(key, _admitted(key, block)) for key, block in items]
         stored = self._insert(0, items)
         if self.write_through:
             for index, tier in enumerate(self.tiers):
@@ -170,8 +172,11 @@ class TieredCache:
         pending = result.evicted
         below = index + 1
         while pending and below < len(self.tiers):
-            self.metrics.demotions.labels(tier=self.tiers[below - 1].name).inc(len(pending))
-            pending = self.tiers[below].put_many(pending).evicted
+            source, target = self.tiers[below - 1], self.tiers[below]
+            self.metrics.demotions.labels(tier=source.name).inc(len(pending))
+            if target.holds_verified and not source.holds_verified:
+                pending = [(k, d) for k, d in pending if self._verified(source, k, d)]
+            pending = target.put_many(pending).evicted
             below += 1
         return result.stored
 
@@ -195,8 +200,9 @@ class TieredCache:
             )
             still, corrupt = [], []
             hits = read = 0
+            trusted = tier.holds_verified
             for i, data in zip(todo, datas, strict=True):
-                if data is not None and self._verified(tier, keys[i], data):
+                if data is not None and (trusted or self._verified(tier, keys[i], data)):
                     found[i] = data
                     hits += 1
                     read += len(data)
@@ -318,6 +324,20 @@ class TieredCache:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _admitted(key: BlockKey, block: bytes) -> bytes:
+    """The block as immutable bytes once it passed the check its origin calls for (see module)."""
+    try:
+        if is_trusted(block):
+            check_header(block, expected_key=key)
+            return block
+        if type(block) is not bytes:
+            block = bytes(block)
+        verify_block(block, expected_key=key)
+    except CorruptBlock as exc:
+        raise InvalidBlock(f"put of block {key.hex} refused: {exc}") from None
+    return block
 
 
 def _tier_names(urls: Sequence[str]) -> list[str]:

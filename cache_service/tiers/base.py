@@ -52,6 +52,9 @@ class Tier(ABC):
     kind: str = ""
     shared: bool = False
     """True for tiers other replicas see (Redis): write-through targets."""
+    holds_verified: bool = False
+    """True when `get_many` returns the very immutable `bytes` objects the store put (each verified
+    on its way in), so the store need not verify them again. Never true for Redis or disk."""
 
     def __init__(self, *, name: str, capacity_bytes: int, metrics: CacheMetrics | None) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:

@@ -42,42 +42,47 @@ class MemoryTier(Tier):
         return stored
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        blocks, touch = self._blocks, self._policy.touch
         with self._lock:
             found = []
             for key in keys:
-                entry = self._blocks.get(key)
+                entry = blocks.get(key)
                 if entry is not None:
-                    self._policy.touch(key)
+                    touch(key)
                 found.append(entry)
-        return [None if entry is None else self._load(entry[0]) for entry in found]
+        load = self._load
+        return [None if entry is None else load(entry[0]) for entry in found]
 
     def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> PutResult:
         started = time.perf_counter()
         stored: list[bool] = []
         evicted: list[tuple[BlockKey, bytes]] = []
+        written = 0
+        blocks, policy, store = self._blocks, self._policy, self._store
         with self._lock:
             for key, data in items:
                 size = len(data)
-                if key in self._blocks:
-                    self._policy.touch(key)
+                if key in blocks:
+                    policy.touch(key)
                     stored.append(False)
                     continue
                 # Step 1: make room (the policy may refuse: sinks and windows are protected).
                 need = self._used + size - self.capacity_bytes
-                self._policy.note(key)
+                policy.note(key)
                 if need > 0:
                     evicted.extend(self._evict_locked(need))
-                if self._used + size > self.capacity_bytes:
-                    evicted.append((key, data))
-                    stored.append(False)
-                    continue
+                    if self._used + size > self.capacity_bytes:
+                        evicted.append((key, data))
+                        stored.append(False)
+                        continue
                 # Step 2: store and account.
-                self._blocks[key] = (self._store(data), size)
+                blocks[key] = (store(data), size)
                 self._used += size
-                self._policy.admit(key, size)
+                policy.admit(key, size)
                 stored.append(True)
-                self.metrics.bytes_written.labels(tier=self.name).inc(size)
+                written += size
             self.metrics.used_bytes.labels(tier=self.name).set(self._used)
+        self.metrics.bytes_written.labels(tier=self.name).inc(written)
         self.metrics.latency.labels(tier=self.name, op="put").observe(time.perf_counter() - started)
         return PutResult(stored=stored, evicted=evicted)
 

@@ -5,34 +5,31 @@ the run's size hash (member -> stored bytes); value keys are `<ARGV prefix><memb
 run's hash tag, so every script is valid on Redis Cluster.
 """
 
-# Put-if-absent of several blocks of one run, atomically with the index and byte accounting.
-# ARGV: ttl_ms (0 = none), score, then member_1, value_1, member_2, value_2, ...; KEYS[3..] are
-# the value keys in the same order. Returns {added_bytes, added_blocks, flag_1, flag_2, ...}
-# (flag 1 = newly stored). A member whose value expired (TTL) but is still indexed is re-stored
-# and its old size is replaced, not added twice.
-PUT = """
+# Index half of a put of several blocks of one run. It runs inside MULTI/EXEC, queued *before*
+# the plain `SET <value key> <value> NX [PX ttl]` commands of the same blocks, so no other client
+# runs in between: a value key absent now is exactly one whose SET NX will succeed. The values
+# themselves never pass through Lua (no extra copies inside Redis).
+# ARGV: ttl_ms (0 = none), score, then member_1, size_1, member_2, size_2, ...; KEYS[3..] are the
+# value keys in the same order. Returns {added_bytes, added_blocks, flag_1, flag_2, ...}
+# (flag 1 = will be newly stored). A member whose value expired (TTL) but is still indexed is
+# re-stored and its old size is replaced, not added twice.
+INDEX_PUT = """
 local ttl = tonumber(ARGV[1])
 local score = ARGV[2]
 local added_bytes, added_blocks = 0, 0
 local out = {0, 0}
 for i = 3, #KEYS do
   local j = 3 + (i - 3) * 2
-  local member, value = ARGV[j], ARGV[j + 1]
-  local ok
-  if ttl > 0 then
-    ok = redis.call('SET', KEYS[i], value, 'NX', 'PX', ttl)
-  else
-    ok = redis.call('SET', KEYS[i], value, 'NX')
-  end
-  if ok then
+  local member, size = ARGV[j], tonumber(ARGV[j + 1])
+  if redis.call('EXISTS', KEYS[i]) == 0 then
     local old = redis.call('HGET', KEYS[2], member)
     if old then
-      added_bytes = added_bytes + #value - tonumber(old)
+      added_bytes = added_bytes + size - tonumber(old)
     else
-      added_bytes = added_bytes + #value
+      added_bytes = added_bytes + size
       added_blocks = added_blocks + 1
     end
-    redis.call('HSET', KEYS[2], member, #value)
+    redis.call('HSET', KEYS[2], member, size)
     redis.call('ZADD', KEYS[1], score, member)
     out[#out + 1] = 1
   else

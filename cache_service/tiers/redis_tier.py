@@ -10,8 +10,11 @@ its run of 64, so a run shares one cluster slot and runs spread over the nodes):
     moe:kvruns:<ns>                    sorted set: run hex -> last use (eviction order of runs)
     moe:kvmeta:<ns>                    hash: bytes, blocks (the tier's byte accounting)
 
-A put runs one Lua script per run (put-if-absent + index + per-run sizes, atomic), then one
-pipeline updates the namespace totals. When the total exceeds the tier's budget the tier evicts
+A put is one MULTI/EXEC per batch (per run on Redis Cluster, where a transaction must stay in one
+slot): for each run an index script (put-if-absent decision + index + per-run sizes, values not
+passed) followed by plain `SET key value NX` of the run's blocks, so the bytes travel exactly as a
+raw pipelined SET does and the whole put stays atomic; then one pipeline updates the namespace
+totals. When the total exceeds the tier's budget the tier evicts
 least recently used blocks of the least recently used runs (a Lua script per run), found through
 its own index: it never deletes a key outside its namespace, never scans the keyspace, never
 flushes, and does not rely on Redis's maxmemory. Evicted values are returned for demotion.
@@ -274,21 +277,47 @@ class RedisTier(Tier):
         items = list(items)
         if not items:
             return PutResult(stored=[])
-        groups = self._by_run([key for key, _ in items])
+        # A key repeated within one batch is stored once; its later copies answer False.
+        groups: dict[str, list[int]] = {}
+        seen: set[BlockKey] = set()
+        for i, (key, _) in enumerate(items):
+            if key not in seen:
+                seen.add(key)
+                groups.setdefault(self._tag(key.run_tag), []).append(i)
+        expiry = ("PX", self.ttl_ms) if self.ttl_ms else ()
+
+        def queue(pipe: Any, run: str, idx: list[int], now: float) -> None:
+            index, sizes = self._index_keys(run)
+            value_keys = [self.value_key(items[i][0]) for i in idx]
+            argv: list[Any] = [self.ttl_ms, now]
+            for i in idx:
+                argv += [items[i][0].hex, len(items[i][1])]
+            # EVAL, not EVALSHA: inside MULTI a missing script would fail alone and let the SETs
+            # run unindexed. Redis caches the compiled script by its SHA1 either way.
+            pipe.execute_command(
+                "EVAL", redis_scripts.INDEX_PUT, 2 + len(idx), index, sizes, *value_keys, *argv
+            )
+            for name, i in zip(value_keys, idx, strict=True):
+                pipe.execute_command("SET", name, items[i][1], "NX", *expiry)
 
         def work(client: Any) -> list[bool]:
-            # Step 1: one put script per run (value + run index + run sizes, atomic).
-            sha = self._sha(client, "PUT")
+            # Step 1: per run, index script then SET NX of the values, in MULTI/EXEC.
             now = time.time()
-            pipe = client.pipeline(transaction=False)
-            for run, idx in groups.items():
-                index, sizes = self._index_keys(run)
-                value_keys = [self.value_key(items[i][0]) for i in idx]
-                argv: list[Any] = [self.ttl_ms, now]
-                for i in idx:
-                    argv += [items[i][0].hex, items[i][1]]
-                pipe.execute_command("EVALSHA", sha, 2 + len(idx), index, sizes, *value_keys, *argv)
-            replies = pipe.execute()
+            replies = []
+            if self.cluster:
+                for run, idx in groups.items():
+                    pipe = client.pipeline(transaction=True)
+                    queue(pipe, run, idx, now)
+                    replies.append(pipe.execute()[0])
+            else:
+                pipe = client.pipeline(transaction=True)
+                for run, idx in groups.items():
+                    queue(pipe, run, idx, now)
+                answers = pipe.execute()
+                pos = 0
+                for idx in groups.values():
+                    replies.append(answers[pos])
+                    pos += 1 + len(idx)
             # Step 2: namespace totals and run recency.
             stored = [False] * len(items)
             added_bytes = added_blocks = 0

@@ -8,12 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.block_key import BlockKey
-from cache_service.codec import HEADER_BYTES, decode_block, encode_block, read_header, verify_block
+from cache_service.codec import (
+    HEADER_BYTES,
+    EncodedBlock,
+    check_header,
+    decode_block,
+    encode_block,
+    is_trusted,
+    read_header,
+    verify_block,
+)
 from cache_service.errors import CacheConfigError, CorruptBlock
 
 KEY = BlockKey(digest=bytes(range(16)))
@@ -88,6 +98,12 @@ def test_raw_round_trip_any_shape(shape, compression, seed):
     assert out.shape == tensor.shape and torch.equal(out, tensor)
 
 
+def _layout_checksum(data: bytes) -> bytes:
+    """The documented checksum, computed with the xxhash library directly: XXH3-128 over bytes
+    [0, 80) and [96, end), canonical (big-endian) 16-byte form."""
+    return xxhash.xxh3_128_digest(data[:80] + data[96:])
+
+
 def _block(compression=None):
     tensor = torch.arange(2 * 16 * 4, dtype=torch.float16).reshape(2, 16, 4)
     return encode_block(tensor, key=KEY, compression=compression)
@@ -127,13 +143,7 @@ def test_decompression_bomb_is_refused():
     # Fix up lengths and checksum as an attacker would: only the size bound can stop it.
     fields = bytearray(forged)
     struct.pack_into("<Q", fields, 64, len(bomb))
-    import hashlib
-
-    fields[80:96] = b"\x00" * 16
-    digest = hashlib.blake2b(digest_size=16, person=b"moe-kv-sum-v1")
-    digest.update(bytes(fields[:96]))
-    digest.update(bytes(fields[96:]))
-    fields[80:96] = digest.digest()
+    fields[80:96] = _layout_checksum(bytes(fields))
     assert header.raw_bytes < 64 * 2**20
     with pytest.raises(CorruptBlock) as err:
         decode_block(bytes(fields), expected_key=KEY)
@@ -166,3 +176,54 @@ def test_no_code_executing_deserialisation_and_no_flush_anywhere():
         if forbidden.search(line)
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+def test_checksum_is_xxh3_128_of_the_documented_byte_ranges(compression):
+    data = _block(compression)
+    assert data[4] == 2  # codec version 2
+    assert data[80:96] == _layout_checksum(bytes(data))
+    assert data[44:60] == KEY.digest
+
+
+def test_a_version_1_block_is_corrupt_not_decoded():
+    """A version-1 header (the BLAKE2b era) with a self-consistent checksum is still refused."""
+    bad = bytearray(_block())
+    bad[4] = 1
+    bad[80:96] = _layout_checksum(bytes(bad))
+    with pytest.raises(CorruptBlock) as err:
+        verify_block(bytes(bad), expected_key=KEY)
+    assert err.value.reason == "header"
+
+
+def test_only_encode_block_makes_trusted_blocks():
+    data = _block()
+    assert is_trusted(data) and isinstance(data, bytes)
+    assert (
+        not is_trusted(bytes(data)) and not is_trusted(data[:]) and not is_trusted(bytearray(data))
+    )
+    with pytest.raises(TypeError):
+        EncodedBlock(bytes(data))
+
+
+def test_header_check_catches_key_magic_version_and_length_but_not_the_checksum():
+    data = _block()
+    check_header(data, expected_key=KEY)
+    with pytest.raises(CorruptBlock) as err:
+        check_header(data, expected_key=OTHER)
+    assert err.value.reason == "key_mismatch"
+    for cut in (data[:-1], data + b"x", data[:10]):
+        with pytest.raises(CorruptBlock) as err:
+            check_header(cut, expected_key=KEY)
+        assert err.value.reason == "truncated"
+    for offset in (0, 4):
+        bad = bytearray(data)
+        bad[offset] ^= 1
+        with pytest.raises(CorruptBlock) as err:
+            check_header(bytes(bad), expected_key=KEY)
+        assert err.value.reason == "header"
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    check_header(bytes(flipped), expected_key=KEY)  # by design: the payload is not hashed here
+    with pytest.raises(CorruptBlock):
+        verify_block(bytes(flipped), expected_key=KEY)

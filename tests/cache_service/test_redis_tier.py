@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from cache_service.codec import decode_block
+from cache_service.codec import HEADER_BYTES, decode_block
 from cache_service.errors import CacheConfigError
 from cache_service.store import TieredCache
 from tests.cache_service.kv_blocks import (
@@ -218,3 +218,26 @@ def test_acl_user_and_password(monkeypatch):
             assert cache.get(key) is not None
     finally:
         server.cleanup()
+
+
+def test_corrupt_value_in_redis_is_caught_before_it_reaches_the_host_tier(redis_url, ns):
+    """The host tier skips re-verification of its own blocks; what it promotes from Redis is
+    verified in full first."""
+    key = keys_for(1)[0]
+    with TieredCache.from_urls(
+        ["host://", redis_url],
+        capacities=[100 * BLOCK, 100 * BLOCK],
+        namespace=ns,
+        write_through=True,
+    ) as cache:
+        cache.put(key, block_for(key, 0))
+        host, shared = cache.tiers
+        host.delete([key])
+        bad = bytearray(block_for(key, 0))
+        bad[HEADER_BYTES + 7] ^= 0x40
+        raw = redis.Redis.from_url(redis_url)
+        raw.set(shared.value_key(key), bytes(bad))
+        raw.close()
+        assert cache.get(key) is None
+        assert host.contains([key]) == [False]
+        assert cache.metrics.value("moe_kv_corrupt_blocks_total", tier="redis", reason="checksum")

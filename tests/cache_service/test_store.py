@@ -226,3 +226,44 @@ def test_quantised_and_compressed_blocks_travel_through_the_tiers(tmp_path):
         for i, key in enumerate(keys):
             out = decode_block(cache.get(key), expected_key=key)
             assert float((out.float() - tensor_for(i).float()).abs().max()) < 0.05 + i * 0.01
+
+
+def test_put_of_untrusted_bytes_is_verified_in_full(tmp_path):
+    """Bytes not made by encode_block in this process (here: a copy) get the checksum too."""
+    key = keys_for(1)[0]
+    good = block_for(key, 0)
+    bad = bytearray(good)
+    bad[-1] ^= 1  # header and key intact: only the checksum can catch it
+    with _cache(tmp_path) as cache:
+        for untrusted in (bytes(bad), bad, memoryview(bytes(bad))):
+            with pytest.raises(InvalidBlock):
+                cache.put(key, untrusted)
+        assert cache.contains([key]) == [False]
+        assert cache.put(key, bytearray(good)) is True
+        assert cache.get(key) == good
+
+
+def test_demotion_from_the_device_tier_into_the_host_tier_is_verified(tmp_path):
+    keys = keys_for(3)
+    with _cache(tmp_path) as cache:
+        device, host = cache.tiers[0], cache.tiers[1]
+        cache.put_many([(k, block_for(k, i)) for i, k in enumerate(keys[:2])])
+        stored_tensor = device._blocks[keys[0]][0]
+        stored_tensor[-1] ^= 1  # device memory changed under the tier
+        cache.put(keys[2], block_for(keys[2], 2))  # evicts keys[0] (LRU) towards the host tier
+        assert host.contains([keys[0]]) == [False]
+        assert cache.metrics.value("moe_kv_corrupt_blocks_total", tier="device", reason="checksum")
+        assert cache.get(keys[0]) is None
+        assert torch.equal(decode_block(cache.get(keys[1]), expected_key=keys[1]), tensor_for(1))
+
+
+def test_host_tier_keeps_the_object_or_a_private_copy():
+    key = keys_for(1)[0]
+    block = block_for(key, 0)
+    for url, same in (("host://", True), ("host://?copy=1", False)):
+        with TieredCache.from_urls([url], capacities=[10 * BLOCK], namespace=namespace()) as cache:
+            cache.put(key, block)
+            got = cache.get(key)
+            assert got == block and (got is block) is same
+    with pytest.raises(CacheConfigError):
+        TieredCache.from_urls(["host://?copy=yes"], capacities=[BLOCK], namespace=namespace())
