@@ -199,11 +199,36 @@ class PagedContext:
     def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.cache.gather(layer, self.block_tables[seq], self.context_lens[seq])
 
+    def layer(self, index: int) -> LayerKV:
+        return LayerKV(context=self, index=index)
+
     def filled_blocks(self) -> list[int]:
         """Blocks whose last slot was written this step (their summaries need refreshing)."""
         b = self.cache.layout.block_size
         full = self.slot_mapping[(self.slot_mapping % b) == b - 1] // b
         return sorted(set(full.tolist()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKV:
+    """What one attention layer sees of a `PagedContext`: its own cache tensors."""
+
+    context: PagedContext
+    index: int
+
+    @property
+    def query_lens(self) -> tuple[int, ...]:
+        return self.context.query_lens
+
+    @property
+    def context_lens(self) -> tuple[int, ...]:
+        return self.context.context_lens
+
+    def write(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        self.context.write(self.index, k, v)
+
+    def gather(self, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.context.gather(self.index, seq)
 
 
 def slots_for(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:

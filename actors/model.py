@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from actors.layers.norm import RMSNorm
 from actors.layers.rope import RotaryEmbedding
 from actors.layers.share import Share, full
 from cluster.errors import InputError
+
+if TYPE_CHECKING:
+    from actors.kv_cache import PagedContext
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 Capture = dict[str, torch.Tensor] | None
@@ -73,8 +77,10 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         seq_lens: Sequence[int],
         capture: Capture,
+        paged: PagedContext | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, seq_lens)
+        kv = paged.layer(self.index) if paged is not None else None
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, kv)
         h = x + attn
         normed = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
@@ -176,10 +182,17 @@ class StageModel(nn.Module):
         seq_lens: Sequence[int],
         *,
         capture: Capture = None,
+        paged: PagedContext | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs: token ids [T] int64 (first stage) or hidden states [T, H]; positions [T] int64;
         seq_lens: lengths of the concatenated sequences (sum T). Returns logits [T, vocab] on the
-        last stage, else hidden states [T, H]."""
+        last stage, else hidden states [T, H].
+
+        paged: the step's KV cache view (`actors.kv_cache.PagedContext`); then `seq_lens` are the
+        new tokens of each sequence (its query lens) and attention reads the cached context.
+        logits_rows [R] int64: on the last stage, only these rows go through the norm and lm_head
+        (returns [R, vocab]; the engine asks only for the rows it samples)."""
         t = inputs.shape[0]
         if sum(seq_lens) != t or positions.shape != (t,):
             raise InputError(
@@ -193,9 +206,11 @@ class StageModel(nn.Module):
             x = inputs
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers.values():
-            x = layer(x, cos, sin, seq_lens, capture)
+            x = layer(x, cos, sin, seq_lens, capture, paged)
         if not self.last:
             return x
+        if logits_rows is not None:
+            x = x[logits_rows]
         x = self.norm(x)
         logits = self.lm_head(x)
         if capture is not None:

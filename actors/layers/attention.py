@@ -4,11 +4,18 @@ Tokens of several sequences are concatenated: x is [T, hidden] with `seq_lens` s
 each token attends causally within its own sequence (and within `sliding_window` when set).
 Tensor parallelism splits the query heads evenly over `tp_size` ranks; the output projection is
 row-parallel and `reduce` (the TP all-reduce, identity when None) sums the partial outputs.
+
+Two ways to run: dense (no cache; `seq_lens` are whole sequences, as the alignment tests use) and
+paged (`paged` is a `actors.kv_cache.LayerKV`: the flat batch holds each sequence's new tokens,
+their K/V (MLA: latents) are written into the paged cache, and each sequence attends to its whole
+cached context, the new tokens causally). Attention always runs one sequence at a time, so a
+sequence's result never depends on the other sequences of the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +27,11 @@ from actors.layers.rope import apply_rotary
 from actors.layers.share import Share, cols, full, rows
 from cluster.errors import InputError
 
+if TYPE_CHECKING:
+    from actors.kv_cache import LayerKV
+
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+Expand = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 def attend(
@@ -53,6 +64,39 @@ def attend(
         out[start:stop] = o.transpose(0, 1)
         start = stop
     return out
+
+
+def paged_attend(
+    q: torch.Tensor,
+    paged: LayerKV,
+    expand: Expand,
+    *,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its cached context (the new tokens included).
+
+    q [T, h, d] (sequence i contributes paged.query_lens[i] rows, the last ones of its
+    paged.context_lens[i] tokens); `expand(cached_k, cached_v)` turns what the cache holds for
+    one sequence into k [L, h, d], v [L, h, dv] (GQA: repeat KV heads; MLA: kv_b of the latent).
+    Returns [T, h, dv].
+    """
+    outs = []
+    start = 0
+    for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
+        k, v = expand(*paged.gather(seq))
+        qs = q[start : start + n].transpose(0, 1)
+        i = torch.arange(ctx - n, ctx, device=q.device)
+        j = torch.arange(ctx, device=q.device)
+        mask = j[None, :] <= i[:, None]
+        if window is not None:
+            mask &= j[None, :] > i[:, None] - window
+        o = F.scaled_dot_product_attention(
+            qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+        )
+        outs.append(o.transpose(0, 1))
+        start += n
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 
 
 def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -94,7 +138,12 @@ class GQAAttention(nn.Module):
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seq_lens: Sequence[int],
+        paged: LayerKV | None = None,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.arch.head_dim
         q = self.q_proj(x).view(t, self.heads, d)
@@ -104,9 +153,20 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin, interleave=False)
         k = apply_rotary(k, cos, sin, interleave=False)
-        o = attend(
-            q, k, v, seq_lens, scale=self.arch.softmax_scale, window=self.arch.sliding_window
-        )
+        if paged is None:
+            o = attend(
+                q, k, v, seq_lens, scale=self.arch.softmax_scale, window=self.arch.sliding_window
+            )
+        else:
+            paged.write(k, v)
+            rep = self.heads // self.kv_heads
+
+            def expand(ck, cv):
+                return ck.repeat_interleave(rep, dim=1), cv.repeat_interleave(rep, dim=1)
+
+            o = paged_attend(
+                q, paged, expand, scale=self.arch.softmax_scale, window=self.arch.sliding_window
+            )
         y = self.o_proj(o.reshape(t, self.heads * d))
         if self.reduce is not None:
             y = self.reduce(y)
@@ -169,7 +229,12 @@ class MLAttention(nn.Module):
         self.o_bias = nn.Parameter(torch.zeros(hid)) if bias else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_lens: Sequence[int]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seq_lens: Sequence[int],
+        paged: LayerKV | None = None,
     ) -> torch.Tensor:
         a, t, h = self.arch, x.shape[0], self.heads
         nope, rope, dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
@@ -183,16 +248,29 @@ class MLAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, rope], dim=-1)
         q_rot = apply_rotary(q_rot, cos, sin, interleave=a.rope.interleave)
         k_rot = apply_rotary(k_rot.view(t, 1, rope), cos, sin, interleave=a.rope.interleave)
-        # Step 3: per-head keys and values from the normalised latent.
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, h, nope + dv)
-        k_nope, v = kv.split([nope, dv], dim=-1)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(t, h, rope)), dim=-1)
-        o = attend(q, k, v, seq_lens, scale=a.softmax_scale)
+        # Step 3: per-head keys and values from the normalised latent (paged: the cache holds
+        # [normalised latent | rotated key] per token and the expansion runs over the context).
+        normed = self.kv_a_layernorm(latent)
+        if paged is None:
+            k, v = self._expand(torch.cat((normed, k_rot.view(t, rope)), dim=-1))
+            o = attend(q, k, v, seq_lens, scale=a.softmax_scale)
+        else:
+            paged.write(torch.cat((normed, k_rot.view(t, rope)), dim=-1), None)
+            o = paged_attend(q, paged, lambda c, _: self._expand(c), scale=a.softmax_scale)
         y = self.o_proj(o.reshape(t, h * dv))
         if self.reduce is not None:
             y = self.reduce(y)
         return y + self.o_bias if self.o_bias is not None else y
+
+    def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[L, kv_lora_rank + rope] (normalised latent, rotated key) -> k [L, h, d], v [L, h, dv]."""
+        a, n, h = self.arch, cached.shape[0], self.heads
+        nope, rope, dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        latent, k_rot = cached.split([a.kv_lora_rank, rope], dim=-1)
+        k_nope, v = self.kv_b_proj(latent).view(n, h, nope + dv).split([nope, dv], dim=-1)
+        k = torch.cat((k_nope, k_rot[:, None, :].expand(n, h, rope)), dim=-1)
+        return k, v
 
     def shares(self, prefix: str) -> list[Share]:
         a, hid = self.arch, self.arch.hidden_size

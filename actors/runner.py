@@ -1,0 +1,188 @@
+"""One engine step on the model: the step description (`StepInput`) and the in-process runner.
+
+`StepInput` is what the engine sends to every worker of a replica each step (DESIGN.md, "Engine
+and workers"): small tensors and tuples, no activations. A runner executes it and returns only
+the sampled token ids (and logprobs), never vocabulary-sized logits. Two runners implement the
+same interface:
+
+    runner.allocate_kv(num_blocks, block_size) -> KVLayout   # (re)create an empty paged cache
+    runner.execute(step: StepInput) -> StepOutput             # forward + sample
+    runner.read_block(block_id) -> Tensor                     # KVLayout.block_shape, CPU
+    runner.write_block(block_id, data: Tensor) -> None
+    runner.kv_layout: KVLayout; runner.arch: ArchConfig
+
+`LocalRunner` (here) is one rank holding every layer: tests and single-GPU serving without Ray.
+The Ray replica (`actors/replica.py`) is to accept the same `StepInput`: every rank runs its layers
+with a `PagedContext` over its own `KVCache` (its layers, its KV heads), the last stage's TP rank 0
+applies `actors.sampler.sample` to the logits of the `sample_seqs` rows and returns the
+`StepOutput`; `read_block`/`write_block` fan out to every rank, each storing its part of a block
+under its own layer-group key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.arch import ArchConfig
+from actors.kv_cache import KVCache, KVLayout, PagedContext
+from actors.model import StageModel
+from actors.sampler import RowSampling, TokenLogprob, sample
+from cluster.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInput:
+    """One step of continuous batching: the new tokens of every scheduled sequence.
+
+    T is the total number of new tokens, S the number of sequences.
+    """
+
+    token_ids: torch.Tensor
+    """[T] int64: sequence 0's new tokens, then sequence 1's, ..."""
+    positions: torch.Tensor
+    """[T] int64: each token's index in its sequence."""
+    query_lens: tuple[int, ...]
+    """[S]: new tokens per sequence (a prefill chunk, or 1 for a decode)."""
+    context_lens: tuple[int, ...]
+    """[S]: tokens of the sequence in the cache after this step (cached prefix + new)."""
+    block_tables: tuple[tuple[int, ...], ...]
+    """[S][blocks]: global KV block ids of each sequence, covering context_lens[i] tokens."""
+    slot_mapping: torch.Tensor
+    """[T] int64: block_id * block_size + offset where each new token's K/V are written."""
+    sample_seqs: tuple[int, ...]
+    """Indices of the sequences whose last new token is sampled (their prompt is complete)."""
+    sampling: tuple[RowSampling, ...]
+    """One per entry of sample_seqs."""
+    per_sequence: bool = False
+    """Batch-invariant mode: run the model over one sequence at a time, so no matrix product mixes
+    rows of different sequences (CPU/GPU GEMMs give row results that depend on the row count)."""
+
+    def __post_init__(self) -> None:
+        t, s = int(self.token_ids.shape[0]), len(self.query_lens)
+        if sum(self.query_lens) != t or self.positions.shape != (t,):
+            raise InputError(f"step: query_lens sum {sum(self.query_lens)} != {t} new tokens")
+        if self.slot_mapping.shape != (t,):
+            raise InputError(f"step: slot_mapping {tuple(self.slot_mapping.shape)} for {t} tokens")
+        if len(self.context_lens) != s or len(self.block_tables) != s:
+            raise InputError(f"step: context_lens/block_tables must have one entry per {s} seqs")
+        if len(self.sampling) != len(self.sample_seqs):
+            raise InputError(
+                f"step: {len(self.sampling)} sampling rows for {len(self.sample_seqs)} sampled seqs"
+            )
+
+    def sub(self, seq: int) -> StepInput:
+        """The step restricted to sequence `seq` (sampled or not)."""
+        start = sum(self.query_lens[:seq])
+        stop = start + self.query_lens[seq]
+        rows = [r for r, s in enumerate(self.sample_seqs) if s == seq]
+        return StepInput(
+            token_ids=self.token_ids[start:stop],
+            positions=self.positions[start:stop],
+            query_lens=(self.query_lens[seq],),
+            context_lens=(self.context_lens[seq],),
+            block_tables=(self.block_tables[seq],),
+            slot_mapping=self.slot_mapping[start:stop],
+            sample_seqs=(0,) if rows else (),
+            sampling=tuple(self.sampling[r] for r in rows),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    token_ids: tuple[int, ...]
+    """One sampled token per entry of StepInput.sample_seqs."""
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+class LocalRunner:
+    """All layers of a model in this process (world size 1), with its paged KV cache."""
+
+    def __init__(self, model: StageModel, *, device: torch.device | str = "cpu") -> None:
+        if not (model.first and model.last):
+            raise InputError("LocalRunner needs a StageModel holding every layer (first and last)")
+        self.model, self.device = model, torch.device(device)
+        self.arch: ArchConfig = model.arch
+        self.dtype = next(model.parameters()).dtype
+        self.kv: KVCache | None = None
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, *, device: str = "cpu") -> LocalRunner:
+        from actors.weights import load_stage_model
+
+        arch_layers = _num_layers(model_dir)
+        model, _ = load_stage_model(model_dir, layer_range=(0, arch_layers), device=device)
+        return cls(model, device=device)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv has not been called")
+        return self.kv.layout
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> KVLayout:
+        """A fresh, empty paged cache of `num_blocks` blocks (drops any previous one)."""
+        layout = KVLayout.for_stage(
+            self.arch,
+            block_size=block_size,
+            layer_range=self.model.layer_range,
+            dtype=self.dtype,
+        )
+        self.kv = None
+        self.kv = KVCache(layout, num_blocks, self.device)
+        return layout
+
+    def forward(self, step: StepInput, *, all_rows: bool = False) -> torch.Tensor:
+        """Logits of the last new token of each sampled sequence [len(sample_seqs), V] float32;
+        with `all_rows`, of every new token [T, V] (teacher forcing in tests)."""
+        if self.kv is None:
+            raise RuntimeError("allocate_kv has not been called")
+        if step.per_sequence and len(step.query_lens) > 1:
+            parts = [
+                self.forward(step.sub(i), all_rows=all_rows) for i in range(len(step.query_lens))
+            ]
+            if all_rows:
+                return torch.cat(parts)
+            by_seq = {i: p for i, p in enumerate(parts) if p.shape[0]}
+            return (
+                torch.cat([by_seq[s] for s in step.sample_seqs]) if step.sample_seqs else parts[0]
+            )
+        ctx = PagedContext(
+            cache=self.kv,
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
+            block_tables=step.block_tables,
+            slot_mapping=step.slot_mapping.to(self.device),
+        )
+        rows = None
+        if not all_rows:
+            ends = torch.cumsum(torch.tensor(step.query_lens), 0) - 1
+            rows = ends[list(step.sample_seqs)].to(self.device)
+        logits = self.model(
+            step.token_ids.to(self.device),
+            step.positions.to(self.device),
+            step.query_lens,
+            paged=ctx,
+            logits_rows=rows,
+        )
+        self.kv.update_summaries(ctx.filled_blocks())
+        return logits.float().cpu()
+
+    def execute(self, step: StepInput) -> StepOutput:
+        logits = self.forward(step)
+        tokens, logprobs = sample(logits, step.sampling)
+        return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        return self.kv.read_block(block_id)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        self.kv.write_block(block_id, data)
+
+
+def _num_layers(model_dir: str | Path) -> int:
+    from actors.weights import CheckpointIndex
+
+    return CheckpointIndex.open(model_dir).arch().num_layers
