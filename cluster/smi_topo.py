@@ -137,7 +137,7 @@ def parse_smi_topo(text: str, *, origin: str = "nvidia-smi topo -m") -> SmiTopo:
             nics.append(SmiDevice(id=ids[col], name=name))
     paths: dict[tuple[str, str], str] = {}
     for a_pos, a in enumerate(devices):
-        line_no, cells, _ = rows[a]
+        _, cells, _ = rows[a]
         for b_pos in range(a_pos + 1, len(devices)):
             paths[(ids[a], ids[devices[b_pos]])] = cells[b_pos]
     return SmiTopo(gpus=tuple(gpus), nics=tuple(nics), paths=paths)
