@@ -2,14 +2,23 @@
 
 Every figure is a ratio measured side by side in one run (DESIGN.md, performance standard):
 - `redis` rows: put/get through TieredCache's Redis tier against raw redis-py pipelined SET/GET of
-  the very same encoded bytes, in batches of the same size (`batch_bytes`), same Redis;
-- `grpc` rows (extra): the same through CacheClient -> CacheServer (in this process) -> a
-  Redis-only TieredCache, against the same raw redis-py figures;
-- `host` rows: put/get through the host tier against a plain memory copy of the same bytes
-  (`memoryview` slice assignment into a preallocated buffer, i.e. memcpy);
+  the very same encoded bytes, in batches of the same size (`batch_bytes`, one pipeline per
+  batch), same Redis;
+- `grpc+redis` rows (extra): the same through CacheClient -> CacheServer -> a Redis-only
+  TieredCache, the server in a separate Python process (its own GIL), against the same raw
+  redis-py figures;
+- `host` rows: put/get through the host tier, which keeps a reference to the immutable block
+  (no copy), against a plain memory copy of the same bytes (`memoryview` slice assignment into a
+  preallocated buffer of one block, i.e. memcpy); `host copy` rows: the host tier with `?copy=1`,
+  which copies every block into fresh memory at put (reads still return the stored object),
+  against copying every block into its own slot of a pre-touched arena of all the bytes
+  (`memory copy, resident`: the copies stay resident, as the tier's do);
 - LongestPrefix of a 1M-token prefix (62,500 keys of 16 tokens), all present, per tier.
-GB/s = 10^9 bytes per second of block bytes; each row reports the best of `repeats` timed passes
-(tiers are put-if-absent, so every pass starts from an empty namespace).
+The blocks are what the engine puts: `encode_block` output (`EncodedBlock`), which the store
+admits with a header check; reads from Redis are verified in full (header, key, XXH3 checksum).
+GB/s = 10^9 bytes per second of block bytes. The contenders of one block size run interleaved
+(pass 1 of each, then pass 2 of each, ...), so load from other jobs hits them alike; each row
+reports the best of `repeats` passes (tiers are put-if-absent, so every pass starts empty).
 
 It writes only under a fresh namespace `bench-<random>` and raw keys `moe:bench-raw:<that>:*`,
 and deletes exactly those keys afterwards; at most `bytes_per_size` bytes are live per row.
@@ -17,10 +26,13 @@ and deletes exactly those keys afterwards; at most `bytes_per_size` bytes are li
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import subprocess
+import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -104,6 +116,14 @@ def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = lambda _
         "longest_prefix_ms_1m_by_tier": prefix_ms,
         "prefix_blocks": config.prefix_blocks,
         "namespace": deployment,
+        "notes": {
+            "redis": "TieredCache, Redis tier only; puts of encode_block output (header check), "
+            "gets verified in full (header, key, XXH3-128)",
+            "grpc+redis": "CacheClient -> CacheServer in a separate Python process -> Redis tier",
+            "host": "stores a reference to the immutable block (no copy); gets return it",
+            "host copy": "host://?copy=1: copies each block into fresh memory at put",
+            "order": "contenders of one block size interleaved pass by pass; best of repeats",
+        },
         "goal": {
             "min_ratio_vs_raw_redis": GOAL_RATIO,
             "worst_ratio": worst,
@@ -117,114 +137,161 @@ def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = lambda _
 def _size_rows(
     config: BenchConfig, raw, deployment: str, size: int, progress: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """The redis, grpc and host rows of one block size."""
-    from cache_service.server import CacheServer, ServerConfig
-
+    """The redis, grpc+redis, host and host copy rows of one block size, measured interleaved."""
     keys, blocks = _blocks(size, max(1, config.bytes_per_size // size), seed=size)
     per_batch = max(1, config.batch_bytes // size)
     batches = [
         list(range(i, min(i + per_batch, len(keys)))) for i in range(0, len(keys), per_batch)
     ]
     total = sum(len(b) for b in blocks)
-    measure = _Measure(config.repeats, batches, total)
     progress(f"bench cache: {len(blocks)} blocks of {size} bytes")
+    capacity = 2 * total + 64 * MiB
+    with contextlib.ExitStack() as stack:
+        ops: dict[str, tuple[Callable, Callable, Callable]] = {}
+        # Step 1: raw redis-py, pipelined SET/GET of the same bytes, one pipeline per batch.
+        names = [f"moe:bench-raw:{deployment}:{i}".encode() for i in range(len(keys))]
 
-    # Step 1: raw redis-py, pipelined SET/GET of the same bytes.
-    names = [f"moe:bench-raw:{deployment}:{i}".encode() for i in range(len(keys))]
+        def raw_put(batch: list[int]) -> None:
+            pipe = raw.pipeline(transaction=False)
+            for i in batch:
+                pipe.set(names[i], blocks[i])
+            pipe.execute()
 
-    def raw_put(batch: list[int]) -> None:
-        pipe = raw.pipeline(transaction=False)
-        for i in batch:
-            pipe.set(names[i], blocks[i])
-        pipe.execute()
+        def raw_get(batch: list[int]) -> list[bytes | None]:
+            pipe = raw.pipeline(transaction=False)
+            for i in batch:
+                pipe.get(names[i])
+            return pipe.execute()
 
-    def raw_get(batch: list[int]) -> list[bytes | None]:
-        pipe = raw.pipeline(transaction=False)
-        for i in batch:
-            pipe.get(names[i])
-        return pipe.execute()
+        ops["raw redis"] = (raw_put, raw_get, lambda: raw.delete(*names))
+        # Step 2: the Redis tier of a TieredCache.
+        cache = stack.enter_context(_cache([config.redis_url], capacity, f"{deployment}-r"))
+        ops["redis"] = _store_ops(cache, keys, blocks)
+        # Step 3 (extra): the same through the gRPC service, served by another process.
+        if config.with_grpc:
+            client = stack.enter_context(
+                _served_client(config.redis_url, f"{deployment}-g", capacity)
+            )
+            ops["grpc+redis"] = _store_ops(client, keys, blocks)
+        # Step 4: memory copy, host tier by reference, host tier copying at put.
+        target = bytearray(size)
 
-    raw_put_gbps, raw_get_gbps = measure(raw_put, raw_get, lambda: raw.delete(*names), "raw redis")
-    rows = []
-    # Step 2: the Redis tier of a TieredCache.
-    with _cache([config.redis_url], 2 * total + 64 * MiB, f"{deployment}-r") as cache:
-        put, get, clear = _store_ops(cache, keys, blocks)
-        gbps = measure(put, get, clear, "redis tier")
-        rows.append(
-            _row("redis", size, len(blocks), gbps, (raw_put_gbps, raw_get_gbps), "redis-py")
-        )
-        clear()
-    # Step 3 (extra): the same through the gRPC service.
+        def copy(batch: list[int]) -> list[bytes]:
+            for i in batch:
+                target[: len(blocks[i])] = blocks[i]
+            return []
+
+        ops["memory copy"] = (copy, copy, lambda: None)
+        # The copy variant keeps every block resident, so its fair baseline copies each block
+        # into its own slot of a pre-touched arena of `total` bytes (no cache reuse, no faults).
+        arena = memoryview(bytearray(b"\x01") * total)
+        offsets = [0]
+        for block in blocks:
+            offsets.append(offsets[-1] + len(block))
+
+        def copy_resident(batch: list[int]) -> list[bytes]:
+            for i in batch:
+                arena[offsets[i] : offsets[i + 1]] = blocks[i]
+            return []
+
+        ops["memory copy, resident"] = (copy_resident, copy_resident, lambda: None)
+        for name, url in (("host", "host://"), ("host copy", "host://?copy=1")):
+            cache = stack.enter_context(_cache([url], capacity, f"{deployment}-h"))
+            ops[name] = _store_ops(cache, keys, blocks)
+        best = _interleaved(ops, config.repeats, batches, total)
+    redis_base, copy_base = best["raw redis"], best["memory copy"]
+    rows = [_row("redis", size, len(blocks), best["redis"], redis_base, "redis-py")]
     if config.with_grpc:
-        with _cache([config.redis_url], 2 * total + 64 * MiB, f"{deployment}-g") as cache:
-            server = CacheServer(cache, ServerConfig(port=0))
-            server.start()
-            try:
-                from cache_service.client import CacheClient
-
-                with CacheClient(server.address, timeout_s=120) as client:
-                    put, get, clear = _store_ops(client, keys, blocks)
-                    gbps = measure(put, get, clear, "grpc")
-                    rows.append(
-                        _row(
-                            "grpc+redis",
-                            size,
-                            len(blocks),
-                            gbps,
-                            (raw_put_gbps, raw_get_gbps),
-                            "redis-py",
-                        )
-                    )
-                    clear()
-            finally:
-                server.stop(grace_s=1.0)
-    # Step 4: the host tier against a memory copy.
-    target = bytearray(size)
-
-    def copy(batch: list[int]) -> list[bytes]:
-        for i in batch:
-            target[: len(blocks[i])] = blocks[i]
-        return []
-
-    copy_gbps = measure(copy, copy, lambda: None, "memory copy", check=False)
-    with _cache(["host://"], 2 * total + 64 * MiB, f"{deployment}-h") as cache:
-        put, get, clear = _store_ops(cache, keys, blocks)
-        gbps = measure(put, get, clear, "host tier")
-        rows.append(_row("host", size, len(blocks), gbps, copy_gbps, "memory copy"))
+        rows.append(
+            _row("grpc+redis", size, len(blocks), best["grpc+redis"], redis_base, "redis-py")
+        )
+    rows.append(_row("host", size, len(blocks), best["host"], copy_base, "memory copy"))
+    rows.append(
+        _row(
+            "host copy",
+            size,
+            len(blocks),
+            best["host copy"],
+            best["memory copy, resident"],
+            "memory copy, resident",
+        )
+    )
     return rows
 
 
-class _Measure:
-    """Best-of-`repeats` put and get bandwidth over the same batches."""
-
-    def __init__(self, repeats: int, batches: list[list[int]], total: int) -> None:
-        self.repeats, self.batches, self.total = repeats, batches, total
-
-    def __call__(
-        self,
-        put: Callable[[list[int]], Any],
-        get: Callable[[list[int]], Sequence[bytes | None]],
-        clear: Callable[[], Any],
-        label: str,
-        *,
-        check: bool = True,
-    ) -> tuple[float, float]:
-        best_put = best_get = float("inf")
-        for _ in range(self.repeats):
+def _interleaved(
+    ops: dict[str, tuple[Callable, Callable, Callable]],
+    repeats: int,
+    batches: list[list[int]],
+    total: int,
+) -> dict[str, tuple[float, float]]:
+    """Best-of-`repeats` (put, get) GB/s per contender; pass r of every contender runs before
+    pass r + 1 of any. Each pass: clear, put every batch, get every batch, clear."""
+    best = {name: (float("inf"), float("inf")) for name in ops}
+    for _ in range(repeats):
+        for name, (put, get, clear) in ops.items():
             clear()
             started = time.perf_counter()
-            for batch in self.batches:
+            for batch in batches:
                 put(batch)
-            best_put = min(best_put, time.perf_counter() - started)
+            put_s = time.perf_counter() - started
             started = time.perf_counter()
             read = 0
-            for batch in self.batches:
+            for batch in batches:
                 read += sum(len(b) for b in get(batch) if b is not None)
-            best_get = min(best_get, time.perf_counter() - started)
-            if check and read != self.total:
-                raise RuntimeError(f"bench {label}: read {read} of {self.total} bytes written")
-        clear()
-        return self.total / best_put / 1e9, self.total / best_get / 1e9
+            get_s = time.perf_counter() - started
+            clear()
+            if not name.startswith("memory copy") and read != total:
+                raise RuntimeError(f"bench {name}: read {read} of {total} bytes written")
+            best[name] = (min(best[name][0], put_s), min(best[name][1], get_s))
+    return {name: (total / p / 1e9, total / g / 1e9) for name, (p, g) in best.items()}
+
+
+@contextlib.contextmanager
+def _served_client(redis_url: str, deployment: str, capacity: int) -> Iterator[Any]:
+    """A CacheClient of a CacheServer running in a child Python process (`serve_for_bench`).
+
+    The child prints its address on stdout and stops when its stdin closes."""
+    from cache_service.client import CacheClient
+
+    code = (
+        "import sys; from cache_service.bench import serve_for_bench; "
+        "serve_for_bench(sys.argv[1], sys.argv[2], int(sys.argv[3]))"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, redis_url, deployment, str(capacity)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = child.stdout.readline().strip() if child.stdout else ""
+        if not address:
+            raise RuntimeError(f"bench: the cache server process exited ({child.wait()})")
+        with CacheClient(address, timeout_s=120) as client:
+            yield client
+    finally:
+        if child.stdin:
+            child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def serve_for_bench(redis_url: str, deployment: str, capacity: int) -> None:
+    """Child process of the bench: serve a Redis-only cache on a free port until stdin closes."""
+    from cache_service.server import CacheServer, ServerConfig
+
+    with _cache([redis_url], capacity, deployment) as cache:
+        server = CacheServer(cache, ServerConfig(port=0))
+        server.start()
+        try:
+            print(server.address, flush=True)
+            sys.stdin.read()
+        finally:
+            server.stop(grace_s=1.0)
 
 
 def _store_ops(store, keys, blocks):
@@ -302,9 +369,7 @@ def _longest_prefix(config: BenchConfig, deployment: str, progress) -> dict[str,
     """Best-of-repeats LongestPrefix over `prefix_blocks` keys, all present, per tier; ms."""
     import torch
 
-    from cache_service.client import CacheClient
     from cache_service.codec import encode_block
-    from cache_service.server import CacheServer, ServerConfig
 
     keys = _keys(config.prefix_blocks, seed=7)
     tiny = torch.zeros(1, dtype=torch.uint8)
@@ -329,14 +394,9 @@ def _longest_prefix(config: BenchConfig, deployment: str, progress) -> dict[str,
         results["host"] = timed(cache)
     with _cache([config.redis_url], 256 * MiB, f"{deployment}-pr") as cache:
         results["redis"] = timed(cache)
-        if config.with_grpc:
-            server = CacheServer(cache, ServerConfig(port=0))
-            server.start()
-            try:
-                with CacheClient(server.address, timeout_s=120) as client:
-                    results["grpc+redis"] = timed(client)
-            finally:
-                server.stop(grace_s=1.0)
+    if config.with_grpc:
+        with _served_client(config.redis_url, f"{deployment}-pg", 256 * MiB) as client:
+            results["grpc+redis"] = timed(client)
     return results
 
 

@@ -31,13 +31,18 @@ def test_quick_bench_json_shape_and_cleanup(moectl, redis_url, tmp_path):
     assert json.loads(out.read_text()) == result
     rows = result["rows"]
     assert {(r["tier"], r["block_bytes"]) for r in rows} == {
-        (tier, size) for tier in ("redis", "grpc+redis", "host") for size in (65536, 262144)
+        (tier, size)
+        for tier in ("redis", "grpc+redis", "host", "host copy")
+        for size in (65536, 262144)
     }
     for row in rows:
         assert set(row) >= ROW_FIELDS
         for field in ROW_FIELDS - {"tier", "block_bytes"}:
             assert row[field] > 0, (row["tier"], field)
-        assert row["baseline"] == ("memory copy" if row["tier"] == "host" else "redis-py")
+        assert row["baseline"] == {
+            "host": "memory copy",
+            "host copy": "memory copy, resident",
+        }.get(row["tier"], "redis-py")
     assert result["longest_prefix_ms_1m"] > 0
     assert set(result["longest_prefix_ms_1m_by_tier"]) == {"host", "redis", "grpc+redis"}
     assert result["goal"]["met"] == (result["goal"]["worst_ratio"] >= 0.8)
