@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `moectl` console script; always ends with SystemExit(code)."""
     user_errors = _user_error_types()
     try:
-        app(args=argv, standalone_mode=False, prog_name="moectl")
+        # In non-standalone mode typer returns a command's `typer.Exit` code instead of raising it.
+        rc = app(args=argv, standalone_mode=False, prog_name="moectl")
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     except user_errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(getattr(exc, "exit_code", 2))
-    sys.exit(0)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

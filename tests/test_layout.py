@@ -44,3 +44,19 @@ def test_unknown_command_is_a_usage_error(moectl):
     code, _, err = moectl("no-such-command")
     assert code == 2
     assert "no-such-command" in err
+
+
+def test_a_command_exit_code_reaches_the_shell():
+    """typer returns (not raises) a command's Exit code in non-standalone mode: main must keep it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import typer, deploy.cli as c\n"
+        "@c.app.command('exit-seven')\n"
+        "def _x():\n"
+        "    raise typer.Exit(7)\n"
+        "c.main(['exit-seven'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
