@@ -38,7 +38,13 @@ def _optional_clis() -> list:
     import importlib
 
     found = []
-    for name in ("actors.cli", "cache_service.cli", "deploy.serve_cli"):
+    for name in (
+        "actors.cli",
+        "cache_service.cli",
+        "deploy.serve_cli",
+        "deploy.adapt_cli",
+        "deploy.render_cli",
+    ):
         try:
             found.append(importlib.import_module(name))
         except ModuleNotFoundError as exc:
