@@ -1,0 +1,495 @@
+"""The engine of one model replica: requests in, streamed tokens out, one runner step at a time.
+
+    engine = Engine.from_checkpoint(model_dir, num_blocks=256, max_num_batched_tokens=256,
+                                    max_num_seqs=16, cache=tiered_cache_or_None)
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=32, temperature=0.7, seed=1))
+    while engine.has_unfinished():
+        for out in engine.step(): ...          # RequestOutput deltas
+
+A step (DESIGN.md, "Data flow"):
+Step 1: the scheduler picks (sequence, chunk) pairs within the token budget, matching prefixes of
+        newly admitted sequences (device blocks by chained key, then the cache tiers) and
+        preempting when blocks run out.
+Step 2: one `StepInput` goes to the runner (in-process, or the Ray replica's fan-out), which
+        writes the new K/V, attends over the paged cache, and samples the completed sequences.
+Step 3: newly full blocks are registered under their keys; sampled tokens are appended,
+        detokenised, checked against stop conditions; finished sequences' blocks are written down
+        the tiers (as are preempted ones') and released.
+
+Batch invariance (`batch_invariant=True`, the default): the runner runs the model one sequence at
+a time and prefill chunks have a fixed size, so a request's greedy tokens do not depend on what
+else is in the batch: every operation of a sequence sees the same shapes alone or batched. What
+still varies: a request whose prefix was cached, or that was preempted and recomputed, reads KV
+computed in differently sized chunks, equal to ~1e-6 relative, not bitwise (greedy tokens agree
+unless two logits tie within that).
+
+Imports: torch, tokenizers (lazily, from_checkpoint only) and `cache_service` modules that need
+only the standard library; never pydantic, redis, ray or grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors.block_manager import BlockKeyer, BlockManager
+from actors.detokenizer import IncrementalDetokenizer
+from actors.kv_cache import slots_for
+from actors.kv_tiers import BlockCache, KVTiers
+from actors.runner import StepInput
+from actors.sampler import RowSampling, SamplingParams, TokenLogprob
+from actors.scheduler import Scheduler, SchedulerConfig, Sequence
+from cluster.errors import InputError
+
+__all__ = ["AsyncEngine", "Engine", "RequestOutput", "SamplingParams", "TokenLogprob"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """What one step produced for one request (a delta; `finished` ends the stream)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    """'stop' (EOS, a stop token id or a stop string), 'length' (max_tokens) or 'abort'."""
+    logprobs: tuple[TokenLogprob, ...] | None
+    """One per new token when the request asked for logprobs."""
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose KV came from the cache (device prefix blocks or the tiers)."""
+
+
+class Engine:
+    """Continuous batching over one runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        tokenizer: Any,
+        block_size: int = 16,
+        num_blocks: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        cache: BlockCache | None = None,
+        cache_key_secret: bytes,
+        weights_fingerprint: str,
+        eos_token_id: int | None = None,
+        batch_invariant: bool = True,
+        cache_codec: str = "raw",
+        cache_compression: str | None = None,
+    ) -> None:
+        if batch_invariant and max_num_batched_tokens < max_num_seqs:
+            raise InputError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
+                f"max_num_seqs={max_num_seqs} (room for one decode token per sequence)"
+            )
+        config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            chunk_size=max_num_batched_tokens - max_num_seqs + 1 if batch_invariant else None,
+        )
+        self.runner, self.tokenizer, self.eos_token_id = runner, tokenizer, eos_token_id
+        self.batch_invariant = batch_invariant
+        layout = runner.allocate_kv(num_blocks, block_size)
+        self.block_size = block_size
+        self.keyer = BlockKeyer(
+            secret=cache_key_secret,
+            weights_fingerprint=weights_fingerprint,
+            kv_dtype=layout.kv_dtype_name,
+            codec=cache_codec,
+            layer_range=layout.layer_range,
+            kv_head_range=layout.kv_head_range,
+            block_size=block_size,
+        )
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.tiers = (
+            KVTiers(
+                cache,
+                codec=cache_codec,
+                compression=cache_compression,
+                block_shape=layout.block_shape,
+            )
+            if cache is not None
+            else None
+        )
+        self.scheduler = Scheduler(
+            config, self.blocks, match_prefix=self._match_prefix, on_preempt=self._write_down
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []
+        self.counts = {"prefix_queries": 0, "prefix_hits": 0, "tier_hits": 0, "steps": 0}
+        self._latency = {"last_s": 0.0, "total_s": 0.0}
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        cache_key_secret: bytes | None = None,
+        **kw: Any,
+    ) -> Engine:
+        """An engine over an in-process runner holding every layer of the checkpoint.
+
+        The tokenizer is the checkpoint's tokenizer.json (None when absent); EOS comes from
+        generation_config.json or config.json. Without `cache_key_secret` the secret comes from
+        MOE_CACHE_SECRET, or, when no cache is attached, a random one (keys then never leave
+        this process).
+        """
+        import json
+
+        from actors.runner import LocalRunner
+        from cache_service.block_key import secret_from_env, weights_fingerprint
+
+        root = Path(model_dir)
+        if cache_key_secret is None:
+            if os.environ.get("MOE_CACHE_SECRET") or kw.get("cache") is not None:
+                cache_key_secret = secret_from_env()
+            else:
+                cache_key_secret = secrets.token_bytes(32)
+        if "tokenizer" not in kw:
+            kw["tokenizer"] = None
+            if (root / "tokenizer.json").is_file():
+                from tokenizers import Tokenizer
+
+                kw["tokenizer"] = Tokenizer.from_file(str(root / "tokenizer.json"))
+        if "eos_token_id" not in kw:
+            for name in ("generation_config.json", "config.json"):
+                if (root / name).is_file():
+                    eos = json.loads((root / name).read_text()).get("eos_token_id")
+                    if isinstance(eos, list):
+                        eos = eos[0] if eos else None
+                    if eos is not None:
+                        kw["eos_token_id"] = int(eos)
+                        break
+        kw.setdefault("weights_fingerprint", weights_fingerprint(root))
+        runner = LocalRunner.from_checkpoint(root, device=device)
+        return cls(runner, cache_key_secret=cache_key_secret, **kw)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self.seqs:
+            raise InputError(f"request_id {request_id!r} is already running")
+        vocab = self.runner.arch.vocab_size
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise InputError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens; expected 1 or more ids in 0..{vocab - 1}"
+            )
+        capacity = self.blocks.num_blocks * self.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise InputError(
+                f"request {request_id!r}: {len(ids)} prompt + {params.max_tokens} new tokens exceed "
+                f"the KV cache's {capacity} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InputError(f"request {request_id!r}: stop strings need a tokenizer")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, seed=seed)
+        self.seqs[request_id] = seq
+        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now (its blocks are released); the next step reports it 'abort'."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self._pending.append(self._output(seq, (), "", "abort", None))
+        self._forget(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs it produced (and those of aborts since the last)."""
+        started = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        step = self._step_input(batch)
+        result = self.runner.execute(step)
+        for seq, n in batch:
+            seq.num_computed += n
+            self._register(seq)
+        for row, index in enumerate(step.sample_seqs):
+            seq = batch[index][0]
+            out = self._append(seq, result.token_ids[row], result.logprobs[row])
+            outputs.append(out)
+        self.counts["steps"] += 1
+        elapsed = time.perf_counter() - started
+        self._latency["last_s"] = elapsed
+        self._latency["total_s"] += elapsed
+        return outputs
+
+    def _step_input(self, batch: list[tuple[Sequence, int]]) -> StepInput:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_seqs, sampling = [], []
+        for i, (seq, n) in enumerate(batch):
+            start, stop = seq.num_computed, seq.num_computed + n
+            tokens += seq.tokens[start:stop]
+            positions += range(start, stop)
+            slots += slots_for(seq.block_table, start, stop, self.block_size)
+            if stop == seq.num_tokens:
+                sample_seqs.append(i)
+                sampling.append(
+                    RowSampling.of(seq.params, seed=seq.seed, step=len(seq.output_token_ids))
+                )
+        return StepInput(
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_lens=tuple(n for _, n in batch),
+            context_lens=tuple(seq.num_computed + n for seq, n in batch),
+            block_tables=tuple(tuple(seq.block_table) for seq, _ in batch),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            sample_seqs=tuple(sample_seqs),
+            sampling=tuple(sampling),
+            per_sequence=self.batch_invariant,
+        )
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Step 3 for one sampled token: append, detokenise, decide whether the request ends."""
+        p = seq.params
+        seq.output_token_ids.append(token)
+        detok = self.detok[seq.request_id]
+        reason = None
+        is_eos = token == self.eos_token_id and not p.ignore_eos
+        if is_eos or token in p.stop_token_ids:
+            reason, text = "stop", detok.flush()
+        else:
+            text = detok.add(token)
+            if detok.stopped:
+                reason = "stop"
+            elif len(seq.output_token_ids) >= p.max_tokens:
+                reason, text = "length", text + detok.flush()
+        lps = None if p.logprobs is None else (logprob,)
+        out = self._output(seq, (token,), text, reason, lps)
+        if reason is not None:
+            self._write_down(seq)
+            self.scheduler.remove(seq)
+            self._forget(seq)
+        return out
+
+    def _output(self, seq, tokens, text, reason, logprobs) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tuple(tokens),
+            text_delta=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=logprobs,
+            prompt_tokens=len(seq.prompt_token_ids),
+            completion_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.cached_tokens or 0,
+        )
+
+    def _forget(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.request_id, None)
+        self.detok.pop(seq.request_id, None)
+
+    # -------------------------------------------------------------- KV blocks
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Acquire the sequence's cached prefix: device blocks by key, then blocks from the tiers.
+
+        At most (tokens - 1) // block_size blocks: the last token is always computed (its logits
+        are sampled) and never lands in a shared block.
+        """
+        cap = (seq.num_tokens - 1) // self.block_size
+        self.keyer.extend(seq.block_keys, seq.tokens, cap)
+        keys = seq.block_keys[:cap]
+        table = self.blocks.lookup(keys)
+        for block in table:
+            self.blocks.acquire(block)
+        self.counts["prefix_queries"] += cap
+        self.counts["prefix_hits"] += len(table)
+        if self.tiers is not None and len(table) < cap:
+            rest = keys[len(table) :]
+            count = min(self.tiers.available(rest), self.blocks.free_count)
+            for key, data in zip(rest, self.tiers.load(rest[:count]), strict=False):
+                block = self.blocks.allocate()
+                self.runner.write_block(block, data)
+                self.blocks.register(block, key)
+                self.blocks.stored[block] = True
+                table.append(block)
+                self.counts["tier_hits"] += 1
+        seq.block_table = table
+        seq.registered = len(table)
+        seq.num_computed = len(table) * self.block_size
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_token_ids))
+
+    def _register(self, seq: Sequence) -> None:
+        """Register the sequence's newly full, fully computed blocks under their keys."""
+        full = seq.num_computed // self.block_size
+        if full <= seq.registered:
+            return
+        self.keyer.extend(seq.block_keys, seq.tokens, full)
+        for i in range(seq.registered, full):
+            self.blocks.register(seq.block_table[i], seq.block_keys[i])
+        seq.registered = full
+
+    def _write_down(self, seq: Sequence) -> None:
+        """Write the sequence's computed full blocks to the tiers (finish or preemption)."""
+        if self.tiers is None:
+            return
+        for i in range(seq.registered):
+            block, key = seq.block_table[i], seq.block_keys[i]
+            if self.blocks.key[block] == key and not self.blocks.stored[block]:
+                self.tiers.store(key, self.runner.read_block(block))
+                self.blocks.stored[block] = True
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        total, free = self.blocks.num_blocks, self.blocks.free_count
+        steps = self.counts["steps"]
+        out = {
+            "queue_depth": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "free_blocks": free,
+            "total_blocks": total,
+            "kv_utilisation": (total - free) / total,
+            "prefix_queries": self.counts["prefix_queries"],
+            "prefix_hits": self.counts["prefix_hits"],
+            "tier_hits": self.counts["tier_hits"],
+            "preemptions": self.scheduler.preemptions,
+            "steps": steps,
+            "step_latency_s": self._latency["last_s"],
+            "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
+        }
+        if self.tiers is not None:
+            out["cache"] = self.tiers.stats()
+        return out
+
+
+class AsyncEngine:
+    """An Engine stepped by a background thread, fed and read from asyncio.
+
+    Requests and aborts go through a thread-safe queue the step thread drains before each step;
+    outputs go back to each request's asyncio.Queue with `call_soon_threadsafe`. Closing the
+    `generate` iterator early (a client that disconnects) aborts the request.
+    """
+
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05) -> None:
+        self.engine, self.idle_wait_s = engine, idle_wait_s
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stats: dict = engine.stats()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise InputError(f"request_id {request_id!r} is already running")
+            self._streams[request_id] = (loop, stream)
+        self._send(("add", request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> dict:
+        """The engine's stats as of the last step (read without stopping the step thread)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            # Step 1: apply the commands that arrived since the last step.
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "add":
+                    try:
+                        engine.add_request(*command[1:])
+                    except InputError as exc:
+                        self._deliver(command[1], exc)
+                else:
+                    engine.abort(command[1])
+            if not engine.has_unfinished():
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+                continue
+            # Step 2: one engine step; its outputs to their streams.
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # re-raised in every waiting generate()
+                with self._lock:
+                    ids = list(self._streams)
+                for request_id in ids:
+                    self._deliver(request_id, exc)
+                    engine.abort(request_id)
+                engine._pending.clear()
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            with self._lock:
+                self._stats = engine.stats()
