@@ -31,6 +31,7 @@ APP_IMPORT_PATH = "deploy.app:build_app"
 POLICY_IMPORT_PATH = "deploy.autoscaling:EngineSignalPolicy"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 MODEL_DEPLOYMENT = "ModelServer"
+INGRESS_MAX_ONGOING = 1024
 DEMO_MODEL = "demo"
 """`model.path: demo` means the tiny demo checkpoint made (or reused) under ~/.cache."""
 
@@ -166,6 +167,9 @@ class EngineSection(_Strict):
     """Context limit in tokens; default: the model's max_position_embeddings."""
     num_cpus: float = Field(default=1.0, ge=0)
     """Ray CPUs of one model replica (the driver side; ShardWorkers ask for their own)."""
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    """Requests one replica accepts at once (Serve's max_ongoing_requests); above
+    max_num_seqs they wait in the engine's queue, which the autoscaling policy watches."""
 
     @field_validator("kv_memory", mode="before")
     @classmethod
@@ -319,10 +323,15 @@ def to_serve_config(cfg: ServeConfig) -> dict[str, Any]:
                 "import_path": APP_IMPORT_PATH,
                 "args": cfg.model_dump(mode="json", exclude_defaults=False),
                 "deployments": [
-                    {"name": INGRESS_DEPLOYMENT, "num_replicas": 1},
+                    {
+                        "name": INGRESS_DEPLOYMENT,
+                        "num_replicas": 1,
+                        "max_ongoing_requests": INGRESS_MAX_ONGOING,
+                    },
                     {
                         "name": MODEL_DEPLOYMENT,
                         "autoscaling_config": autoscaling_config(cfg),
+                        "max_ongoing_requests": cfg.engine.max_ongoing_requests,
                         "ray_actor_options": {"num_cpus": cfg.engine.num_cpus},
                     },
                 ],

@@ -1,0 +1,321 @@
+"""The Serve application end to end: the official `openai` client against a real Serve on the
+session's Ray, the real engine on the demo checkpoint.
+
+Expected values come from independent sources: token counts from the checkpoint's tokenizer
+(transformers), greedy text from transformers' own `generate` on the same checkpoint, error
+shapes from OpenAI's published format.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.ray
+
+APP = "moe-test-openai"
+PREFIX = "/moetest"
+MODEL = "moe-demo-test"
+BLOCK = 16
+NUM_BLOCKS = 128
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    from deploy.demo_checkpoint import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("serve-demo") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, demo):
+    from ray import serve
+
+    from deploy.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "app_name": APP,
+        "model": {"path": str(demo), "name": MODEL},
+        "engine": {
+            "block_size": BLOCK,
+            "num_blocks": NUM_BLOCKS,
+            "max_num_seqs": 8,
+            "num_cpus": 0.25,
+        },
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        "http": {"route_prefix": PREFIX},
+    }
+    serve.run(build_app(args), name=APP, route_prefix=PREFIX)
+    base = f"http://127.0.0.1:{port}{PREFIX}"
+    yield base
+    serve.delete(APP)
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _post(url: str, body: bytes | dict) -> tuple[int, str]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _stats(server) -> dict:
+    return json.loads(_get(f"{server}/admin/stats")[1])
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert json.loads(_get(f"{server}/health")[1])["status"] == "ok"
+
+
+def test_completion_stream_and_not_agree_with_transformers(client, demo, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The router sends each token to"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    extra = {"ignore_eos": True}
+    full = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body=extra
+    )
+    assert full.usage.prompt_tokens == len(ids)
+    assert full.usage.completion_tokens == 8
+    assert full.choices[0].finish_reason == "length"
+    # Independent reference: transformers' greedy decoding on the same checkpoint.
+    model = AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :]
+    assert full.choices[0].text == tokenizer.decode(ref)
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_and_not(client, tokenizer):
+    msgs = [{"role": "user", "content": "Tell me a short story."}]
+    rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    expected_prompt = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.prompt_tokens == expected_prompt
+    assert 1 <= full.usage.completion_tokens <= 6
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_batched_greedy_equals_alone(client):
+    prompts = [
+        "Question: how many GPUs",
+        "Bonjour, comment allez-vous",
+        "def route(scores, k):",
+        "Sizes: 512M, 8G",
+        "Once upon a time, a small router",
+    ]
+
+    def one(p: str) -> str:
+        r = client.completions.create(
+            model=MODEL, prompt=p, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return r.choices[0].text
+
+    alone = [one(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(one, prompts))
+    assert together == alone
+    assert len(set(alone)) > 1
+    # One request carrying several prompts: choices in prompt order, same texts.
+    multi = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert [c.text for c in sorted(multi.choices, key=lambda c: c.index)] == alone
+
+
+def test_cached_prefix_gives_same_tokens_and_reports_cached(client, tokenizer):
+    prompt = "Answer: count the bytes first. Weights, activations, the key-value cache " * 2
+    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert n >= 3 * BLOCK
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    cold = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    warm = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % BLOCK == 0 and cached <= n
+    assert cached >= (n - 1) // BLOCK * BLOCK - BLOCK
+    assert warm.choices[0].text == cold.choices[0].text
+
+
+def test_disconnect_returns_kv_blocks(server, client):
+    deadline = time.monotonic() + 30
+    while (s := _stats(server))["running"] or s["waiting"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    baseline = s["free_blocks"]
+    body = {
+        "model": MODEL,
+        "prompt": "A request arrives, is tokenised, waits in the queue " * 3,
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    held = None
+    host, port = server.removeprefix("http://").split("/", 1)[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(
+        "POST", f"{PREFIX}/v1/completions", json.dumps(body), {"content-type": "application/json"}
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for i in range(40):
+        assert resp.readline().startswith((b"data:", b"\r\n", b"\n"))
+        if i == 20:
+            held = _stats(server)["free_blocks"]
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert held is not None and held < baseline
+    deadline = time.monotonic() + 30
+    while (s := _stats(server))["free_blocks"] != baseline or s["running"]:
+        assert time.monotonic() < deadline, f"free blocks {s['free_blocks']} != {baseline}"
+        time.sleep(0.2)
+    # Still serving.
+    r = client.completions.create(model=MODEL, prompt="still there?", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"),
+    [
+        ("/v1/completions", b"{not json", 400, None, None),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_tokens": -3},
+            400,
+            "max_tokens",
+            None,
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_tokens": "8"},
+            400,
+            "max_tokens",
+            None,
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt", None),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x " * 2000},
+            400,
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt", None),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+            400,
+            "messages.0.content",
+            None,
+        ),
+    ],
+)
+def test_malformed_requests_get_openai_errors(server, path, body, status, param, code):
+    code_, text = _post(f"{server}{path}", body)
+    assert code_ == status, text
+    err = json.loads(text)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["code"] == code
+    ok = _post(f"{server}/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1})
+    assert ok[0] == 200
+
+
+def test_openai_client_raises_typed_errors(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5000
+        )
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_metrics_endpoint_serves_replica_figures(server):
+    deadline = time.monotonic() + 40
+    while True:
+        text = _get(f"{server}/metrics")[1]
+        if "ray_moe_ttft_seconds_count" in text and "ray_moe_requests_total" in text:
+            break
+        assert time.monotonic() < deadline, text[:2000]
+        time.sleep(2)
+    for name in ("ray_moe_tpot_seconds", "ray_moe_kv_utilisation", "ray_moe_queue_depth"):
+        assert name in text
+    assert 'stage="tokenize"' in text
