@@ -53,8 +53,6 @@ from deploy.openai_protocol import (
 )
 
 log = logging.getLogger("ray.serve")
-TTFT_WINDOW = 16
-"""Recent requests whose mean time to first token is the autoscaling signal."""
 STATS_PERIOD_S = 0.5
 DEFAULT_NUM_BLOCKS = 512
 
@@ -124,7 +122,7 @@ class ModelServer:
             for t in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
             if isinstance(t, int) and t != self.tokenizer.unk_token_id
         )
-        self._ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
+        self._ttfts: deque[tuple[float, float]] = deque(maxlen=1024)  # (monotonic s, ttft s)
         self._stats_task: asyncio.Task | None = None
 
     # -- requests -------------------------------------------------------------------------------
@@ -179,7 +177,7 @@ class ModelServer:
             async for out in self.engine.generate(request_id, ids, params):
                 if ttft is None and out.new_token_ids:
                     ttft = time.perf_counter() - admitted
-                    self._ttfts.append(ttft)
+                    self._ttfts.append((time.monotonic(), ttft))
                     self.metrics.observe_stage("prefill", ttft)
                 completion, cached = out.completion_tokens, out.cached_tokens
                 finished = out.finished
@@ -236,9 +234,17 @@ class ModelServer:
         s.setdefault("running", 0)
         s.setdefault("kv_utilisation", (total - free) / total if total else 0.0)
         s["cache_hits"] = {"device": s.get("prefix_hits", 0), "lower": s.get("tier_hits", 0)}
-        s["ttft_recent_s"] = sum(self._ttfts) / len(self._ttfts) if self._ttfts else 0.0
+        s["ttft_recent_s"] = self._recent_ttft()
         s["max_model_len"] = self.max_model_len
         return s
+
+    def _recent_ttft(self) -> float:
+        """Mean TTFT of the requests whose first token came within the signal window, else 0
+        (so the signal decays once load stops and a scale-down can follow)."""
+        horizon = time.monotonic() - self.cfg.autoscaling.signal_window_s
+        while self._ttfts and self._ttfts[0][0] < horizon:
+            self._ttfts.popleft()
+        return sum(t for _, t in self._ttfts) / len(self._ttfts) if self._ttfts else 0.0
 
     async def stats(self) -> dict[str, Any]:
         return self._engine_state()

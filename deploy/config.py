@@ -200,6 +200,8 @@ class AutoscalingSection(_Strict):
     """KV block fraction in use above which one more replica is wanted."""
     ttft_high_s: float = Field(default=2.0, gt=0)
     """Recent time to first token above which one more replica is wanted."""
+    signal_window_s: float = Field(default=10.0, gt=0)
+    """The TTFT signal is the mean over requests that got their first token this recently."""
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSection:
