@@ -27,9 +27,13 @@ from actors.capture import DTYPES, LayoutCapture, capture_layout
 from cluster.errors import InputError
 from placement.parallel_dims import Layout, parse_layout
 
-TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
-"""Default relative tolerance per compute dtype (bf16 keeps 8 mantissa bits: 2^-8 = 3.9e-3 per
-rounding, a few roundings per operator, accumulated over layers)."""
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
+FLIP_BUDGET = {"float32": 0.0, "bfloat16": 0.05}
+"""Share of tokens whose expert choice may differ from the reference's at one router."""
+"""Default relative tolerance per compute dtype; the reference always runs in float32. bf16 rounds
+weights and activations to 8 mantissa bits (unit roundoff 2^-9 = 2.0e-3), several roundings per
+operator, accumulated over the layers: the tiny test models measure 1.2e-2 to 2.2e-2 after four
+layers, so 5e-2 leaves room without hiding a wrong operator (those show 1e-1 and more)."""
 WEIGHTS_TOLERANCE = 0.02
 KV_TOLERANCE = 0.05
 DEFAULT_SEQ_LENS = (40, 33, 21)
@@ -57,6 +61,10 @@ class OpError:
     """The Hugging Face module name (`model.layers.3.mlp.experts`)."""
     rel_err: float
     max_abs_err: float
+    tokens: int
+    """Tokens compared (all, less those whose routing flipped in an earlier router)."""
+    ok: bool
+    """Within the tolerance (a router also needs its expert choice within the flip budget)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,10 +81,12 @@ class ValidationReport:
     num_experts: int
     ranks: tuple[dict, ...]
     """Per rank: coordinates, timings, per-op latency, memory measured vs predicted."""
+    memory_note: str | None = None
+    """Why the planner's prediction is missing (it could not read the model), else None."""
 
     @property
     def first_divergence(self) -> OpError | None:
-        return next((e for e in self.errors if not e.rel_err <= self.tolerance), None)
+        return next((e for e in self.errors if not e.ok), None)
 
     @property
     def max_rel_err(self) -> float:
@@ -87,7 +97,10 @@ class ValidationReport:
         return self.first_divergence is None
 
     @property
-    def memory_ok(self) -> bool:
+    def memory_ok(self) -> bool | None:
+        """Every rank within tolerance of the plan; None when there is no plan to compare with."""
+        if self.memory_note is not None:
+            return None
         return all(r["memory"][k]["ok"] for r in self.ranks for k in ("weights", "kv_cache"))
 
     def to_json(self) -> dict:
@@ -109,6 +122,8 @@ class ValidationReport:
                     "module": e.module,
                     "rel_err": e.rel_err,
                     "max_abs_err": e.max_abs_err,
+                    "tokens": e.tokens,
+                    "ok": e.ok,
                 }
                 for e in self.errors
             ],
@@ -121,6 +136,7 @@ class ValidationReport:
                 "rel_err": first.rel_err,
             },
             "memory_ok": self.memory_ok,
+            "memory_note": self.memory_note,
             "ranks": list(self.ranks),
         }
 
@@ -245,9 +261,20 @@ def load_plan(path: str | Path):
 
 
 def compare(
-    reference: dict[str, list[torch.Tensor]], ours: dict[str, list[torch.Tensor]], num_layers: int
+    reference: dict[str, list[torch.Tensor]],
+    ours: dict[str, list[torch.Tensor]],
+    num_layers: int,
+    *,
+    tolerance: float,
+    flip_budget: float = 0.0,
 ) -> tuple[list[OpError], dict[int, float]]:
-    """Relative error per module output in forward order, and router agreement per MoE layer."""
+    """Relative error per module output in forward order, and router agreement per MoE layer.
+
+    A token whose chosen expert set differs from the reference's (a routing flip) is compared no
+    further: from that layer's experts on, the reference is no longer its target. The router op
+    fails when its logits are off or when more than `flip_budget` of the tokens flipped (0 in
+    float32, where a flip means a bug; reduced precision may flip near-ties).
+    """
     order: list[tuple[int | None, str, str]] = [(None, "embedding", "model.embed_tokens")]
     for i in range(num_layers):
         base = f"model.layers.{i}"
@@ -256,6 +283,7 @@ def compare(
     order += [(None, "norm", "model.norm"), (None, "lm_head", "lm_head")]
     errors: list[OpError] = []
     agreement: dict[int, float] = {}
+    kept: torch.Tensor | None = None
     for layer, op, name in order:
         if name not in reference:
             continue
@@ -267,16 +295,29 @@ def compare(
             raise RuntimeError(
                 f"{name}: our shape {list(got.shape)}, transformers {list(ref.shape)}"
             )
+        if kept is None:
+            kept = torch.ones(ref.shape[0], dtype=torch.bool)
+        ref, got = ref[kept], got[kept]
         diff = (got - ref).norm().item()
         scale = ref.norm().item()
         rel = diff / scale if scale > 0 else diff
         max_abs = (got - ref).abs().max().item() if ref.numel() else 0.0
-        errors.append(OpError(layer=layer, op=op, module=name, rel_err=rel, max_abs_err=max_abs))
+        ok = rel <= tolerance
         ids = f"{name}.topk_ids"
         if op == "router" and ids in reference and ids in ours:
             a = torch.cat(reference[ids]).sort(dim=-1).values
             b = torch.cat(ours[ids]).sort(dim=-1).values
-            agreement[layer] = (a == b).all(dim=-1).float().mean().item()
+            same = (a == b).all(dim=-1)
+            agreement[layer] = same.float().mean().item()
+            flipped = int((kept & ~same).sum())
+            ok = ok and flipped <= flip_budget * int(kept.sum())
+            kept = kept & same
+        errors.append(
+            OpError(
+                layer=layer, op=op, module=name, rel_err=rel, max_abs_err=max_abs,
+                tokens=int(ref.shape[0]), ok=ok,
+            )
+        )  # fmt: skip
     return errors, agreement
 
 
@@ -302,12 +343,14 @@ def predicted_memory(
     )
 
 
-def _within(measured: int, predicted: float, tol: float) -> dict:
+def _within(measured: int, predicted: float | None, tol: float) -> dict:
+    if predicted is None:
+        return {"measured": measured, "predicted": None, "rel_diff": None, "ok": None}
     rel = abs(measured - predicted) / predicted if predicted else float(measured != 0)
     return {"measured": measured, "predicted": int(predicted), "rel_diff": rel, "ok": rel <= tol}
 
 
-def rank_entries(capture: LayoutCapture, stages: Sequence) -> tuple[dict, ...]:
+def rank_entries(capture: LayoutCapture, stages: Sequence | None) -> tuple[dict, ...]:
     """Per rank: coordinates, timings, op latencies, and memory measured vs predicted.
 
     Predicted KV = tokens the rank's KV region was allocated for x the plan's KV bytes per token
@@ -315,8 +358,9 @@ def rank_entries(capture: LayoutCapture, stages: Sequence) -> tuple[dict, ...]:
     """
     out = []
     for r in capture.ranks:
-        plan = stages[r.pp]
+        plan = stages[r.pp] if stages is not None else None
         m = r.memory_bytes
+        kv_pred = r.kv_tokens * plan.kv_bytes_per_token if plan is not None else None
         comm = {k.removeprefix("wait_"): v for k, v in r.timings_s.items() if k.startswith("wait_")}
         out.append(
             {
@@ -329,16 +373,16 @@ def rank_entries(capture: LayoutCapture, stages: Sequence) -> tuple[dict, ...]:
                 "comm_s": comm,
                 "op_latency_s": r.op_latency_s,
                 "memory": {
-                    "weights": _within(m["weights"], plan.weights, WEIGHTS_TOLERANCE),
-                    "kv_cache": _within(
-                        m["kv_cache"], r.kv_tokens * plan.kv_bytes_per_token, KV_TOLERANCE
+                    "weights": _within(
+                        m["weights"], plan.weights if plan else None, WEIGHTS_TOLERANCE
                     ),
+                    "kv_cache": _within(m["kv_cache"], kv_pred, KV_TOLERANCE),
                     "kv_summaries": {"measured": m.get("kv_summaries", 0)},
                     "activations": {
                         "measured": m.get("activations_peak"),
-                        "predicted": plan.activations,
+                        "predicted": plan.activations if plan else None,
                     },
-                    "workspace": {"measured": None, "predicted": plan.workspace},
+                    "workspace": {"measured": None, "predicted": plan.workspace if plan else None},
                     "buffers": {"measured": m.get("buffers", 0)},
                 },
             }
@@ -392,7 +436,9 @@ def validate(
     )
     reference = reference_capture(ref_model, tokens)
     del ref_model
-    errors, agreement = compare(reference, ours.outputs, arch.num_layers)
+    errors, agreement = compare(
+        reference, ours.outputs, arch.num_layers, tolerance=tol, flip_budget=FLIP_BUDGET[dtype]
+    )
 
     coverage: dict[int, list[int]] = {}
     for r in ours.ranks:
@@ -401,9 +447,15 @@ def validate(
             coverage[int(layer)] = [a + c for a, c in zip(acc, counts, strict=True)]
     dims = pre.layout.dims
     per_dp = [sum(len(tokens[s]) for s in range(d, len(tokens), dims.dp)) for d in range(dims.dp)]
-    stages = pre.planned_memory or predicted_memory(
-        model_dir, pre.layout, dtype=dtype, kv_tokens=kv_tokens, prefill_tokens=max(per_dp)
-    )
+    stages, note = pre.planned_memory, None
+    if stages is None:
+        try:
+            stages = predicted_memory(
+                model_dir, pre.layout, dtype=dtype, kv_tokens=kv_tokens, prefill_tokens=max(per_dp)
+            )
+        except InputError as exc:
+            # The numerics stand on their own; a planner that cannot read the model is reported.
+            note = f"the planner could not read {model_dir}: {exc}"
     return ValidationReport(
         layout=dims.shorthand if plan_file is None else f"{dims.shorthand} (plan {plan_file})",
         dtype=dtype,
@@ -414,4 +466,5 @@ def validate(
         expert_coverage={k: sum(1 for c in v if c > 0) for k, v in sorted(coverage.items())},
         num_experts=arch.num_experts,
         ranks=rank_entries(ours, stages),
+        memory_note=note,
     )
