@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
+from cluster.errors import InputError
 from deploy.autoscaling import KV_UTILISATION, QUEUE_DEPTH, TTFT
 from deploy.config import (
     DEMO_MODEL,
@@ -115,7 +116,16 @@ class ModelServer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         hf_config = AutoConfig.from_pretrained(path)
         self.max_model_len = self.cfg.engine.max_model_len or int(hf_config.max_position_embeddings)
-        self.engine = AsyncEngine(Engine.from_checkpoint(path, **engine_kwargs(self.cfg, path)))
+        kw = engine_kwargs(self.cfg, path)
+        self.cache_client = None
+        if self.cfg.cache.tiers:
+            # The tiers run behind the gRPC cache server `moectl serve` starts (cache.listen);
+            # block keys use the deployment secret MOE_CACHE_SECRET, token MOE_CACHE_TOKEN.
+            from cache_service.client import CacheClient
+
+            self.cache_client = CacheClient(self.cfg.cache.listen)
+            kw["cache"] = self.cache_client
+        self.engine = AsyncEngine(Engine.from_checkpoint(path, **kw))
         self.metrics = EngineMetrics(self.cfg.model.served_name)
         self.chat_stop_ids = tuple(
             t
@@ -526,9 +536,20 @@ class OpenAIIngress:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+def check_runnable(cfg: ServeConfig) -> None:
+    """InputError for settings this build cannot run yet (rather than ignoring them)."""
+    if cfg.plan.world > 1:
+        raise InputError(
+            f"plan asks for {cfg.plan.world} ranks per replica; the engine runs one in-process "
+            "rank so far (the ShardWorker replica runner is not wired into the Engine yet): "
+            "use plan.layout: single"
+        )
+
+
 def build_app(args: dict[str, Any], engine_module: str = "actors.engine"):
     """The Serve application of a serve YAML (mapping): ingress bound to the model deployment."""
     cfg = parse_serve_config(dict(args), origin="serve args")
+    check_runnable(cfg)
     plain = cfg.model_dump(mode="json")
     model = serve.deployment(
         ModelServer,

@@ -3,6 +3,7 @@ Ray Serve config it yields passes Ray's own deploy schema."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,33 @@ def test_default_policy_leaves_serve_policy_in_place():
     cfg = parse_serve_config(_base(autoscaling={"policy": "default", "max_replicas": 3}))
     auto = to_serve_config(cfg)["applications"][0]["deployments"][1]["autoscaling_config"]
     assert "policy" not in auto and auto["max_replicas"] == 3
+
+
+def test_moectl_serve_prints_the_ray_serve_config(moectl):
+    code, out, err = moectl("serve", "-c", EXAMPLE, "--print-serve-config", "--port", "9000")
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    expected = to_serve_config(load_serve_config(EXAMPLE))
+    expected["http_options"]["port"] = 9000
+    expected["applications"][0]["args"]["http"]["port"] = 9000
+    assert printed == expected
+    code, out, _ = moectl("serve", "-c", EXAMPLE, "--print-serve-config", "--json")
+    assert code == 0 and json.loads(out) == to_serve_config(load_serve_config(EXAMPLE))
+
+
+def test_moectl_serve_bad_input_is_one_line_exit_2(moectl, tmp_path):
+    code, _, err = moectl("serve", "-c", tmp_path / "absent.yaml")
+    assert code == 2 and err.count("\n") == 1 and "absent.yaml" in err
+    code, _, err = moectl("serve", "-c", EXAMPLE, "--print-serve-config", "--port", "70000")
+    assert code == 2 and "http.port" in err and "Traceback" not in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: demo}\nengine: {block_size: -4}\n")
+    code, _, err = moectl("serve", "-c", bad, "--print-serve-config")
+    assert code == 2 and "engine.block_size" in err
+
+
+def test_multi_rank_layout_is_refused_until_the_replica_runner_exists():
+    from deploy.app import build_app
+
+    with pytest.raises(InputError, match="2 ranks per replica"):
+        build_app(_base(plan={"layout": "ep2"}))

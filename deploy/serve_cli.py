@@ -1,0 +1,139 @@
+"""`moectl serve -c serve.yaml`: Ray (local unless --address), the KV cache tiers, then Serve.
+
+    moectl serve -c serve.yaml                       # local Ray, http://127.0.0.1:8000
+    moectl serve -c serve.yaml --address auto        # an existing Ray cluster
+    moectl serve -c serve.yaml --print-serve-config  # the Ray Serve config (YAML; --json: JSON)
+
+The printed config is what `serve deploy` takes and what the Helm chart embeds as
+`serveConfigV2`. With cache tiers in the YAML, a gRPC cache server over them runs in this process
+on `cache.listen`; the replicas reach it with CacheClient. Block keys need the deployment secret
+MOE_CACHE_SECRET: when unset, a random one is made for this run (fine for one local Ray; on a
+shared cluster set it everywhere). SIGINT/SIGTERM stop Serve and the cache server (exit 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_command)
+
+
+def _say(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def serve_command(
+    config: Path = typer.Option(..., "--config", "-c", help="The serve YAML."),
+    address: str | None = typer.Option(
+        None,
+        "--address",
+        help="Ray address (e.g. auto, ray://host:10001); default: start a local Ray.",
+    ),
+    host: str | None = typer.Option(
+        None, "--host", help="HTTP bind address (overrides http.host)."
+    ),
+    port: int | None = typer.Option(None, "--port", help="HTTP port (overrides http.port)."),
+    print_serve_config: bool = typer.Option(
+        False, "--print-serve-config", help="Print the Ray Serve config and exit."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="With --print-serve-config: JSON."),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API with Ray Serve."""
+    import json
+
+    from deploy.config import load_serve_config, parse_serve_config, to_serve_config
+
+    cfg = load_serve_config(config)
+    overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if overrides:  # validated like the file's own values
+        data = cfg.model_dump(mode="json")
+        data["http"].update(overrides)
+        cfg = parse_serve_config(data, origin="--host/--port")
+    if print_serve_config:
+        import yaml
+
+        serve_cfg = to_serve_config(cfg)
+        if as_json:
+            print(json.dumps(serve_cfg))
+        else:
+            print(yaml.safe_dump(serve_cfg, sort_keys=False), end="")
+        return
+    _run(cfg, address)
+
+
+def _start_cache(cfg):
+    """(server, cache) over the configured tiers, or (None, None) when there are none."""
+    if not cfg.cache.tiers:
+        return None, None
+    import os
+    import secrets
+
+    from cache_service.namespace import CacheNamespace
+    from cache_service.server import TOKEN_ENV, CacheServer, ServerConfig
+    from cache_service.store import TieredCache
+
+    if not os.environ.get("MOE_CACHE_SECRET"):
+        os.environ["MOE_CACHE_SECRET"] = secrets.token_hex(32)
+        _say("MOE_CACHE_SECRET unset: a random one is used for this run")
+    host, _, port = cfg.cache.listen.rpartition(":")
+    cache = TieredCache.from_urls(
+        [t.url for t in cfg.cache.tiers],
+        capacities=[t.bytes for t in cfg.cache.tiers],
+        namespace=CacheNamespace(model_fingerprint="serve", deployment=cfg.cache.namespace),
+        write_through=cfg.cache.write_through,
+    )
+    server = CacheServer(
+        cache, ServerConfig(host=host, port=int(port), token=os.environ.get(TOKEN_ENV) or None)
+    )
+    server.start()
+    _say(f"kv cache tiers {[t.url.split('://')[0] for t in cfg.cache.tiers]} on {server.address}")
+    return server, cache
+
+
+def _run(cfg, address: str | None) -> None:
+    import os
+
+    from cluster.errors import EnvironmentMissing
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Step 1: the cache tiers first, so replicas find them (and the secret is in the environment
+    # a local Ray's workers inherit).
+    server, cache = _start_cache(cfg)
+    try:
+        import ray
+        from ray import serve
+
+        from cache_service.cli import _wait_for_signal
+        from deploy.app import build_app
+
+        # Step 2: Ray, local unless an address is given.
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError as exc:
+            raise EnvironmentMissing(f"no Ray cluster at --address={address}: {exc}") from None
+        # Step 3: Serve on the configured host/port, then the application.
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.run(
+            build_app(cfg.model_dump(mode="json")),
+            name=cfg.app_name,
+            route_prefix=cfg.http.route_prefix,
+        )
+        prefix = cfg.http.route_prefix.rstrip("/")
+        _say(
+            f"serving {cfg.model.served_name} at http://{cfg.http.host}:{cfg.http.port}{prefix}/v1 "
+            "(SIGTERM or Ctrl-C stops it)"
+        )
+        _wait_for_signal()
+        _say("stopping")
+        serve.shutdown()
+        ray.shutdown()
+    finally:
+        if server is not None:
+            server.stop(grace_s=2.0)
+            cache.close()
