@@ -124,6 +124,13 @@ class CompletionRequest(_Request):
             raise ValueError("echo is not supported")
         return v
 
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:
+            raise ValueError("logprobs are not returned by this server yet")
+        return v
+
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
@@ -165,6 +172,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=5)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("logprobs are not returned by this server yet")
+        return v
 
     def budget(self) -> int | None:
         """The token budget asked for (max_completion_tokens wins over max_tokens)."""

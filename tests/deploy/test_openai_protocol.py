@@ -88,6 +88,7 @@ def test_valid_requests_parse():
         ({"prompt": "x"}, "model"),
         ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
     ],
 )
 def test_bad_completion_fields_are_400_naming_the_param(data, param):
@@ -105,6 +106,10 @@ def test_bad_completion_fields_are_400_naming_the_param(data, param):
         ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": "m", "messages": "hello"}, "messages"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            "logprobs",
+        ),
     ],
 )
 def test_bad_chat_fields_are_400(data, param):
