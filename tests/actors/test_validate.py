@@ -211,3 +211,10 @@ def test_bad_input_is_one_line_before_any_computation(checkpoints, moectl, tmp_p
     assert code == 0, err
     code, _, err = moectl("validate", original, "--plan", plan)
     assert code == 2 and "32 layers" in err and "4 layers" in err
+
+
+def test_ray_tasks_run_the_same_ranks(checkpoints, moectl, ray_session):
+    code, report = _run_json(moectl, checkpoints["qwen3_moe"], "--layout", "ep2", "--ray")
+    assert code == 0, report["first_divergence"]
+    assert sorted(r["rank"] for r in report["ranks"]) == [0, 1]
+    assert all(r["comm_s"].get("ep", 0) > 0 for r in report["ranks"])
