@@ -1,0 +1,198 @@
+{{/*
+One entry of RayService.spec.rayClusterConfig.workerGroupSpecs: a GPU worker group whose pods
+each run the Ray worker, the cache gRPC sidecar (one per node) and, when the checkpoint is
+downloaded, an init container copying it to a per-pod volume.
+Takes (dict "root" $ "group" oneOfValues.workerGroups).
+*/}}
+{{- define "moe.workerGroup" -}}
+{{- $root := .root -}}
+{{- $g := .group -}}
+{{- $v := $root.Values -}}
+{{- $ms := $v.modelStorage -}}
+- groupName: {{ $g.name }}
+  replicas: {{ $g.replicas }}
+  minReplicas: {{ kindIs "invalid" $g.minReplicas | ternary $g.replicas $g.minReplicas }}
+  maxReplicas: {{ kindIs "invalid" $g.maxReplicas | ternary $g.replicas $g.maxReplicas }}
+  numOfHosts: 1
+  {{- if $g.idleTimeoutSeconds }}
+  idleTimeoutSeconds: {{ $g.idleTimeoutSeconds }}
+  {{- end }}
+  rayStartParams:
+    {{- include "moe.rayStartCommon" $root | nindent 4 }}
+    {{- range $k, $val := $g.rayStartParams }}
+    {{ $k }}: {{ $val | quote }}
+    {{- end }}
+  template:
+    metadata:
+      labels:
+        {{- include "moe.rayPodLabels" $root | nindent 8 }}
+        app.kubernetes.io/component: ray-worker
+        moe.io/worker-group: {{ $g.name }}
+    spec:
+      {{- include "moe.podCommon" (dict "root" $root "place" $g) | nindent 6 }}
+      {{- if eq $ms.source "download" }}
+      initContainers:
+        - name: model-download
+          image: {{ include "moe.imageRef" $ms.download.image }}
+          imagePullPolicy: {{ $ms.download.image.pullPolicy }}
+          {{- if $ms.download.command }}
+          command:
+            {{- toYaml $ms.download.command | nindent 12 }}
+          {{- else }}
+          command: ["rclone", "copy", "--transfers=32", "--checkers=64", "--config=/tmp/rclone.conf", {{ $ms.download.uri | quote }}, {{ $v.serve.model.path | quote }}]
+          {{- end }}
+          env:
+            - name: HOME
+              value: /tmp
+          {{- with $ms.download.credentialsSecret }}
+          envFrom:
+            - secretRef:
+                name: {{ . }}
+          {{- end }}
+          securityContext:
+            {{- include "moe.containerSecurityContext" $root | nindent 12 }}
+          resources:
+            requests: {cpu: "4", memory: 8Gi}
+            limits: {cpu: "16", memory: 16Gi}
+          volumeMounts:
+            - {name: tmp, mountPath: /tmp}
+            - {name: model, mountPath: {{ $ms.mountPath }}}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          {{- include "moe.rayContainerCommon" $root | nindent 10 }}
+          {{- if eq (include "moe.redisHasPassword" $root) "true" }}
+            - name: MOE_REDIS_PASSWORD
+              valueFrom:
+                secretKeyRef:
+                  name: {{ include "moe.redisSecret" $root }}
+                  key: {{ $v.redis.auth.secretKey }}
+          {{- end }}
+          resources:
+            requests:
+              cpu: {{ $g.cpu | quote }}
+              memory: {{ $g.memory | quote }}
+              {{- if gt (int $g.gpusPerPod) 0 }}
+              {{ $g.gpuResource }}: {{ $g.gpusPerPod }}
+              {{- end }}
+            limits:
+              cpu: {{ $g.cpu | quote }}
+              memory: {{ $g.memory | quote }}
+              {{- if gt (int $g.gpusPerPod) 0 }}
+              {{ $g.gpuResource }}: {{ $g.gpusPerPod }}
+              {{- end }}
+          ports:
+            - {name: metrics, containerPort: {{ $v.metrics.port }}}
+          volumeMounts:
+            - {name: tmp, mountPath: /tmp}
+            - {name: dshm, mountPath: /dev/shm}
+            - {name: model, mountPath: {{ $ms.mountPath }}, readOnly: true}
+        {{- if $v.cacheServer.enabled }}
+        {{- include "moe.cacheSidecar" $root | nindent 8 }}
+        {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir: {}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $g.sharedMemory | quote }}
+        {{- include "moe.modelVolume" $root | nindent 8 }}
+        {{- if $v.cacheServer.enabled }}
+        - name: cache-disk
+          emptyDir: {}
+        {{- with $v.cacheServer.tlsSecret }}
+        - name: cache-tls
+          secret:
+            secretName: {{ . }}
+        {{- end }}
+        {{- end }}
+{{- end -}}
+
+{{/* The model volume of a worker pod, by modelStorage.source. */}}
+{{- define "moe.modelVolume" -}}
+{{- $ms := .Values.modelStorage -}}
+- name: model
+{{- if eq $ms.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ default (printf "%s-model" (include "moe.fullname" .)) $ms.pvc.existingClaim }}
+    readOnly: true
+{{- else if eq $ms.source "hostPath" }}
+  hostPath:
+    path: {{ $ms.hostPath.path }}
+    type: {{ $ms.hostPath.type }}
+{{- else }}
+  ephemeral:
+    volumeClaimTemplate:
+      metadata:
+        labels:
+          {{- include "moe.selectorLabels" . | nindent 10 }}
+      spec:
+        accessModes: [ReadWriteOnce]
+        {{- with $ms.download.storageClass }}
+        storageClassName: {{ . }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ $ms.download.size | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The cache gRPC server beside the Ray worker (`moectl cache serve`). */}}
+{{- define "moe.cacheSidecar" -}}
+{{- $c := .Values.cacheServer -}}
+- name: cache-server
+  image: {{ include "moe.imageRef" .Values.image }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["moectl", "cache", "serve"]
+  args:
+    - --host=0.0.0.0
+    - --port={{ $c.port }}
+    - --host-bytes={{ $c.hostBytes }}
+    - --namespace={{ .Values.serve.cache.namespace }}
+    - --eviction={{ $c.eviction }}
+    {{- if ne .Values.redis.mode "none" }}
+    - --redis-bytes={{ $c.redisBytes }}
+    {{- end }}
+    {{- if ne (toString $c.diskBytes) "0" }}
+    - --disk=/cache
+    - --disk-bytes={{ $c.diskBytes }}
+    {{- end }}
+    {{- if $c.tlsSecret }}
+    - --tls-cert=/etc/moe/cache-tls/tls.crt
+    - --tls-key=/etc/moe/cache-tls/tls.key
+    {{- end }}
+  env:
+    {{- if eq (include "moe.redisHasPassword" .) "true" }}
+    - name: MOE_REDIS_PASSWORD
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "moe.redisSecret" . }}
+          key: {{ .Values.redis.auth.secretKey }}
+    {{- end }}
+    {{- if ne .Values.redis.mode "none" }}
+    - name: MOE_CACHE_REDIS_URL
+      value: {{ include "moe.redisUrl" . | quote }}
+    {{- end }}
+  securityContext:
+    {{- include "moe.containerSecurityContext" . | nindent 4 }}
+  resources:
+    requests:
+      cpu: {{ $c.cpu | quote }}
+      memory: {{ $c.memory | quote }}
+    limits:
+      cpu: {{ $c.cpu | quote }}
+      memory: {{ $c.memory | quote }}
+  ports:
+    - {name: cache-grpc, containerPort: {{ $c.port }}}
+  readinessProbe:
+    tcpSocket:
+      port: cache-grpc
+    periodSeconds: 10
+  volumeMounts:
+    - {name: tmp, mountPath: /tmp}
+    - {name: cache-disk, mountPath: /cache}
+    {{- if $c.tlsSecret }}
+    - {name: cache-tls, mountPath: /etc/moe/cache-tls, readOnly: true}
+    {{- end }}
+{{- end -}}
