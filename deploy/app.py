@@ -18,9 +18,7 @@ import hmac
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,9 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 
 from cluster.errors import InputError
-from deploy.autoscaling import KV_UTILISATION, QUEUE_DEPTH, TTFT
 from deploy.config import (
-    DEMO_MODEL,
     INGRESS_DEPLOYMENT,
     INGRESS_MAX_ONGOING,
     MODEL_DEPLOYMENT,
@@ -38,12 +34,12 @@ from deploy.config import (
     autoscaling_config,
     parse_serve_config,
 )
+from deploy.model_server import ModelServer
 from deploy.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
     chat_choice,
-    check_context,
     completion_body,
     models_body,
     new_id,
@@ -54,232 +50,6 @@ from deploy.openai_protocol import (
 )
 
 log = logging.getLogger("ray.serve")
-STATS_PERIOD_S = 0.5
-DEFAULT_NUM_BLOCKS = 512
-
-
-def resolve_model_path(cfg: ServeConfig) -> Path:
-    """The checkpoint folder: the demo one (made or reused under ~/.cache) or the configured path."""
-    if cfg.model.path == DEMO_MODEL:
-        from deploy.demo_checkpoint import ensure_demo_checkpoint
-
-        return ensure_demo_checkpoint()
-    return Path(cfg.model.path).expanduser()
-
-
-def engine_kwargs(cfg: ServeConfig, model_path: Path) -> dict[str, Any]:
-    """Keyword arguments of Engine.from_checkpoint from the serve YAML.
-
-    `kv_memory` becomes a block count: bytes // (block_size x KV bytes per token of the model,
-    placement's ModelSpec, at the compute dtype).
-    """
-    e = cfg.engine
-    num_blocks = e.num_blocks
-    if num_blocks is None and e.kv_memory is not None:
-        from placement.model_spec import load_model_spec
-
-        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
-        per_token = load_model_spec(model_path).kv_bytes_per_token(kv_dtype)
-        num_blocks = max(1, e.kv_memory // (e.block_size * per_token))
-    return {
-        "block_size": e.block_size,
-        "num_blocks": num_blocks if num_blocks is not None else DEFAULT_NUM_BLOCKS,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-    }
-
-
-class ModelServer:
-    """One model replica: an AsyncEngine, the tokenizer, and the engine metrics.
-
-    `generate(job)` is an async generator (called through a streaming handle). `job` is a plain
-    dict: {"request_id", "prompt": str | list[int] | None, "messages": [...] | None,
-    "params": SamplingParams fields, "budget_param": str}. It yields dicts:
-    {"type": "error", "status", "body"} (then stops), or {"type": "start", "prompt_tokens"},
-    then {"type": "delta", "text", "token_ids", "finished", "finish_reason",
-    "prompt_tokens", "completion_tokens", "cached_tokens"}.
-    """
-
-    def __init__(self, args: dict[str, Any], engine_module: str = "actors.engine") -> None:
-        """`engine_module` names the module providing Engine, AsyncEngine and SamplingParams."""
-        import importlib
-
-        from transformers import AutoConfig, AutoTokenizer
-
-        from deploy.metrics import EngineMetrics
-
-        self._engine_mod = importlib.import_module(engine_module)
-        Engine, AsyncEngine = self._engine_mod.Engine, self._engine_mod.AsyncEngine
-
-        self.cfg = parse_serve_config(args)
-        path = resolve_model_path(self.cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        hf_config = AutoConfig.from_pretrained(path)
-        self.max_model_len = self.cfg.engine.max_model_len or int(hf_config.max_position_embeddings)
-        kw = engine_kwargs(self.cfg, path)
-        self.cache_client = None
-        if self.cfg.cache.tiers:
-            # The tiers run behind the gRPC cache server `moectl serve` starts (cache.listen);
-            # block keys use the deployment secret MOE_CACHE_SECRET, token MOE_CACHE_TOKEN.
-            from cache_service.client import CacheClient
-
-            self.cache_client = CacheClient(self.cfg.cache.listen)
-            kw["cache"] = self.cache_client
-        self.engine = AsyncEngine(Engine.from_checkpoint(path, **kw))
-        self.metrics = EngineMetrics(self.cfg.model.served_name)
-        self.chat_stop_ids = tuple(
-            t
-            for t in (self.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-            if isinstance(t, int) and t != self.tokenizer.unk_token_id
-        )
-        self._ttfts: deque[tuple[float, float]] = deque(maxlen=1024)  # (monotonic s, ttft s)
-        self._stats_task: asyncio.Task | None = None
-
-    # -- requests -------------------------------------------------------------------------------
-
-    def _prompt_ids(self, job: dict[str, Any]) -> list[int]:
-        if job.get("messages") is not None:
-            ids = self.tokenizer.apply_chat_template(
-                job["messages"], add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        prompt = job["prompt"]
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        vocab = len(self.tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ProtocolError(
-                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
-            )
-        return list(prompt)
-
-    def _params(self, job: dict[str, Any], prompt_tokens: int):
-        p = dict(job["params"])
-        room = self.max_model_len - prompt_tokens
-        if p.get("max_tokens") is None:
-            if room < 1:
-                check_context(prompt_tokens, 1, self.max_model_len, "messages")
-            p["max_tokens"] = room
-        check_context(prompt_tokens, p["max_tokens"], self.max_model_len, job["budget_param"])
-        if job.get("messages") is not None:
-            p["stop_token_ids"] = tuple(p.get("stop_token_ids", ())) + self.chat_stop_ids
-        p["stop"] = tuple(p.get("stop") or ())
-        return self._engine_mod.SamplingParams(**p)
-
-    async def generate(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self._ensure_stats_task()
-        t0 = time.perf_counter()
-        try:
-            ids = self._prompt_ids(job)
-            params = self._params(job, len(ids))
-        except ProtocolError as exc:
-            yield {"type": "error", "status": exc.status, "body": exc.body()}
-            return
-        self.metrics.observe_stage("tokenize", time.perf_counter() - t0)
-        yield {"type": "start", "prompt_tokens": len(ids)}
-        request_id = job["request_id"]
-        finished, ttft, completion, cached = False, None, 0, 0
-        admitted = time.perf_counter()
-        try:
-            async for out in self.engine.generate(request_id, ids, params):
-                if ttft is None and out.new_token_ids:
-                    ttft = time.perf_counter() - admitted
-                    self._ttfts.append((time.monotonic(), ttft))
-                    self.metrics.observe_stage("prefill", ttft)
-                completion, cached = out.completion_tokens, out.cached_tokens
-                finished = out.finished
-                yield {
-                    "type": "delta",
-                    "text": out.text_delta,
-                    "token_ids": list(out.new_token_ids),
-                    "finished": out.finished,
-                    "finish_reason": out.finish_reason,
-                    "prompt_tokens": out.prompt_tokens,
-                    "completion_tokens": out.completion_tokens,
-                    "cached_tokens": out.cached_tokens,
-                }
-        finally:
-            if not finished:
-                self.engine.abort(request_id)
-                self.metrics.aborted.inc(tags=self.metrics.tags)
-            self.metrics.observe_request(
-                ttft_s=ttft,
-                e2e_s=time.perf_counter() - admitted,
-                completion_tokens=completion,
-                prompt_tokens=len(ids),
-                cached_tokens=cached,
-            )
-
-    # -- state ----------------------------------------------------------------------------------
-
-    def _ensure_stats_task(self) -> None:
-        if self._stats_task is None or self._stats_task.done():
-            self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats())
-
-    async def _publish_stats(self) -> None:
-        while True:
-            s = self._engine_state()
-            self.metrics.set_engine_state(
-                waiting=s["waiting"],
-                running=s["running"],
-                kv_utilisation=s["kv_utilisation"],
-                free_blocks=s["free_blocks"],
-                cache_hits=s["cache_hits"],
-            )
-            await asyncio.sleep(STATS_PERIOD_S)
-
-    def _engine_state(self) -> dict[str, Any]:
-        """engine.stats() plus the derived figures the metrics and the policy read.
-
-        Cache hits per tier: `device` counts prefix blocks found on the device, `lower` those
-        loaded from the cache tiers (host, Redis, disk) together.
-        """
-        s = dict(self.engine.stats())
-        total = s.get("total_blocks") or 0
-        free = s.get("free_blocks", 0)
-        s["waiting"] = s.get("queue_depth", 0)
-        s.setdefault("running", 0)
-        s.setdefault("kv_utilisation", (total - free) / total if total else 0.0)
-        s["cache_hits"] = {"device": s.get("prefix_hits", 0), "lower": s.get("tier_hits", 0)}
-        s["ttft_recent_s"] = self._recent_ttft()
-        s["max_model_len"] = self.max_model_len
-        return s
-
-    def _recent_ttft(self) -> float:
-        """Mean TTFT of the requests whose first token came within the signal window, else 0
-        (so the signal decays once load stops and a scale-down can follow)."""
-        horizon = time.monotonic() - self.cfg.autoscaling.signal_window_s
-        while self._ttfts and self._ttfts[0][0] < horizon:
-            self._ttfts.popleft()
-        return sum(t for _, t in self._ttfts) / len(self._ttfts) if self._ttfts else 0.0
-
-    async def stats(self) -> dict[str, Any]:
-        return self._engine_state()
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Engine signals for deploy.autoscaling (Serve calls this every metrics interval)."""
-        s = self._engine_state()
-        return {
-            QUEUE_DEPTH: float(s["waiting"]),
-            KV_UTILISATION: float(s["kv_utilisation"]),
-            TTFT: float(s["ttft_recent_s"]),
-        }
-
-    def check_health(self) -> None:
-        if self._stats_task is not None and self._stats_task.done():
-            exc = self._stats_task.exception() if not self._stats_task.cancelled() else None
-            if exc is not None:
-                raise RuntimeError(f"engine stats loop failed: {exc!r}")
-
-    def __del__(self) -> None:
-        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-
-
 fastapi_app = FastAPI(title="moe-orchestrator", docs_url=None, redoc_url=None)
 
 
