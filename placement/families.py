@@ -3,6 +3,8 @@
 Each reader follows the family's reference implementation (Hugging Face transformers where it
 knows the family, the vendor's modelling code otherwise) for which layers are MoE, which attention
 each layer uses and which tensors exist. Shapes and counts are logical (unquantised).
+Every field read also accepts the aliases transformers' config class maps onto it (its
+`attribute_map`): transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`.
 """
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ def gqa_family(f: ConfigFields, family: str) -> Decoder:
         feats.add("clamped_swiglu")
     mtp = 0
     if family == "glm4_moe":
-        mtp = f.int("num_nextn_predict_layers", default=0) * _mtp_params(c, layers[-1])
+        mtp = f.int("num_nextn_predict_layers", "num_mtp_layers", default=0)
+        mtp *= _mtp_params(c, layers[-1])
     return Decoder(
         family=family, hidden_size=c.hidden, vocab_size=c.vocab, layers=layers,
         max_context=f.int("max_position_embeddings", default=0),
@@ -189,13 +192,14 @@ def _gqa_family_ffn(c, f, family, i, mlp_only, sparse_step, first_dense):
             c, p, f.int("intermediate_size", minimum=1), bias=f.bool("mlp_bias", default=False)
         )
     if family == "mixtral":
-        n = f.int("num_local_experts", minimum=1)
+        n = f.int("num_local_experts", "num_experts", minimum=1)
         return _moe(c, f, p, experts=n, top_k=f.int("num_experts_per_tok", minimum=1),
                     inter=f.int("intermediate_size", minimum=1), router="softmax", norm_topk=True)  # fmt: skip
     if family == "gpt_oss":
         return _gpt_oss_moe(c, f, p)
     if family in ("qwen2_moe", "qwen3_moe"):
-        n = f.int("num_experts", minimum=0)
+        aliases = ("num_local_experts",) if family == "qwen3_moe" else ()
+        n = f.int("num_experts", *aliases, minimum=0)
         if i in mlp_only or n == 0 or (i + 1) % sparse_step != 0:
             return _dense(c, p, f.int("intermediate_size", minimum=1))
         shared = f.int("shared_expert_intermediate_size", default=0) if family == "qwen2_moe" else 0
@@ -207,7 +211,7 @@ def _gqa_family_ffn(c, f, family, i, mlp_only, sparse_step, first_dense):
     if i < first_dense:
         return _dense(c, p, f.int("intermediate_size", minimum=1))
     inter = f.int("moe_intermediate_size", minimum=1)
-    return _moe(c, f, p, experts=f.int("n_routed_experts", minimum=1),
+    return _moe(c, f, p, experts=f.int("n_routed_experts", "num_local_experts", minimum=1),
                 top_k=f.int("num_experts_per_tok", minimum=1), inter=inter, router="sigmoid",
                 shared=inter * f.int("n_shared_experts", default=1),
                 n_shared=f.int("n_shared_experts", default=1), correction=True,
@@ -218,7 +222,7 @@ def _gqa_family_ffn(c, f, family, i, mlp_only, sparse_step, first_dense):
 
 def _gpt_oss_moe(c: _Common, f: ConfigFields, p: str) -> tuple[FfnSpec, list[TensorSpec]]:
     """gpt-oss experts: fused gate_up [2I, H] with bias, down [H, I] with bias; router with bias."""
-    n = f.int("num_local_experts", minimum=1)
+    n = f.int("num_local_experts", "num_experts", minimum=1)
     inter = f.int("intermediate_size", minimum=1)
     top_k = f.int("num_experts_per_tok", "experts_per_token", minimum=1)
     t = blocks.router(f"{p}.router", c.hidden, n, bias=True)
@@ -244,7 +248,11 @@ def deepseek_family(f: ConfigFields, family: str) -> Decoder:
     mla_kw = _mla_kw(f)
     first_dense = f.int("first_k_dense_replace", default=0)
     freq = f.int("moe_layer_freq", default=1, minimum=1)
-    n_routed = f.int("n_routed_experts", default=0)
+    # The names transformers' config class also accepts (its attribute_map).
+    experts_alias, mtp_alias = (
+        ("num_local_experts", ("num_mtp_layers",)) if v3 else ("num_experts", ())
+    )
+    n_routed = f.int("n_routed_experts", experts_alias, default=0)
     router = f.str("scoring_func", default="sigmoid" if v3 else "softmax")
     layers = []
     for i in range(c.num_layers):
@@ -270,7 +278,8 @@ def deepseek_family(f: ConfigFields, family: str) -> Decoder:
         family=family, hidden_size=c.hidden, vocab_size=c.vocab, layers=layers,
         max_context=f.int("max_position_embeddings", default=0),
         tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
-        mtp_params=f.int("num_nextn_predict_layers", default=0) * _mtp_params(c, layers[-1]),
+        mtp_params=f.int("num_nextn_predict_layers", *mtp_alias, default=0)
+        * _mtp_params(c, layers[-1]),
         features=_features(f),
     )  # fmt: skip
 

@@ -158,7 +158,7 @@ def minimax_family(f: ConfigFields, family: str) -> Decoder:
         else:
             attn = _gqa_spec(c, "gqa", None)
             t = blocks.gqa(f"{p}.self_attn", c.hidden, c.heads, c.kv_heads, c.head_dim)
-        ffn, ft = _moe(c, f, f"{p}.mlp", experts=f.int("num_local_experts", minimum=1),
+        ffn, ft = _moe(c, f, f"{p}.mlp", experts=f.int("num_local_experts", "num_experts", minimum=1),
                        top_k=f.int("num_experts_per_tok", minimum=1), inter=f.int("intermediate_size", minimum=1),
                        router="softmax", shared=shared, norm_topk=True)  # fmt: skip
         layers.append(
@@ -173,8 +173,8 @@ def minimax_family(f: ConfigFields, family: str) -> Decoder:
 
 def dbrx_family(f: ConfigFields, family: str) -> Decoder:
     """DBRX: fused Wqkv, LayerNorm without bias, 16 fine-grained experts (w1, v1, w2)."""
-    hidden = f.int("d_model", minimum=1)
-    heads = f.int("n_heads", minimum=1)
+    hidden = f.int("d_model", "hidden_size", minimum=1)
+    heads = f.int("n_heads", "num_attention_heads", minimum=1)
     attn_cfg = f.section("attn_config", required=True)
     ffn_cfg = f.section("ffn_config", required=True)
     kv_heads = attn_cfg.int("kv_n_heads", default=1, minimum=1)
@@ -185,7 +185,7 @@ def dbrx_family(f: ConfigFields, family: str) -> Decoder:
     if top_k > n_exp:
         raise ffn_cfg.error("moe_top_k", f"at most the {n_exp} experts", top_k)
     layers = []
-    for i in range(f.int("n_layers", minimum=1)):
+    for i in range(f.int("n_layers", "num_hidden_layers", minimum=1)):
         p = f"transformer.blocks.{i}"
         attn = AttentionSpec(
             kind="gqa",
@@ -210,7 +210,7 @@ def dbrx_family(f: ConfigFields, family: str) -> Decoder:
         feats.add("qkv_clip")
     return Decoder(
         family=family, hidden_size=hidden, vocab_size=f.int("vocab_size", minimum=1), layers=layers,
-        max_context=f.int("max_seq_len", default=0),
+        max_context=f.int("max_seq_len", "max_position_embeddings", default=0),
         tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
         embed_name="transformer.wte", final_norm="transformer.norm_f", features=feats,
     )  # fmt: skip

@@ -185,6 +185,64 @@ def test_small_config_counts_equal_transformers(tmp_path, model_type):
     assert {layer.index: layer.params for layer in spec.layers} == per_layer
 
 
+def _totals(spec) -> tuple:
+    return (
+        spec.total_params,
+        spec.active_params,
+        spec.buffer_elements,
+        tuple(layer.params for layer in spec.layers),
+        spec.kv_bytes_per_token("bf16"),
+        spec.weight_bytes(),
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(_SMALL))
+def test_config_written_by_transformers_save_pretrained_parses_the_same(tmp_path, model_type):
+    """transformers 5 renames fields on save (Qwen3-MoE `num_experts` -> `num_local_experts`)."""
+    config = dict(_SMALL[model_type], model_type=model_type)
+    hand = load_model_spec(write_config(tmp_path, config))
+    saved_dir = tmp_path / "saved"
+    AutoConfig.for_model(**config).save_pretrained(saved_dir)
+    saved = load_model_spec(saved_dir / "config.json")
+    assert _totals(saved) == _totals(hand)
+    assert saved.total_params == reference_counts(config)[0]
+
+
+# (model_type, field in _SMALL, the alias transformers' config class maps onto it)
+_ALIASES = [
+    ("mixtral", "num_local_experts", "num_experts"),
+    ("qwen3_moe", "num_experts", "num_local_experts"),
+    ("gpt_oss", "num_local_experts", "num_experts"),
+    ("minimax", "num_local_experts", "num_experts"),
+    ("deepseek_v2", "n_routed_experts", "num_experts"),
+    ("deepseek_v3", "n_routed_experts", "num_local_experts"),
+    ("glm4_moe", "n_routed_experts", "num_local_experts"),
+    ("dbrx", "d_model", "hidden_size"),
+    ("dbrx", "n_heads", "num_attention_heads"),
+    ("dbrx", "n_layers", "num_hidden_layers"),
+]
+
+
+@pytest.mark.parametrize(("model_type", "field", "alias"), _ALIASES)
+def test_field_aliases_transformers_accepts_are_read(tmp_path, model_type, field, alias):
+    config = dict(_SMALL[model_type], model_type=model_type)
+    config[alias] = config.pop(field)
+    path = write_config(tmp_path, config)
+    # transformers reads the file (its attribute_map turns the alias into its own field).
+    total, _, per_layer = reference_counts(AutoConfig.from_pretrained(tmp_path).to_dict())
+    spec = load_model_spec(path)
+    assert spec.total_params == total
+    assert {layer.index: layer.params for layer in spec.layers} == per_layer
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layer_count_alias(tmp_path, model_type):
+    config = dict(_SMALL[model_type], model_type=model_type)
+    canonical = load_model_spec(write_config(tmp_path, dict(config, num_nextn_predict_layers=1)))
+    aliased = load_model_spec(write_config(tmp_path, dict(config, num_mtp_layers=1)))
+    assert aliased.mtp_params == canonical.mtp_params > 0
+
+
 def test_a_broken_shared_expert_count_is_caught(tmp_path):
     config = dict(_SMALL["deepseek_v3"], model_type="deepseek_v3")
     total, _, _ = reference_counts(config)
