@@ -3,8 +3,13 @@
 `Replica` runs the ranks as Ray actors (`actors/worker_shell.py`); `run_in_processes` runs the
 same `ShardWorker` code on local processes (torch.multiprocessing) for machines without Ray.
 Every (re)build draws a fresh rendezvous, so ranks of a broken world never rejoin a new one.
-Only small step descriptions go out and only the last stage's logits come back: activations
-move between workers over the collective backend.
+Only small step descriptions go out and only the last stage's logits (prefill `step`) or sampled
+token ids (engine `execute`) come back: activations move between workers over the collective
+backend.
+
+`Replica` is also an engine runner (`actors/runner.py`): `allocate_kv`, `execute` (one Ray call
+per rank per step, issued together and gathered with one `ray.get`), `read_block` / `write_block`
+(whole-model blocks assembled from / split into the ranks' parts), `kv_layout`, `arch`.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from pathlib import Path
 import torch
 
 from actors.comm.group import Rendezvous
+from actors.kv_cache import KVLayout
 from actors.rank_runner import run_ranks
-from actors.worker import StepBatch, StepResult
+from actors.runner import StepInput, StepOutput
+from actors.worker import ShardStep, ShardStepOutput, StepBatch, StepResult
 from placement.parallel_dims import Layout
 
 
@@ -64,6 +71,10 @@ class Replica:
             raise ValueError(f"{len(node_ids)} node ids given for {world} ranks")
         self.layout, self.checkpoint_dir = layout, str(checkpoint_dir)
         self.backend, self.device, self.timeout_s = backend, device, timeout_s
+        self._arch = None
+        self._parts: list[KVLayout] | None = None
+        self._kv_layout: KVLayout | None = None
+        self.placement = None
         self._owned = actors is None
         if actors is not None:
             if len(actors) < world:
@@ -120,6 +131,92 @@ class Replica:
     def logits(self, batch: StepBatch) -> list[torch.Tensor]:
         """Per-sequence logits [L_i, vocab] of one step, in batch order."""
         return gather_logits(self.step(batch), len(batch.token_ids))
+
+    # ------------------------------------------------- engine runner protocol
+
+    @property
+    def arch(self):
+        """The checkpoint's ArchConfig (read on the driver from config.json)."""
+        if self._arch is None:
+            from actors.weights import CheckpointIndex
+
+            self._arch = CheckpointIndex.open(self.checkpoint_dir).arch()
+        return self._arch
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The whole model's block layout (all layers, all KV heads): what the tiers store."""
+        if self._kv_layout is None:
+            raise RuntimeError("allocate_kv has not been called")
+        return self._kv_layout
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> KVLayout:
+        """Every rank allocates an empty paged cache of its part; returns the whole layout."""
+        from actors.replica_runner import KVPlacement
+
+        refs = [a.allocate_kv.remote(num_blocks, block_size) for a in self.actors]
+        self._parts = self._ray.get(refs, timeout=self.timeout_s)
+        self._kv_layout = KVLayout.for_stage(
+            self.arch,
+            block_size=block_size,
+            layer_range=(0, self.arch.num_layers),
+            dtype=self._parts[0].dtype,
+        )
+        self.placement = KVPlacement(
+            dp=self.layout.dims.dp, num_blocks=num_blocks, block_size=block_size
+        )
+        return self._kv_layout
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """One engine step on every rank (one fan-out, one gather); tokens in sampling-row order."""
+        if self.placement is None:
+            raise RuntimeError("allocate_kv has not been called")
+        owners, copies = self.placement.assign(step)
+        shard = ShardStep(step=step, owners=owners, copies=copies)
+        outs: list[ShardStepOutput] = self._ray.get(
+            [a.execute.remote(shard) for a in self.actors], timeout=self.timeout_s * 2
+        )
+        n = len(step.sample_seqs)
+        tokens: list[int | None] = [None] * n
+        logprobs: list = [None] * n
+        for out in outs:
+            for row, token, lp in zip(out.rows, out.token_ids, out.logprobs, strict=True):
+                tokens[row], logprobs[row] = token, lp
+        missing = [r for r, t in enumerate(tokens) if t is None]
+        if missing:
+            raise RuntimeError(f"no rank sampled rows {missing} of the step")
+        return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A whole-model block (`kv_layout.block_shape`), assembled from the parts of one rank
+        per (stage, KV-head range) on a DP rank holding the block."""
+        from actors.replica_runner import assemble_block, distinct_parts
+
+        dims = self.layout.dims
+        holder = self.placement.holder(block_id)
+        candidates = [r for r in range(dims.world) if dims.coords(r).dp == holder]
+        ranks = distinct_parts(self._parts, candidates)
+        data = self._ray.get(
+            [self.actors[r].read_kv_block.remote(block_id) for r in ranks],
+            timeout=self.timeout_s,
+        )
+        return assemble_block(
+            self.kv_layout, [(self._parts[r], d) for r, d in zip(ranks, data, strict=True)]
+        )
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Fill one block on every rank from a whole-model block (each rank gets its part)."""
+        from actors.replica_runner import part_slices
+
+        whole = self.kv_layout
+        if tuple(data.shape) != whole.block_shape:
+            raise ValueError(f"KV block of shape {tuple(data.shape)}; expected {whole.block_shape}")
+        refs = [
+            actor.write_kv_block.remote(block_id, data[part_slices(whole, part)].contiguous())
+            for actor, part in zip(self.actors, self._parts, strict=True)
+        ]
+        self._ray.get(refs, timeout=self.timeout_s)
+        self.placement.written_everywhere(block_id)
 
     def abort(self) -> list[bool]:
         """Abort every worker through its control slot; returns which had a step in flight."""

@@ -33,7 +33,10 @@ from actors.comm.group import (
 )
 from actors.comm.pp import PipelineParallel
 from actors.comm.tp import TensorParallel
+from actors.kv_cache import KVCache, KVLayout, PagedContext
 from actors.layers.moe import MoE
+from actors.runner import StepInput
+from actors.sampler import TokenLogprob, sample
 from actors.weights import load_stage_model
 from cluster.errors import InputError
 from placement.parallel_dims import Axis, Layout
@@ -80,6 +83,37 @@ class StepResult:
     """Bytes per memory region: weights, buffers, activations_peak (CUDA only), kv_cache."""
     routed: dict[int, list[int]] = field(default_factory=dict)
     """Layer -> [num_experts] (token, k) rows this rank's tokens routed to each expert this step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardStep:
+    """One engine step as every rank of a replica receives it (small; no activations)."""
+
+    step: StepInput
+    """The engine's step: new tokens, positions, block tables, slots, sampling rows."""
+    owners: tuple[int, ...]
+    """[S] the DP rank that runs each sequence and holds its KV (see `KVPlacement`)."""
+    copies: tuple[tuple[int, int, int], ...] = ()
+    """(block, source DP rank, destination DP rank): KV blocks to copy inside each DP group
+    before the forward, so a sequence's whole context is on its owner."""
+
+    def __post_init__(self) -> None:
+        if len(self.owners) != len(self.step.query_lens):
+            raise InputError(
+                f"shard step: {len(self.owners)} owners for {len(self.step.query_lens)} sequences"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardStepOutput:
+    """What one rank returns from an engine step; only last-stage TP-rank-0 ranks sample."""
+
+    rank: int
+    rows: tuple[int, ...]
+    """Indices into `StepInput.sample_seqs` of the rows this rank sampled."""
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]
+    timings_s: dict[str, float] = field(default_factory=dict)
 
 
 def split_round_robin(count: int, parts: int) -> list[list[int]]:
@@ -185,6 +219,7 @@ class ShardWorker:
             raise InputError(
                 f"layout has {layout.num_layers} layers, the checkpoint {arch.num_layers}"
             )
+        self.kv: KVCache | None = None
         self._timings: dict[str, float] = defaultdict(float)
         self._install_timers()
 
@@ -288,6 +323,170 @@ class ShardWorker:
             logits.extend(t.cpu() for t in torch.split(out, lens))
         return tuple(s for mb in microbatches for s in mb), tuple(logits)
 
+    # ------------------------------------------------------------ paged KV step
+
+    def kv_head_range(self) -> tuple[int, int]:
+        """Global KV heads [start, stop) this rank stores (MLA: (0, 1), replicated over TP)."""
+        if self.model.arch.mla:
+            return (0, 1)
+        attn = next(iter(self.model.layers.values())).self_attn
+        return (attn.kv0, attn.kv0 + attn.kv_heads)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> KVLayout:
+        """A fresh, empty paged cache of this rank's part: its stage's layers, its KV heads."""
+        layout = KVLayout.for_stage(
+            self.model.arch,
+            block_size=block_size,
+            layer_range=self.model.layer_range,
+            kv_head_range=self.kv_head_range(),
+            dtype=next(self.model.parameters()).dtype,
+        )
+        self.kv = None
+        self.kv = KVCache(layout, num_blocks, self.device)
+        return layout
+
+    def read_kv_block(self, block_id: int) -> torch.Tensor:
+        """This rank's part of one block, `self.kv.layout.block_shape`, a CPU copy."""
+        return self._cache().read_block(block_id)
+
+    def write_kv_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Fill this rank's part of one block (`self.kv.layout.block_shape`)."""
+        self._cache().write_block(block_id, data)
+
+    def _cache(self) -> KVCache:
+        if self.kv is None:
+            raise RuntimeError(f"rank {self.rank}: allocate_kv has not been called")
+        return self.kv
+
+    def execute(self, shard: ShardStep) -> ShardStepOutput:
+        """Run one engine step over the paged cache; the last stage's TP rank 0 samples.
+
+        Step 1: copy the KV blocks the step's owners need from other DP ranks (DP group p2p).
+        Step 2: DP: this rank takes the sequences whose owner is its DP index.
+        Step 3: PP: they are cut into micro-batches (one sequence each in per-sequence mode), the
+        same count on every DP rank so the EP all-to-alls of a stage pair up.
+        Step 4: every micro-batch writes its new K/V into this rank's cache and attends over it;
+        the last stage computes logits only for sampled rows and TP rank 0 samples them.
+        """
+        if self.broken is not None:
+            raise CommError(f"rank {self.rank} is broken ({self.broken}); rebuild the replica")
+        cache = self._cache()
+        self.in_step = True
+        self._timings.clear()
+        for group in self.groups.values():
+            group.waited_s = 0.0
+        self.model.reset_routing_counts()
+        start = time.perf_counter()
+        try:
+            self._copy_blocks(cache, shard.copies)
+            rows, tokens, logprobs = self._execute(cache, shard)
+        except CommError as exc:
+            self.broken = type(exc).__name__
+            raise
+        finally:
+            self.in_step = False
+        self.steps += 1
+        self._timings["step"] = time.perf_counter() - start
+        return ShardStepOutput(
+            rank=self.rank,
+            rows=rows,
+            token_ids=tokens,
+            logprobs=logprobs,
+            timings_s=dict(self._timings),
+        )
+
+    def _copy_blocks(self, cache: KVCache, copies: tuple[tuple[int, int, int], ...]) -> None:
+        """Send/receive whole blocks of this rank's part inside its DP group (same pp, tp)."""
+        if not copies:
+            return
+        group = self.groups[Axis.DP]
+        me = self.coord.dp
+        sends = []
+        for tag, (block, src, dst) in enumerate(copies):
+            if me == src:
+                data = cache.read_block(block).to(self.device).contiguous()
+                sends.append((data, group.isend(data, dst, tag=tag)))
+            elif me == dst:
+                buf = torch.empty(cache.layout.block_shape, dtype=cache.layout.dtype)
+                buf = buf.to(self.device)
+                group.wait(group.irecv(buf, src, tag=tag), f"recv of KV block {block}", p2p=True)
+                cache.write_block(block, buf)
+        for _, work in sends:
+            group.wait(work, "send of a KV block", p2p=True)
+        self._timings["kv_copies"] = float(len(copies))
+
+    def _execute(self, cache: KVCache, shard: ShardStep):
+        step, dims = shard.step, self.layout.dims
+        by_dp = [[i for i, o in enumerate(shard.owners) if o == d] for d in range(dims.dp)]
+        mine = by_dp[self.coord.dp]
+        if step.per_sequence:
+            num_mb = max(1, max(len(s) for s in by_dp))
+            microbatches = [[i] for i in mine] + [[] for _ in range(num_mb - len(mine))]
+        else:
+            num_mb = max(1, min(dims.pp, min(len(s) for s in by_dp)))
+            microbatches = split_contiguous(mine, num_mb)
+        starts = [0]
+        for n in step.query_lens:
+            starts.append(starts[-1] + n)
+        sampled = {seq: row for row, seq in enumerate(step.sample_seqs)}
+        hidden = self.model.arch.hidden_size
+
+        def token_rows(seqs: list[int]) -> torch.Tensor:
+            return torch.tensor(
+                [t for i in seqs for t in range(starts[i], starts[i + 1])], dtype=torch.int64
+            )
+
+        def compute(m: int, x: torch.Tensor | None) -> torch.Tensor:
+            seqs = microbatches[m]
+            rows = token_rows(seqs)
+            lens = tuple(step.query_lens[i] for i in seqs)
+            if x is None:
+                x = step.token_ids[rows].to(self.device)
+            positions = step.positions[rows].to(self.device)
+            logits_rows = None
+            if self.pp.is_last:
+                ends = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
+                picked = [j for j, i in enumerate(seqs) if i in sampled]
+                logits_rows = ends[picked].to(self.device)
+            t0 = time.perf_counter()
+            if not seqs:
+                out = self.model(x, positions, lens, logits_rows=logits_rows)
+            else:
+                ctx = PagedContext(
+                    cache=cache,
+                    query_lens=lens,
+                    context_lens=tuple(step.context_lens[i] for i in seqs),
+                    block_tables=tuple(step.block_tables[i] for i in seqs),
+                    slot_mapping=step.slot_mapping[rows].to(self.device),
+                )
+                out = self.model(x, positions, lens, paged=ctx, logits_rows=logits_rows)
+                cache.update_summaries(ctx.filled_blocks())
+            self._timings["stage_forward"] += time.perf_counter() - t0
+            return out
+
+        dtype = next(self.model.parameters()).dtype
+        outputs = self.pp.run(
+            num_mb,
+            compute,
+            lambda m: (sum(step.query_lens[i] for i in microbatches[m]), hidden),
+            dtype=dtype,
+            device=self.device,
+        )
+        if not self.pp.is_last or self.tp.rank != 0:
+            return (), (), ()
+        rows_out: list[int] = []
+        logits: list[torch.Tensor] = []
+        for m, out in enumerate(outputs):
+            for j, seq in enumerate(s for s in microbatches[m] if s in sampled):
+                rows_out.append(sampled[seq])
+                logits.append(out[j])
+        if not rows_out:
+            return (), (), ()
+        tokens, logprobs = sample(
+            torch.stack(logits).float().cpu(), [step.sampling[r] for r in rows_out]
+        )
+        return tuple(rows_out), tuple(tokens), tuple(logprobs)
+
     def _routed(self) -> dict[int, list[int]]:
         """Routing counts of this step; TP members share tokens, so only TP rank 0 reports."""
         if self.tp.rank != 0:
@@ -296,10 +495,11 @@ class ShardWorker:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes per region: weights (parameters), buffers (rope tables, expert maps, counters),
-        activations peak (CUDA), kv_cache (0: the prefill path keeps none)."""
+        activations peak (CUDA), kv_cache (the paged cache of `allocate_kv`, 0 before)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
-        out = {"weights": weights, "buffers": buffers, "kv_cache": 0}
+        kv = self.kv.nbytes if self.kv is not None else 0
+        out = {"weights": weights, "buffers": buffers, "kv_cache": kv}
         if self.device.type == "cuda":
             out["activations_peak"] = (
                 torch.cuda.max_memory_allocated(self.device) - weights - buffers

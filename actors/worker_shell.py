@@ -1,7 +1,8 @@
 """The Ray actor shell around `ShardWorker`: places, starts, steps, aborts. Imported lazily.
 
-Two concurrency groups: steps run one at a time in the default group, and the "control" group
-keeps its own thread so `abort` and `health` are served while a step blocks on a collective.
+Two concurrency groups: steps (prefill `step`, engine `execute`) and KV block reads/writes run
+one at a time in the default group, and the "control" group keeps its own thread so `abort` and
+`health` are served while a step blocks on a collective.
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def shard_worker_actor():
 
         def step(self, batch):
             return self.worker.step(batch)
+
+        def execute(self, shard_step):
+            """One engine step (`ShardStep`) over the paged cache -> `ShardStepOutput`."""
+            return self.worker.execute(shard_step)
+
+        def allocate_kv(self, num_blocks: int, block_size: int):
+            return self.worker.allocate_kv(num_blocks, block_size)
+
+        def read_kv_block(self, block_id: int):
+            return self.worker.read_kv_block(block_id)
+
+        def write_kv_block(self, block_id: int, data) -> None:
+            self.worker.write_kv_block(block_id, data)
 
         @ray.method(concurrency_group="control")
         def abort(self) -> bool:

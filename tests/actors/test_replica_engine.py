@@ -1,0 +1,196 @@
+"""The Engine over a Ray replica (ep2, pp2, tp2, ep2xpp2 on CPU actors) gives the in-process
+engine's tokens: concurrent requests of different lengths with a shared prefix computed side by
+side on two DP ranks (so a later prefix hit needs blocks copied between them), chunked prefill,
+preemption, abort, KV blocks read from / written to the ranks' parts and through the cache tiers.
+
+The reference is `Engine.from_checkpoint` (the in-process LocalRunner, itself checked against
+transformers in test_engine.py) fed the same requests in the same order: the scheduler's
+decisions and block ids are then identical, so tokens, prefix hits and block contents compare.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import Engine, SamplingParams
+from actors.replica_runner import build_engine
+from tests.actors.checkpoints import FAMILIES, make_tiny_checkpoint
+from tests.actors.test_engine import prompt, run, tokens
+from tests.actors.tiny_tokenizer import install
+
+pytestmark = pytest.mark.ray
+
+SECRET = b"replica-secret"
+ENGINE_KW = {"num_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 4}
+P = prompt(12, 40)  # three full blocks shared by "a", "b", "d", "e"
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+WAVE1 = {
+    "a": (P + prompt(5, 41), greedy(6)),
+    "b": (P + prompt(9, 42), greedy(8)),
+    "c": (prompt(5, 43), greedy(10)),
+}
+WAVE2 = {
+    # b's prompt blocks 3-4 follow the prefix blocks "a" registered: a prefix from two DP ranks.
+    "d": (WAVE1["b"][0] + prompt(6, 44), greedy(5)),
+    "e": (P + prompt(3, 45), SamplingParams(max_tokens=7, temperature=0.9, seed=3, logprobs=2)),
+}
+
+
+def scenario(engine: Engine) -> dict[str, list]:
+    """Two waves of requests; returns each request's outputs."""
+    outs = run(engine, WAVE1)
+    outs.update(run(engine, WAVE2))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for family in FAMILIES:
+        path = make_tiny_checkpoint(family, tmp_path_factory.mktemp(family))
+        install(path)
+        out[family] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def actor_pool(ray_session):
+    """Four actors (0.25 CPU each) on the session's three nodes, rebuilt for every replica."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.worker_shell import shard_worker_actor
+
+    ray = ray_session
+    by_label = {n["Labels"].get("moe.io/node"): n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    nodes = [by_label["head"], by_label["fake-a"], by_label["fake-b"], by_label["head"]]
+    cls = shard_worker_actor()
+    actors = [
+        cls.options(
+            num_cpus=0.25,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote()
+        for node in nodes
+    ]
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
+
+
+_local: dict[str, tuple[Engine, dict]] = {}
+
+
+def local(ckpts, family):
+    """The in-process engine after the scenario, and its outputs (computed once per family)."""
+    if family not in _local:
+        engine = Engine.from_checkpoint(ckpts[family], cache_key_secret=SECRET, **ENGINE_KW)
+        _local[family] = (engine, scenario(engine))
+    return _local[family]
+
+
+def replica_engine(ckpts, family, layout, actor_pool, **kw):
+    kw = {**ENGINE_KW, **kw}
+    return build_engine(
+        ckpts[family], layout=layout, actors=actor_pool, cache_key_secret=SECRET, **kw
+    )
+
+
+CASES = [(f, "ep2xpp2") for f in FAMILIES] + [
+    ("mixtral", "ep2"),
+    ("mixtral", "pp2"),
+    ("mixtral", "tp2"),
+    ("deepseek_v3", "tp2"),
+]
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES)
+def test_replica_engine_matches_in_process(ckpts, actor_pool, family, layout):
+    want_engine, want = local(ckpts, family)
+    engine = replica_engine(ckpts, family, layout, actor_pool)
+    try:
+        got = scenario(engine)
+        for rid in want:
+            assert tokens(got[rid]) == tokens(want[rid]), f"{family} {layout} request {rid}"
+            assert got[rid][-1].cached_tokens == want[rid][-1].cached_tokens
+        for g, w in zip(got["e"], want["e"], strict=True):
+            (gl,), (wl,) = g.logprobs, w.logprobs
+            assert [t for t, _ in gl.top] == [t for t, _ in wl.top]
+            assert gl.logprob == pytest.approx(wl.logprob, abs=1e-4)
+        assert want["d"][-1].cached_tokens == 20  # 3 blocks of "a" + 2 of "b"
+        replica = engine.runner
+        if replica.layout.dims.dp > 1:
+            # "a" and "b" ran on different DP ranks; "d" needed b's blocks where a's were.
+            assert replica.placement.copies >= 2
+        # Every block that holds a registered key reads back as the in-process engine's block.
+        keyed = [b for b in range(64) if engine.blocks.key[b] is not None]
+        assert keyed == [b for b in range(64) if want_engine.blocks.key[b] is not None]
+        for b in keyed:
+            torch.testing.assert_close(
+                replica.read_block(b), want_engine.runner.read_block(b), atol=2e-5, rtol=1e-4
+            )
+        stats = engine.stats()
+        assert stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
+    finally:
+        engine.runner.shutdown()
+
+
+def test_write_block_fans_out_parts_and_reads_back(ckpts, actor_pool):
+    engine = replica_engine(ckpts, "qwen3_moe", "ep2xpp2", actor_pool)
+    try:
+        replica = engine.runner
+        shape = replica.kv_layout.block_shape
+        assert shape == (4, 2, 4, 2, 16)  # layers, k/v, block, KV heads, head_dim
+        data = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        replica.write_block(5, data)
+        assert torch.equal(replica.read_block(5), data)
+        # Each rank holds its stage's layers only: rank 3 (stage 1) holds layers 2-3.
+        ray = pytest.importorskip("ray")
+        part = ray.get(replica.actors[3].read_kv_block.remote(5))
+        assert torch.equal(part, data[2:4])
+    finally:
+        engine.runner.shutdown()
+
+
+def test_preemption_and_abort_over_replica(ckpts, actor_pool):
+    reqs = {
+        f"r{i}": (
+            prompt(10, 20 + i),
+            SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8 * (i % 2), seed=i),
+        )
+        for i in range(3)
+    }
+    kw = {"num_blocks": 9, "block_size": 4, "max_num_batched_tokens": 32, "max_num_seqs": 3}
+    want = run(Engine.from_checkpoint(ckpts["mixtral"], cache_key_secret=SECRET, **kw), reqs)
+    engine = replica_engine(ckpts, "mixtral", "ep2", actor_pool, **kw)
+    try:
+        got = run(engine, reqs)
+        assert engine.stats()["preemptions"] > 0
+        for rid in reqs:
+            assert tokens(got[rid]) == tokens(want[rid]), rid
+        assert engine.stats()["free_blocks"] == 9
+        # Abort mid-generation frees every block; the replica then serves correctly again.
+        engine.add_request("x", prompt(14, 30), greedy(20))
+        engine.add_request("y", prompt(6, 31), greedy(20))
+        for _ in range(3):
+            engine.step()
+        assert engine.stats()["free_blocks"] < 9
+        engine.abort("x")
+        engine.abort("y")
+        assert {(o.request_id, o.finish_reason) for o in engine.step()} == {
+            ("x", "abort"),
+            ("y", "abort"),
+        }
+        assert engine.stats()["free_blocks"] == 9 and not engine.has_unfinished()
+        again = run(engine, {"z": (prompt(7, 32), greedy(6))})["z"]
+        alone = run(
+            Engine.from_checkpoint(ckpts["mixtral"], cache_key_secret=SECRET, **kw),
+            {"z": (prompt(7, 32), greedy(6))},
+        )["z"]
+        assert tokens(again) == tokens(alone)
+    finally:
+        engine.runner.shutdown()
