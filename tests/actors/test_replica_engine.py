@@ -194,3 +194,36 @@ def test_preemption_and_abort_over_replica(ckpts, actor_pool):
         assert tokens(again) == tokens(alone)
     finally:
         engine.runner.shutdown()
+
+
+def test_tier_blocks_are_shared_between_layouts(ckpts, actor_pool, tmp_path):
+    """Blocks the in-process engine wrote down the tiers load into an ep2xpp2 replica (every
+    rank takes its part) and give the same tokens, and the replica's blocks load back in-process:
+    the whole-model key is plan-independent."""
+    from cache_service.block_key import weights_fingerprint
+    from cache_service.namespace import CacheNamespace
+    from cache_service.store import TieredCache
+
+    path = ckpts["deepseek_v3"]
+    ns = CacheNamespace(model_fingerprint=weights_fingerprint(path), deployment="replica-test")
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    first, second = prompt(26, 60), prompt(23, 61)
+    with TieredCache.from_urls(["host://"], capacities=[1 << 24], namespace=ns) as cache:
+        writer = Engine.from_checkpoint(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
+        cold = run(writer, {"a": (first, params)})["a"]
+        assert writer.stats()["cache"]["stored"] >= 6
+        engine = replica_engine(ckpts, "deepseek_v3", "ep2xpp2", actor_pool, cache=cache)
+        try:
+            warm = run(engine, {"a": (first, params)})["a"]
+            assert engine.stats()["tier_hits"] == 6 and warm[-1].cached_tokens == 24
+            assert tokens(warm) == tokens(cold)
+            assert warm[0].logprobs[0].logprob == pytest.approx(
+                cold[0].logprobs[0].logprob, abs=1e-4
+            )
+            replica_cold = run(engine, {"b": (second, params)})["b"]
+            assert engine.stats()["cache"]["stored"] >= 5
+        finally:
+            engine.runner.shutdown()
+        reader = Engine.from_checkpoint(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
+        back = run(reader, {"b": (second, params)})["b"]
+        assert reader.stats()["tier_hits"] == 5 and tokens(back) == tokens(replica_cold)
