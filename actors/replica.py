@@ -46,6 +46,9 @@ class Replica:
     `num_cpus`/`num_gpus` are the per-actor resource requests (fractional allowed).
     `actors` reuses already started ShardWorkerActors (the first `world` of them; they are
     rebuilt for this layout and not killed by `shutdown`), e.g. a pool shared by many layouts.
+    `compiled_graph`: engine steps go through a Ray compiled graph (`ray.dag`,
+    `experimental_compile`, built at the first `execute`) instead of one `execute.remote` per
+    rank; other calls (KV blocks, health, abort) stay plain actor calls.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class Replica:
         node_ids: Sequence[str] | None = None,
         timeout_s: float = 60.0,
         actors: Sequence | None = None,
+        compiled_graph: bool = False,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -72,6 +76,8 @@ class Replica:
         self.layout, self.checkpoint_dir = layout, str(checkpoint_dir)
         self.backend, self.device, self.timeout_s = backend, device, timeout_s
         self._arch = None
+        self.compiled_graph = compiled_graph
+        self._dag = None
         self._parts: list[KVLayout] | None = None
         self._kv_layout: KVLayout | None = None
         self.placement = None
@@ -100,6 +106,7 @@ class Replica:
     def build(self) -> None:
         """(Re)build every worker over a fresh rendezvous hosted by rank 0's node."""
         ray = self._ray
+        self._teardown_graph()
         host = "127.0.0.1"
         if len(self.actors) > 1:
             node = ray.get(self.actors[0].rendezvous_host.remote(), timeout=self.timeout_s)
@@ -173,9 +180,14 @@ class Replica:
             raise RuntimeError("allocate_kv has not been called")
         owners, copies = self.placement.assign(step)
         shard = ShardStep(step=step, owners=owners, copies=copies)
-        outs: list[ShardStepOutput] = self._ray.get(
-            [a.execute.remote(shard) for a in self.actors], timeout=self.timeout_s * 2
-        )
+        if self.compiled_graph:
+            outs: list[ShardStepOutput] = self._ray.get(
+                self._compiled().execute(shard), timeout=self.timeout_s * 2
+            )
+        else:
+            outs = self._ray.get(
+                [a.execute.remote(shard) for a in self.actors], timeout=self.timeout_s * 2
+            )
         n = len(step.sample_seqs)
         tokens: list[int | None] = [None] * n
         logprobs: list = [None] * n
@@ -186,6 +198,21 @@ class Replica:
         if missing:
             raise RuntimeError(f"no rank sampled rows {missing} of the step")
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
+
+    def _compiled(self):
+        """The Ray compiled graph fanning one ShardStep out to every rank's `execute`."""
+        if self._dag is None:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as step:
+                dag = MultiOutputNode([a.execute.bind(step) for a in self.actors])
+            self._dag = dag.experimental_compile()
+        return self._dag
+
+    def _teardown_graph(self) -> None:
+        if self._dag is not None:
+            self._dag.teardown()
+            self._dag = None
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """A whole-model block (`kv_layout.block_shape`), assembled from the parts of one rank
@@ -228,6 +255,7 @@ class Replica:
     def shutdown(self) -> None:
         """Kill the actors this replica started (their process groups go with them); borrowed
         actors only leave the world."""
+        self._teardown_graph()
         if self._owned:
             for actor in self.actors:
                 self._ray.kill(actor)

@@ -158,6 +158,7 @@ def build_engine(
     node_ids: Sequence[str] | None = None,
     timeout_s: float = 60.0,
     actors: Sequence | None = None,
+    compiled_graph: bool = False,
     cache_key_secret: bytes | None = None,
     **engine_kw: Any,
 ):
@@ -165,6 +166,7 @@ def build_engine(
 
     `layout` is a shorthand (`placement.parallel_dims.parse_layout`: "ep2", "pp2", "tp2",
     "ep2xpp2", ...) split evenly (layers over stages, contiguous experts over EP ranks).
+    `compiled_graph` sends each step through a Ray compiled graph (see `Replica`).
     `engine_kw` go to `Engine` (num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
     cache, ...); tokenizer, EOS, weights fingerprint and the cache-key secret default as in
     `Engine.from_checkpoint`. Call `engine.runner.shutdown()` to stop the actors.
@@ -204,6 +206,7 @@ def build_engine(
         node_ids=node_ids,
         timeout_s=timeout_s,
         actors=actors,
+        compiled_graph=compiled_graph,
     )
     try:
         return Engine(replica, cache_key_secret=cache_key_secret, **engine_kw)

@@ -227,3 +227,16 @@ def test_tier_blocks_are_shared_between_layouts(ckpts, actor_pool, tmp_path):
         reader = Engine.from_checkpoint(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
         back = run(reader, {"b": (second, params)})["b"]
         assert reader.stats()["tier_hits"] == 5 and tokens(back) == tokens(replica_cold)
+
+
+def test_compiled_graph_steps_match(ckpts, actor_pool):
+    """Steps through a Ray compiled graph (ray.dag) give the same tokens as plain calls."""
+    _, want = local(ckpts, "qwen3_moe")
+    engine = replica_engine(ckpts, "qwen3_moe", "ep2xpp2", actor_pool, compiled_graph=True)
+    try:
+        got = scenario(engine)
+        assert engine.runner._dag is not None
+        for rid in want:
+            assert tokens(got[rid]) == tokens(want[rid]), rid
+    finally:
+        engine.runner.shutdown()
