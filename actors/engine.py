@@ -36,7 +36,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -362,6 +362,50 @@ class Engine:
             if self.blocks.key[block] == key and not self.blocks.stored[block]:
                 self.tiers.store(key, self.runner.read_block(block))
                 self.blocks.stored[block] = True
+
+    # --------------------------------------------------------------- recovery
+
+    def reset(self) -> list[str]:
+        """Forget every request and every device block, and allocate an empty KV cache.
+
+        For a runner that lost its KV (a worker died and its replica was rebuilt). Abort outputs
+        not yet returned stay pending. Returns the ids of the requests dropped, which
+        `actors/recovery.py` re-admits with `resume_request`.
+        """
+        dropped = list(self.seqs)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self.seqs.clear()
+        self.detok.clear()
+        self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
+        self.scheduler.blocks = self.blocks
+        self.runner.allocate_kv(self.blocks.num_blocks, self.block_size)
+        return dropped
+
+    def resume_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        output_token_ids: list[int],
+        cached_tokens: int | None = None,
+    ) -> None:
+        """Re-admit a request whose client already has `output_token_ids`.
+
+        The prompt and those tokens are recomputed (prefix blocks still in the tiers are read
+        back), then sampling continues at step len(output_token_ids) with the same seed, so a
+        greedy or seeded stream goes on as without the fault (the sampler is keyed by seed and
+        step). The detokenizer replays the tokens silently: no text is emitted twice.
+        """
+        self.add_request(request_id, prompt_token_ids, replace(params, seed=seed))
+        seq = self.seqs[request_id]
+        seq.output_token_ids = [int(t) for t in output_token_ids]
+        seq.cached_tokens = cached_tokens
+        detok = self.detok[request_id]
+        for token in seq.output_token_ids:
+            detok.add(token)
 
     # ------------------------------------------------------------------ stats
 
