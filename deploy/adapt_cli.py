@@ -33,6 +33,7 @@ def adapt_command(
     target: str = typer.Option("cuda", "--target", help="Runtime target whose operator registry counts: cuda | cpu."),
     layouts: str = typer.Option("ep2,tp2xpp2", "--layouts", help="Layouts of the small-scale alignment (comma-separated)."),
     against: Path = typer.Option(None, "--against", help="A previous summary.json: flag what changed."),
+    op_budget: int = typer.Option(None, "--op-budget", help="Weight elements one operator check may allocate (default 32M: real widths, sliced by heads/experts/columns beyond)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:  # fmt: skip
     """Parse, check every operator, align a shrunk model, plan the real size; verdict ready | needs-work."""
@@ -43,6 +44,8 @@ def adapt_command(
 
     if target not in TARGETS:
         raise InputError(f"--target {target!r}: expected one of {', '.join(TARGETS)}")
+    if op_budget is not None and op_budget < 1:
+        raise InputError(f"--op-budget {op_budget}: expected a positive number of elements")
     if context is not None and context < 1:
         raise InputError(f"--context {context}: expected a positive number of tokens")
     previous = None
@@ -54,12 +57,12 @@ def adapt_command(
         except (OSError, json.JSONDecodeError) as exc:
             raise InputError(f"--against {against}: cannot read JSON ({exc})") from None
     names = tuple(x.strip() for x in layouts.split(",") if x.strip())
-    print(
-        f"adapt {model}: parse, operator checks, alignment ({', '.join(names)}), plan",
-        file=sys.stderr,
-    )
     result = adapt(
-        model, AdaptOptions(topology=topology, context=context, target=target, layouts=names)
+        model,
+        AdaptOptions(
+            topology=topology, context=context, target=target, layouts=names, op_budget=op_budget
+        ),
+        progress=lambda step: print(f"adapt {model}: {step}", file=sys.stderr),
     )
     s = summary(result)
     regressed = False

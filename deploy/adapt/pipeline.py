@@ -98,8 +98,11 @@ def text_config(config: dict) -> dict:
     return config
 
 
-def adapt(path: str | Path, options: AdaptOptions = AdaptOptions()) -> AdaptResult:
-    """Run the five steps of the module docstring on a config.json or a checkpoint directory."""
+def adapt(path: str | Path, options: AdaptOptions = AdaptOptions(), progress=None) -> AdaptResult:
+    """Run the five steps of the module docstring on a config.json or a checkpoint directory.
+
+    Inputs (config, context, topology) are checked before any step runs (InputError); `progress`,
+    when given, is called with the name of each step as it starts."""
     from placement.model_spec import load_model_spec, read_config
 
     config, _ = read_config(path)
@@ -109,14 +112,21 @@ def adapt(path: str | Path, options: AdaptOptions = AdaptOptions()) -> AdaptResu
         raise InputError(
             f"--context {context} exceeds the model's maximum of {spec.max_context} tokens"
         )
+    topologies = list(_topologies(options.topology))
     result = AdaptResult(
         source=str(path), spec=spec, config=config, options=options, context=context
     )
-    _timed(result, "parse", lambda: _parse(result))
-    _timed(result, "operator_checks", lambda: _operator_checks(result))
-    _timed(result, "alignment", lambda: _alignment(result))
-    _timed(result, "checkpoint", lambda: _checkpoint(result, Path(path)))
-    _timed(result, "plan", lambda: _plan(result))
+    steps = (
+        ("parse", lambda: _parse(result)),
+        ("operator_checks", lambda: _operator_checks(result)),
+        ("alignment", lambda: _alignment(result)),
+        ("checkpoint", lambda: _checkpoint(result, Path(path))),
+        ("plan", lambda: _plan(result, topologies)),
+    )
+    for name, step in steps:
+        if progress is not None:
+            progress(name)
+        _timed(result, name, step)
     return result
 
 
@@ -214,7 +224,7 @@ def _alignment(r: AdaptResult) -> None:
                                         message=f"the layout did not run: {str(exc).splitlines()[0]}"))  # fmt: skip
                 continue
             data = rep.to_json()
-            r.alignment.append({k: data[k] for k in (
+            r.alignment.append({k: data.get(k) for k in (
                 "layout", "dtype", "tolerance", "passed", "max_rel_err", "seq_lens", "layers",
                 "first_divergence", "router_agreement", "expert_coverage", "num_experts")})  # fmt: skip
             first = rep.first_divergence
@@ -237,12 +247,12 @@ def _checkpoint(r: AdaptResult, path: Path) -> None:
         r.reasons.append(Reason(kind="tensor", subject=name, message=problem))
 
 
-def _plan(r: AdaptResult) -> None:
+def _plan(r: AdaptResult, topologies: list) -> None:
     from placement.plan import plan
     from placement.strategy import Workload
 
     workload = Workload(context=r.context)
-    for name, topo, source in _topologies(r.options.topology):
+    for name, topo, source in topologies:
         r.topology, r.topology_source = name, source
         try:
             r.plan = plan(r.spec, topo, workload)

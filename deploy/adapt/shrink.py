@@ -86,6 +86,8 @@ def _deepseek(c: dict, config: dict, top_k: int) -> dict:
         qk_rope_head_dim=_div(config["qk_rope_head_dim"], 8, 4, even=True),
         v_head_dim=_div(config["v_head_dim"], 8, 8),
     )  # fmt: skip
+    if "head_dim" in c:  # transformers stores the rotary head dim under this name
+        c["head_dim"] = c["qk_rope_head_dim"]
     for key in ("rope_scaling", "rope_parameters"):
         rope = dict(config.get(key) or {})
         if rope.get("rope_type", rope.get("type")) == "yarn":
