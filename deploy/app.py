@@ -25,12 +25,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 
-from cluster.errors import InputError
 from deploy.config import (
     INGRESS_DEPLOYMENT,
     INGRESS_MAX_ONGOING,
     MODEL_DEPLOYMENT,
-    ServeConfig,
     autoscaling_config,
     parse_serve_config,
 )
@@ -306,20 +304,9 @@ class OpenAIIngress:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-def check_runnable(cfg: ServeConfig) -> None:
-    """InputError for settings this build cannot run yet (rather than ignoring them)."""
-    if cfg.plan.world > 1:
-        raise InputError(
-            f"plan asks for {cfg.plan.world} ranks per replica; the engine runs one in-process "
-            "rank so far (the ShardWorker replica runner is not wired into the Engine yet): "
-            "use plan.layout: single"
-        )
-
-
 def build_app(args: dict[str, Any], engine_module: str = "actors.engine"):
     """The Serve application of a serve YAML (mapping): ingress bound to the model deployment."""
     cfg = parse_serve_config(dict(args), origin="serve args")
-    check_runnable(cfg)
     plain = cfg.model_dump(mode="json")
     model = serve.deployment(
         ModelServer,

@@ -19,6 +19,8 @@ from deploy.openai_protocol import ProtocolError, check_context
 
 STATS_PERIOD_S = 0.5
 DEFAULT_NUM_BLOCKS = 512
+WORKER_NUM_CPUS = 0.25
+"""Ray CPUs each ShardWorker actor of a multi-rank replica asks for."""
 
 
 def resolve_model_path(cfg: ServeConfig) -> Path:
@@ -88,7 +90,8 @@ class ModelServer:
 
             self.cache_client = CacheClient(self.cfg.cache.listen)
             kw["cache"] = self.cache_client
-        self.engine = AsyncEngine(Engine.from_checkpoint(path, **kw))
+        self.layout = self.cfg.plan.dims()
+        self.engine = AsyncEngine(self._build_engine(Engine, path, kw))
         self.metrics = EngineMetrics(self.cfg.model.served_name)
         self.chat_stop_ids = tuple(
             t
@@ -96,7 +99,18 @@ class ModelServer:
             if isinstance(t, int) and t != self.tokenizer.unk_token_id
         )
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=1024)  # (monotonic s, ttft s)
+        self._stages: dict[str, list[float]] = {}  # stage -> [count, total seconds]
         self._stats_task: asyncio.Task | None = None
+
+    def _build_engine(self, Engine, path: Path, kw: dict[str, Any]):
+        """One rank: the in-process runner. More ranks: a Replica of ShardWorker Ray actors
+        (WORKER_NUM_CPUS each, gloo between them) built by the replica factory; the actors are
+        owned by this replica's actor, so they go when it goes."""
+        if self.layout is None or self.layout.world == 1:
+            return Engine.from_checkpoint(path, **kw)
+        from actors.replica_runner import build_engine
+
+        return build_engine(path, layout=self.layout.shorthand, num_cpus=WORKER_NUM_CPUS, **kw)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -141,7 +155,7 @@ class ModelServer:
         except ProtocolError as exc:
             yield {"type": "error", "status": exc.status, "body": exc.body()}
             return
-        self.metrics.observe_stage("tokenize", time.perf_counter() - t0)
+        self._observe("tokenize", time.perf_counter() - t0)
         yield {"type": "start", "prompt_tokens": len(ids)}
         request_id = job["request_id"]
         finished, ttft, completion, cached = False, None, 0, 0
@@ -151,7 +165,7 @@ class ModelServer:
                 if ttft is None and out.new_token_ids:
                     ttft = time.perf_counter() - admitted
                     self._ttfts.append((time.monotonic(), ttft))
-                    self.metrics.observe_stage("prefill", ttft)
+                    self._observe("prefill", ttft)
                 completion, cached = out.completion_tokens, out.cached_tokens
                 finished = out.finished
                 yield {
@@ -165,6 +179,9 @@ class ModelServer:
                     "cached_tokens": out.cached_tokens,
                 }
         finally:
+            if ttft is not None and completion > 1:
+                decode = time.perf_counter() - admitted - ttft
+                self._observe("decode_per_token", decode / (completion - 1), count=completion - 1)
             if not finished:
                 self.engine.abort(request_id)
                 self.metrics.aborted.inc(tags=self.metrics.tags)
@@ -175,6 +192,14 @@ class ModelServer:
                 prompt_tokens=len(ids),
                 cached_tokens=cached,
             )
+
+    def _observe(self, stage: str, seconds: float, count: int = 1) -> None:
+        """Record a request-stage latency (seconds; `count` samples of that mean)."""
+        if stage != "decode_per_token":
+            self.metrics.observe_stage(stage, seconds)
+        acc = self._stages.setdefault(stage, [0, 0.0])
+        acc[0] += count
+        acc[1] += seconds * count
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -209,6 +234,9 @@ class ModelServer:
         s["cache_hits"] = {"device": s.get("prefix_hits", 0), "lower": s.get("tier_hits", 0)}
         s["ttft_recent_s"] = self._recent_ttft()
         s["max_model_len"] = self.max_model_len
+        s["layout"] = "single" if self.layout is None else self.layout.shorthand
+        s["runner"] = type(self.engine.engine.runner).__name__
+        s["stage_latency_s"] = {k: total / n for k, (n, total) in self._stages.items() if n}
         return s
 
     def _recent_ttft(self) -> float:
@@ -238,6 +266,10 @@ class ModelServer:
                 raise RuntimeError(f"engine stats loop failed: {exc!r}")
 
     def __del__(self) -> None:
-        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        engine.shutdown()
+        stop_workers = getattr(engine.engine.runner, "shutdown", None)  # a Replica's actors
+        if stop_workers is not None:
+            stop_workers()

@@ -1,4 +1,5 @@
-"""`moectl serve -c serve.yaml`: Ray (local unless --address), the KV cache tiers, then Serve.
+"""`moectl serve -c serve.yaml`: Ray (local unless --address), the KV cache tiers, then Serve;
+`moectl demo` (deploy/demo.py) and `moectl bench serving` (deploy/serving_bench.py).
 
     moectl serve -c serve.yaml                       # local Ray, http://127.0.0.1:8000
     moectl serve -c serve.yaml --address auto        # an existing Ray cluster
@@ -19,7 +20,11 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
+    from cache_service.cli import bench_group
+
     app.command("serve")(serve_command)
+    app.command("demo")(demo_command)
+    bench_group(app).command("serving")(bench_serving_command)
 
 
 def _say(line: str) -> None:
@@ -137,3 +142,78 @@ def _run(cfg, address: str | None) -> None:
         if server is not None:
             server.stop(grace_s=2.0)
             cache.close()
+
+
+def demo_command(
+    keep: bool = typer.Option(False, "--keep", help="Leave the endpoint up until Ctrl-C/SIGTERM."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port on 127.0.0.1."),
+    ready_file: Path | None = typer.Option(
+        None, "--ready-file", help="Write this file (the endpoint URL) once the endpoint answers."
+    ),
+    layout: str = typer.Option(
+        "ep2xpp2", "--layout", help="Layout served (ep2xpp2: EP and PP over 4 CPU actors)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """The main job: make a tiny MoE, plan it, serve it over Ray, query it, check precision."""
+    import os
+
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from deploy.demo import DemoOptions, Stopped, run_demo
+    from deploy.demo_view import ConsoleUI
+    from placement.parallel_dims import parse_layout
+
+    parse_layout(layout)  # InputError (exit 2) before anything starts
+    if ready_file is not None and not ready_file.parent.is_dir():
+        raise typer.BadParameter(
+            f"{ready_file.parent} is not a directory", param_hint="--ready-file"
+        )
+    ui = ConsoleUI(as_json=as_json)
+    opts = DemoOptions(layout=layout, port=port, keep=keep, ready_file=ready_file)
+    try:
+        with ui.stdout_to_stderr():
+            report = run_demo(opts, ui)
+    except (KeyboardInterrupt, Stopped) as exc:
+        _say("interrupted: everything was shut down")
+        raise typer.Exit(130 if isinstance(exc, KeyboardInterrupt) else 143) from None
+    if not report.get("kept"):
+        ui.show(report)
+    if not report["precision"]["passed"]:
+        raise typer.Exit(1)
+
+
+def bench_serving_command(
+    quick: bool = typer.Option(False, "--quick", help="Small levels and prefixes (shape only)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port on 127.0.0.1."),
+    layout: str = typer.Option("ep2xpp2", "--layout", help="Layout of the served replica."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Where to write the JSON (default bench/results/serving.json)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """Throughput and TTFT/TPOT at concurrency 1-32, and TTFT of a prefix hit vs a cold prefill."""
+    import datetime
+    import json
+    import sys
+
+    from deploy.demo_view import ConsoleUI
+    from deploy.serving_bench import BenchOptions, quick_options, render_bench, run_bench
+    from placement.parallel_dims import parse_layout
+
+    parse_layout(layout)
+    opts = quick_options(port, layout) if quick else BenchOptions(port=port, layout=layout)
+    ui = ConsoleUI(as_json=as_json)
+    with ui.stdout_to_stderr():
+        report = run_bench(opts, ui)
+    report["command"] = "moectl bench serving" + " ".join(["", *sys.argv[3:]])
+    report["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    target = out if out is not None else Path("bench/results/serving.json")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n")
+    if as_json:
+        ui.show(report)
+    else:
+        render_bench(report, ui.out)
+        _say(f"results written to {target}")
+    if report["goal"]["measured"] and not report["goal"]["met"]:
+        raise typer.Exit(1)

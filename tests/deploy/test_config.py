@@ -144,10 +144,3 @@ def test_moectl_serve_bad_input_is_one_line_exit_2(moectl, tmp_path):
     bad.write_text("model: {path: demo}\nengine: {block_size: -4}\n")
     code, _, err = moectl("serve", "-c", bad, "--print-serve-config")
     assert code == 2 and "engine.block_size" in err
-
-
-def test_multi_rank_layout_is_refused_until_the_replica_runner_exists():
-    from deploy.app import build_app
-
-    with pytest.raises(InputError, match="2 ranks per replica"):
-        build_app(_base(plan={"layout": "ep2"}))
