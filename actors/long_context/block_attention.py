@@ -114,12 +114,19 @@ def streamed_attention(
         m = m_new
         # Step 4 (optional): each block's log-sum-exp, for attention-mass accounting.
         if per_block is not None:
-            offset = 0
-            for block in batch:
-                n = len(block)
-                lse_b = torch.logsumexp(s[..., offset : offset + n], dim=-1)
-                per_block[block.index] = _ungroup(lse_b, t, rep)
-                offset += n
+            sizes = {len(block) for block in batch}
+            if len(sizes) == 1:  # equal blocks: one reduction over [hk, T * rep, blocks, n]
+                n = sizes.pop()
+                lse_all = torch.logsumexp(s.view(*s.shape[:2], len(batch), n), dim=-1)
+                for j, block in enumerate(batch):
+                    per_block[block.index] = _ungroup(lse_all[..., j], t, rep)
+            else:
+                offset = 0
+                for block in batch:
+                    n = len(block)
+                    lse_b = torch.logsumexp(s[..., offset : offset + n], dim=-1)
+                    per_block[block.index] = _ungroup(lse_b, t, rep)
+                    offset += n
     if acc is None:
         raise InputError("streamed_attention got no KV blocks")
     out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]

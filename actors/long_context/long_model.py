@@ -158,7 +158,9 @@ class LongContextModel:
                 num_blocks=sealed,
             )
         tail = kv.tail(layer.index)
-        # Step 4: stream them (prefetched), then the tail.
+        # Step 4: stream them (prefetched), then the tail. Mass is recorded for decode-sized
+        # steps (a prefill chunk's per-block mass would cost a reduction over every score).
+        record = self.recorder is not None and t <= 16
         reader = PrefetchingReader(
             kv.source(layer.index),
             batched(list(indices), self.batch_blocks),
@@ -171,11 +173,11 @@ class LongContextModel:
                 scale=a.softmax_scale,
                 q_positions=positions,
                 value_dim=value_dim,
-                block_lse=self.recorder is not None,
+                block_lse=record,
             )
         self.stats.blocks_read += len(indices)
         self.stats.prefetch_wait_s += reader.wait_s
-        if self.recorder is not None:
+        if record:
             record_mass(self.recorder, kv.keys(layer.index), result.block_mass())
         out = result.out
         if a.mla:
