@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.errors import InputError
+from placement.sharding import EXPERTS, KV_HEADS, REPLICATED, TP, tp_sharding
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -105,9 +106,11 @@ class ModelCosts:
     is_moe: tuple[bool, ...]
     """[L] layer has routed experts."""
     tp_bytes: tuple[int, ...]
-    """[L] weight bytes split over TP ranks (attention, dense MLP, shared experts, latent proj)."""
+    """[L] weight bytes split over TP ranks by heads (attention heads, dense MLP); see sharding."""
+    kv_proj_bytes: tuple[int, ...]
+    """[L] K/V projection bytes, split over min(KV heads, tp) ranks (`kv_shards`)."""
     replicated_bytes: tuple[int, ...]
-    """[L] weight bytes every rank keeps whole (norms, router)."""
+    """[L] weight bytes every TP rank keeps whole (norms, router, shared experts, MLA q_a/kv_a)."""
     expert_bytes: tuple[int, ...]
     """[L] bytes of ONE routed expert (0 in dense layers)."""
     dense_flops: tuple[float, ...]
@@ -131,9 +134,9 @@ class ModelCosts:
     mlp_width: int
     """Widest MLP intermediate a token passes through (dense or shared expert), for staging."""
     embed_bytes: int
-    """Input embedding bytes (first stage, vocab-split over TP)."""
+    """Input embedding bytes (first stage, whole on every TP rank)."""
     lm_head_bytes: int
-    """Output projection bytes (last stage, vocab-split over TP) plus the final norm."""
+    """Output projection bytes (last stage, whole on every TP rank) plus the final norm."""
     weight_dtypes: tuple[tuple[str, int], ...] = ()
     """(dtype, total bytes) of the whole model's weights, e.g. (("bf16", ...), ("mxfp4", ...))."""
     expert_dtype: str = "bf16"
@@ -146,8 +149,8 @@ class ModelCosts:
         arrays = {
             name: np.asarray(getattr(self, name), dtype=np.float64)
             for name in (
-                "tp_bytes", "replicated_bytes", "expert_bytes", "dense_flops", "expert_flops",
-                "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token",
+                "tp_bytes", "kv_proj_bytes", "replicated_bytes", "expert_bytes", "dense_flops",
+                "expert_flops", "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token",
                 "kv_shards", "state_bytes_per_seq", "state_shards",
             )
         }  # fmt: skip
@@ -166,7 +169,7 @@ class ModelCosts:
     def total_weight_bytes(self) -> int:
         experts = sum(b * self.num_experts for b in self.expert_bytes)
         return (
-            sum(self.tp_bytes) + sum(self.replicated_bytes) + experts
+            sum(self.tp_bytes) + sum(self.kv_proj_bytes) + sum(self.replicated_bytes) + experts
             + self.embed_bytes + self.lm_head_bytes
         )  # fmt: skip
 
@@ -177,6 +180,15 @@ def split_share(shards: np.ndarray, tp: int) -> np.ndarray:
     shards: [L] heads (or 1 for a replicated latent). A rank always holds at least one whole unit.
     """
     return 1.0 / np.minimum(np.maximum(shards, 1.0), tp)
+
+
+def dense_bytes_per_rank(costs: ModelCosts, tp: int) -> np.ndarray:
+    """[L] bytes of each layer's non-expert weights one TP rank holds (the `sharding` rule)."""
+    return (
+        costs.array("tp_bytes") / tp
+        + costs.array("kv_proj_bytes") * split_share(costs.array("kv_shards"), tp)
+        + costs.array("replicated_bytes")
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -295,8 +307,7 @@ def phase_time(
     if costs.num_experts:
         touched = 1.0 - (1.0 - costs.top_k / costs.num_experts) ** tokens_stage
     weights = (
-        costs.array("tp_bytes") / tp
-        + costs.array("replicated_bytes")
+        dense_bytes_per_rank(costs, tp)
         + np.minimum(slots_per_rank, costs.num_experts)
         * costs.array("expert_bytes")
         / etp
@@ -336,7 +347,7 @@ def phase_time(
     stage_mem = np.add.reduceat(np.where(memory_s > compute_s, layer_s, 0.0), starts)
     stage_comm = np.add.reduceat(comm_s, starts)
     head_flops = logits_tokens * 2.0 * hidden * costs.vocab_size / tp
-    head_s = max(head_flops / flop_rate, costs.lm_head_bytes / tp / hbm_rate)
+    head_s = max(head_flops / flop_rate, costs.lm_head_bytes / hbm_rate)
     stage_layer[-1] += head_s
     if pp > 1:
         send = tokens_dp * hidden * c.act_bytes / tp
@@ -372,8 +383,8 @@ def _quant_label(spec) -> str:
 def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
     """The planner's per-layer numbers from a `placement.model_spec.ModelSpec`.
 
-    TP-split bytes: attention, dense MLP, shared experts, latent projections; replicated: norms,
-    router and buffers. Routed experts: stored bytes of one expert (quantization honoured).
+    Per-rank layout of each tensor from `placement.sharding.tp_sharding` (what actors/ does).
+    Routed experts: stored bytes of one expert (quantization honoured).
     """
     sizes = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
     if kv_dtype not in sizes:
@@ -383,32 +394,30 @@ def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
     quant = _quant_label(spec) if spec.quantization.active else plain
     by_dtype: dict[str, int] = {}
     fields: dict[str, list] = {k: [] for k in (
-        "is_moe", "tp_bytes", "replicated_bytes", "expert_bytes", "dense_flops", "expert_flops",
-        "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token", "kv_shards",
-        "state_bytes_per_seq", "state_shards",
+        "is_moe", "tp_bytes", "kv_proj_bytes", "replicated_bytes", "expert_bytes", "dense_flops",
+        "expert_flops", "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token",
+        "kv_shards", "state_bytes_per_seq", "state_shards",
     )}  # fmt: skip
     dense_labels: set[str] = set()
     heads, kv_heads, mlp_width, expert_hidden, top_k, n_group, experts = 1, [], 0, 0, 0, 1, 0
     for i, layer in enumerate(spec.layers):
         att, ffn = layer.attention, layer.ffn
-        tp_b = rep_b = exp_b = 0
+        split = {TP: 0, KV_HEADS: 0, REPLICATED: 0, EXPERTS: 0}
         expert_matmul = 0
         for t in layer.tensors:
             nbytes = spec.tensor_bytes(t)
             label = quant if spec.quantization.applies_to(t) else plain
             by_dtype[label] = by_dtype.get(label, 0) + nbytes
-            if t.role == "experts":
-                exp_b += nbytes
-                if t.matmul and not t.buffer:
-                    expert_matmul += t.numel_per_copy
-            elif t.role in ("attention", "mlp", "shared", "latent") and not t.buffer:
-                tp_b += nbytes
+            how = tp_sharding(t)
+            split[how] += nbytes
+            if how == EXPERTS and t.matmul and not t.buffer:
+                expert_matmul += t.numel_per_copy
+            if t.role in ("attention", "mlp", "shared", "latent") and not t.buffer:
                 dense_labels.add(label)
-            else:
-                rep_b += nbytes
         fields["is_moe"].append(layer.is_moe)
-        fields["tp_bytes"].append(tp_b)
-        fields["replicated_bytes"].append(rep_b)
+        fields["tp_bytes"].append(split[TP])
+        fields["kv_proj_bytes"].append(split[KV_HEADS])
+        fields["replicated_bytes"].append(split[REPLICATED])
         fields["expert_bytes"].append(spec.expert_weight_bytes(i) if layer.is_moe else 0)
         fields["expert_flops"].append(2.0 * expert_matmul)
         fields["dense_flops"].append(2.0 * (layer.active_matmul_params - ffn.top_k * expert_matmul))

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.cost_model import DEFAULT_CONSTANTS, Constants, ModelCosts, split_share
+from placement.cost_model import (
+    DEFAULT_CONSTANTS,
+    Constants,
+    ModelCosts,
+    dense_bytes_per_rank,
+    split_share,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,18 +98,20 @@ def stage_weight_bytes(
 ) -> list[dict[str, int]]:
     """[pp] weight bytes of one rank of each stage, by stored dtype.
 
-    Per layer: TP-split part / tp + replicated part + slots_per_rank routed experts / etp; the
-    first stage adds the embedding / tp, the last the lm_head / tp (vocab-parallel).
+    Per layer: the rank's share of the non-expert weights (`placement.sharding`: head-split parts
+    / tp, K/V projections over min(kv_heads, tp), the rest whole) + slots_per_rank routed experts
+    / etp; the first stage adds the embedding, the last the final norm and lm_head (both whole on
+    every TP rank, as actors/ holds them).
     """
-    tp_part = costs.array("tp_bytes") / tp + costs.array("replicated_bytes")
+    tp_part = dense_bytes_per_rank(costs, tp)
     experts = slots_per_rank * costs.array("expert_bytes") / etp
     out = []
     for s, (start, end) in enumerate(stage_bounds):
         dense = float(tp_part[start:end].sum())
         if s == 0:
-            dense += costs.embed_bytes / tp
+            dense += costs.embed_bytes
         if s == len(stage_bounds) - 1:
-            dense += costs.lm_head_bytes / tp
+            dense += costs.lm_head_bytes
         parts: dict[str, int] = {}
         parts[costs.dense_dtype] = math.ceil(dense)
         routed = math.ceil(float(experts[start:end].sum()))
@@ -140,8 +148,9 @@ def _sizing(
     per_layer = staging_tokens * (c.hidden_buffers * hidden + 2 * costs.mlp_width / tp)
     per_layer += received * 2 * expert_width / etp
     activations = math.ceil(per_layer * c.act_bytes)
-    # Logit rows: one per decoded sequence (prefill keeps only each sequence's last position).
-    logits = math.ceil(max(decode_sequences, 1) * costs.vocab_size / tp) * c.logits_bytes
+    # Logit rows: one per decoded sequence (prefill keeps only each sequence's last position);
+    # the whole vocabulary on every TP rank (the lm_head is not split).
+    logits = max(decode_sequences, 1) * costs.vocab_size * c.logits_bytes
     # Step 2: workspace.
     a2a = 0
     if costs.num_experts and ep > 1:
@@ -210,13 +219,11 @@ def summarize(
         decode_sequences=decode_sequences, c=constants,
     )  # fmt: skip
     per_layer_w = (
-        costs.array("tp_bytes") / tp
-        + costs.array("replicated_bytes")
-        + slots_per_rank * costs.array("expert_bytes") / etp
+        dense_bytes_per_rank(costs, tp) + slots_per_rank * costs.array("expert_bytes") / etp
     )
     weights = np.add.reduceat(per_layer_w, stage_starts)
-    weights[0] += costs.embed_bytes / tp
-    weights[-1] += costs.lm_head_bytes / tp
+    weights[0] += costs.embed_bytes
+    weights[-1] += costs.lm_head_bytes
     acts = np.full(pp, float(z.activations))
     acts[-1] += z.logits
     kv_tok = costs.array("kv_bytes_per_token") * split_share(costs.array("kv_shards"), tp)

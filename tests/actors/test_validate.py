@@ -149,7 +149,16 @@ def test_multi_rank_perturbation_is_named_by_the_rank_that_holds_it(checkpoints,
     )
 
 
-@pytest.mark.parametrize(("family", "layout"), [("deepseek_v3", "ep2xpp2"), ("mixtral", "pp2")])
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("deepseek_v3", "ep2xpp2"),
+        ("mixtral", "pp2"),
+        ("deepseek_v3", "tp2"),  # MLA q_a/kv_a, shared experts, embedding and lm_head replicated
+        ("mixtral", "tp2"),
+        ("qwen3_moe", "tp2"),
+    ],
+)
 def test_memory_matches_the_planner(family, layout, checkpoints, moectl):
     """Weights within 2% and the KV region within 5% of predict_memory for the same layout."""
     code, report = _run_json(moectl, checkpoints[family], "--layout", layout, "--kv-tokens", "128")

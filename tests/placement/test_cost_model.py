@@ -39,6 +39,7 @@ def _model(
         expert_hidden=hidden,
         is_moe=(moe,) * n,
         tp_bytes=(tp_bytes,) * n,
+        kv_proj_bytes=(0,) * n,
         replicated_bytes=(0,) * n,
         expert_bytes=((10**7,) if moe else (0,)) * n,
         dense_flops=(dense_flops,) * n,

@@ -127,3 +127,44 @@ def test_a_device_too_small_does_not_fit(specs):
 def test_unknown_kv_dtype_is_refused(specs):
     with pytest.raises(InputError, match="int3"):
         costs_from_spec(specs["mixtral-8x7b"], kv_dtype="int3")
+
+
+@pytest.mark.parametrize(
+    ("family", "layout"),
+    [
+        ("deepseek_v3", "tp2"),
+        ("deepseek_v3", "tp4xpp2"),
+        ("mixtral", "tp2"),
+        ("mixtral", "tp4"),  # 2 KV heads over 4 ranks: each rank keeps one whole KV head
+        ("qwen3_moe", "ep4xtp2"),
+    ],
+)
+def test_weights_per_rank_equal_what_the_runtime_allocates(tmp_path, family, layout):
+    """The runtime's own stage modules (actors.model.StageModel on the meta device, one per TP
+    rank with its expert slots) hold exactly the bytes the memory plan predicts (bf16)."""
+    from actors.arch import ArchConfig
+    from actors.layers.moe import LocalDispatch
+    from actors.model import StageModel
+    from placement.parallel_dims import parse_layout
+    from tests.actors.checkpoints import tiny_config
+
+    config = tiny_config(family)
+    config.save_pretrained(tmp_path)
+    spec = load_model_spec(tmp_path / "config.json")
+    arch = ArchConfig.from_hf(config.to_dict())
+    dims = parse_layout(layout)
+    lay = _layout(spec, pp=dims.pp, dp=dims.dp, tp=dims.tp)
+    stages = predict_memory(spec, lay, hbm_bytes=H200, context=64)
+    for stage, (start, end) in enumerate(lay.stage_bounds):
+        for ep_rank in range(dims.dp * dims.tp):  # ep rank = dp_rank * tp + tp_rank
+            model = StageModel(
+                arch, layer_range=(start, end), first=stage == 0, last=stage == dims.pp - 1,
+                tp_rank=ep_rank % dims.tp, tp_size=dims.tp, local_experts=lay.local_experts(ep_rank),
+                ep=LocalDispatch(), device="meta",
+            )  # fmt: skip
+            # bf16 weights; the planner keeps the router's correction bias in fp32.
+            allocated = sum(
+                t.numel() * (4 if name.endswith("e_score_correction_bias") else 2)
+                for name, t in model.state_dict().items()
+            )
+            assert allocated == stages[stage].weights, (stage, ep_rank)
