@@ -194,7 +194,6 @@ def bench_serving_command(
     """Throughput and TTFT/TPOT at concurrency 1-32, and TTFT of a prefix hit vs a cold prefill."""
     import datetime
     import json
-    import sys
 
     from deploy.demo_view import ConsoleUI
     from deploy.serving_bench import BenchOptions, quick_options, render_bench, run_bench
@@ -205,7 +204,8 @@ def bench_serving_command(
     ui = ConsoleUI(as_json=as_json)
     with ui.stdout_to_stderr():
         report = run_bench(opts, ui)
-    report["command"] = "moectl bench serving" + " ".join(["", *sys.argv[3:]])
+    flags = [f for f, on in (("--quick", quick), (f"--layout {layout}", layout != "ep2xpp2")) if on]
+    report["command"] = " ".join(["moectl bench serving", *flags])
     report["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     target = out if out is not None else Path("bench/results/serving.json")
     target.parent.mkdir(parents=True, exist_ok=True)

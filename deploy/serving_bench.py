@@ -227,16 +227,10 @@ def render_bench(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     sweep = Table(
-        title=f"serving, {report['layout']} on CPU (OpenAI endpoint)", title_justify="left"
+        title=f"serving, {report['layout']} on CPU, OpenAI endpoint (latencies in ms)",
+        title_justify="left",
     )
-    for col in (
-        "concurrency",
-        "tokens/s",
-        "TTFT p50 ms",
-        "TTFT mean ms",
-        "TPOT p50 ms",
-        "TPOT mean ms",
-    ):
+    for col in ("concurrency", "tokens/s", "TTFT p50", "TTFT mean", "TPOT p50", "TPOT mean"):
         sweep.add_column(col, justify="right")
     for r in report["concurrency"]:
         sweep.add_row(
