@@ -1,0 +1,203 @@
+"""Redis faults under load, seen through the engine: a redis-server this test starts, behind a
+TCP proxy it owns (never the shared Redis).
+
+While concurrent requests stream, the proxy cuts every connection, then restores them, then the
+server is stopped and restarted on the same port (empty: it keeps nothing on disk). No client
+sees an error, every stream's tokens equal the engine without a cache, and once Redis is back a
+fresh engine's prefix-hit rate returns to what it was before the faults. Corrupted values (a bit
+flip, a truncated value, another block's value filed under our key) are caught by the codec's
+checksum and key check and served as misses: the tokens stay right and the hits stop there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from actors.engine import AsyncEngine, Engine, SamplingParams
+from cache_service.block_key import weights_fingerprint
+from cache_service.namespace import CacheNamespace
+from cache_service.store import TieredCache
+from tests.actors.checkpoints import make_tiny_checkpoint
+from tests.actors.test_engine import prompt, run, tokens
+from tests.cache_service.redis_servers import RedisServer, TcpProxy, have_redis_server
+
+pytestmark = pytest.mark.skipif(not have_redis_server(), reason="redis-server is not installed")
+
+SECRET = b"redis-fault-secret"
+BLOCK = 4
+KW = {"num_blocks": 96, "block_size": BLOCK, "max_num_batched_tokens": 32, "max_num_seqs": 8}
+OPTS = "timeout_s=0.3&retries=1&breaker_failures=2&breaker_cooldown_s=0.5"
+SHARED = prompt(16, 7)
+REQUESTS = {
+    f"r{i}": (
+        SHARED + prompt(9 + i, 100 + i),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8 * (i % 2), seed=i),
+    )
+    for i in range(8)
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(
+        "mixtral", tmp_path_factory.mktemp("redis-faults"), num_hidden_layers=2
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return run(Engine.from_checkpoint(ckpt, cache_key_secret=SECRET, **KW), REQUESTS)
+
+
+@pytest.fixture
+def redis_proxy():
+    server = RedisServer().start()
+    proxy = TcpProxy(server.port)
+    yield server, proxy
+    proxy.close()
+    server.cleanup()
+
+
+def open_cache(ckpt, proxy) -> TieredCache:
+    ns = CacheNamespace(model_fingerprint=weights_fingerprint(ckpt), deployment="redis-faults")
+    url = f"redis://127.0.0.1:{proxy.port}/0?{OPTS}"
+    return TieredCache.from_urls([url], capacities=[64 << 20], namespace=ns)
+
+
+def engine(ckpt, cache) -> Engine:
+    return Engine.from_checkpoint(ckpt, cache=cache, cache_key_secret=SECRET, **KW)
+
+
+def hit_rate(ckpt, cache, reference) -> float:
+    """A fresh engine (empty device) runs every request; tier hits / prefix blocks asked."""
+    e = engine(ckpt, cache)
+    outs = run(e, REQUESTS)
+    for rid in REQUESTS:
+        assert tokens(outs[rid]) == tokens(reference[rid]), rid
+    s = e.stats()
+    return s["tier_hits"] / s["prefix_queries"]
+
+
+def wait_for(predicate, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_cut_and_restart_under_load_reach_no_client_and_hits_recover(ckpt, reference, redis_proxy):
+    server, proxy = redis_proxy
+    with open_cache(ckpt, proxy) as cache:
+        run(engine(ckpt, cache), REQUESTS)  # fill Redis
+        before = hit_rate(ckpt, cache, reference)
+        assert before > 0.3
+
+        # Under load: 2 rounds of the 8 requests at once while the faults happen.
+        async_engine = AsyncEngine(engine(ckpt, cache))
+        faults: list[str] = []
+
+        def inject(started: threading.Event) -> None:
+            started.wait(30)
+            proxy.cut()
+            faults.append("cut")
+            time.sleep(1.0)
+            proxy.restore()
+            faults.append("restore")
+            time.sleep(0.5)
+            server.stop()
+            faults.append("stop")
+            time.sleep(1.0)
+            server.start()
+            faults.append("restart")
+
+        async def one(rid, round_, started):
+            ids, params = REQUESTS[rid]
+            got = []
+            async for out in async_engine.generate(f"{rid}-{round_}", ids, params):
+                got.append(out)
+                started.set()
+            return rid, got
+
+        async def load(started):
+            done = []
+            for round_ in range(2):
+                done += await asyncio.gather(*(one(r, round_, started) for r in REQUESTS))
+                await asyncio.sleep(0.8)
+            return done
+
+        started = threading.Event()
+        injector = threading.Thread(target=inject, args=(started,))
+        injector.start()
+        try:
+            results = asyncio.run(asyncio.wait_for(load(started), 120))
+        finally:
+            injector.join(timeout=30)
+            async_engine.shutdown()
+        assert faults == ["cut", "restore", "stop", "restart"]
+        assert len(results) == 2 * len(REQUESTS)
+        for rid, got in results:  # no error reached a client; every token right
+            assert tokens(got) == tokens(reference[rid]), rid
+            assert got[-1].finish_reason == "length"
+        faults_seen = cache.metrics.value("moe_kv_tier_errors_total", tier="redis")
+        assert faults_seen >= 1
+
+        # Recovery: Redis is back (empty after the restart); refill, then the rate is as before.
+        probe = engine(ckpt, None).keyer
+        some: list = []
+        probe.extend(some, SHARED, 1)
+        assert wait_for(lambda: cache.contains(some) is not None and cache.health()["ok"])
+        run(engine(ckpt, cache), REQUESTS)
+        assert hit_rate(ckpt, cache, reference) == pytest.approx(before)
+
+
+def test_corrupt_values_are_detected_and_served_as_misses(ckpt, reference, redis_proxy):
+    import redis
+
+    server, proxy = redis_proxy
+    with open_cache(ckpt, proxy) as cache:
+        run(engine(ckpt, cache), REQUESTS)
+        tier = cache.tiers[0]
+        keyer = engine(ckpt, None).keyer
+        raw = redis.Redis(host="127.0.0.1", port=server.port)
+
+        def keys_of(rid):
+            ids = REQUESTS[rid][0]
+            keys: list = []
+            keyer.extend(keys, ids, (len(ids) - 1) // BLOCK)
+            return keys
+
+        # Block 4 of the r1/r2/r3 prompts (past the 4 shared blocks) gets one corruption each.
+        k1, k2, k3 = keys_of("r1")[4], keys_of("r2")[4], keys_of("r3")[4]
+        flipped = bytearray(raw.get(tier.value_key(k1)))
+        flipped[len(flipped) // 2] ^= 0x10
+        raw.set(tier.value_key(k1), bytes(flipped))
+        whole = raw.get(tier.value_key(k2))
+        raw.set(tier.value_key(k2), whole[: len(whole) - 7])
+        raw.set(tier.value_key(k3), raw.get(tier.value_key(keys_of("r4")[4])))  # misfiled
+        # Foreign keys inside the namespace: junk the engine never asked for must not disturb it.
+        prefix = tier.value_key(k1)[: -len(k1.hex)]
+        for i in range(5):
+            raw.set(f"{prefix}{'f' * 30}{i:02d}", b"not a block")
+        raw.close()
+
+        e = engine(ckpt, cache)
+        outs = run(e, REQUESTS)
+        for rid in REQUESTS:
+            assert tokens(outs[rid]) == tokens(reference[rid]), rid
+        # The cache verifies every Redis value and answers a corrupt one as a miss.
+        assert e.tiers.counts["misses"] >= 3 and e.tiers.counts["faults"] == 0
+        value = cache.metrics.value
+        assert value("moe_kv_corrupt_blocks_total", tier="redis", reason="checksum") >= 1
+        assert value("moe_kv_corrupt_blocks_total", tier="redis", reason="key_mismatch") == 1
+        truncated = value("moe_kv_corrupt_blocks_total", tier="redis", reason="truncated")
+        assert truncated + value("moe_kv_corrupt_blocks_total", tier="redis", reason="header") >= 1
+        # The corrupt requests recomputed from block 4: each got 4 hits instead of 6.
+        for rid in ("r1", "r2", "r3"):
+            assert outs[rid][-1].cached_tokens == 4 * BLOCK, rid
+        assert outs["r4"][-1].cached_tokens == len(keys_of("r4")) * BLOCK
