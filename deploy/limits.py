@@ -27,7 +27,7 @@ from typing import Any
 
 from deploy.openai_protocol import MAX_BODY_BYTES, ProtocolError
 
-DEFAULT_MAX_STREAMS = 8
+DEFAULT_MAX_STREAMS = 32
 """Requests one client may have in flight at once."""
 
 
