@@ -12,6 +12,13 @@ same interface:
     runner.kv_layout: KVLayout; runner.arch: ArchConfig
 
 `LocalRunner` (here) is one rank holding every layer: tests and single-GPU serving without Ray.
+Three ways it runs a step:
+- `per_sequence` (batch-invariant mode) with several sequences: one forward per sequence;
+- otherwise one forward over the whole flat batch (`PagedContext`);
+- a pure decode step (one new token per sequence) with `fast_decode`: block tables as one padded
+  tensor (`actors.kernels.decode_step.DecodeContext`), batched attention with no host sync, and
+  with `cuda_graphs` the forward is a replayed CUDA graph per (batch, table width). Greedy rows
+  are then sampled on the device (argmax of the float32 logits, the same rule as the sampler).
 The Ray replica (`actors/replica.py`) is to accept the same `StepInput`: every rank runs its layers
 with a `PagedContext` over its own `KVCache` (its layers, its KV heads), the last stage's TP rank 0
 applies `actors.sampler.sample` to the logits of the `sample_seqs` rows and returns the
@@ -27,6 +34,7 @@ from pathlib import Path
 import torch
 
 from actors.arch import ArchConfig
+from actors.kernels.decode_step import DecodeContext, DecodeGraphs
 from actors.kv_cache import KVCache, KVLayout, PagedContext
 from actors.model import StageModel
 from actors.sampler import RowSampling, TokenLogprob, sample
@@ -100,13 +108,36 @@ class StepOutput:
 class LocalRunner:
     """All layers of a model in this process (world size 1), with its paged KV cache."""
 
-    def __init__(self, model: StageModel, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        model: StageModel,
+        *,
+        device: torch.device | str = "cpu",
+        fast_decode: bool | None = None,
+        cuda_graphs: bool | None = None,
+        triton_attention: bool | None = None,
+    ) -> None:
+        """fast_decode / cuda_graphs / triton_attention default to on for a CUDA device."""
         if not (model.first and model.last):
             raise InputError("LocalRunner needs a StageModel holding every layer (first and last)")
         self.model, self.device = model, torch.device(device)
         self.arch: ArchConfig = model.arch
         self.dtype = next(model.parameters()).dtype
         self.kv: KVCache | None = None
+        cuda = self.device.type == "cuda"
+        self.fast_decode = cuda if fast_decode is None else fast_decode
+        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not (cuda and self.fast_decode):
+            raise InputError("cuda_graphs needs a CUDA device and fast_decode")
+        if triton_attention is None:
+            from actors.kernels import triton_available
+
+            triton_attention = cuda and triton_available()
+        self.triton_attention = triton_attention
+        self.table_quantum = 32
+        """Decode block tables are padded to a multiple of this many blocks (one graph each)."""
+        self.graphs: DecodeGraphs | None = None
+        self.graph_error: str | None = None
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, *, device: str = "cpu") -> LocalRunner:
@@ -130,18 +161,26 @@ class LocalRunner:
             layer_range=self.model.layer_range,
             dtype=self.dtype,
         )
-        self.kv = None
+        self.kv, self.graphs = None, None
         self.kv = KVCache(layout, num_blocks, self.device)
+        if self.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, use_triton=self.triton_attention)
         return layout
 
     def forward(self, step: StepInput, *, all_rows: bool = False) -> torch.Tensor:
         """Logits of the last new token of each sampled sequence [len(sample_seqs), V] float32;
         with `all_rows`, of every new token [T, V] (teacher forcing in tests)."""
+        return self._logits(step, all_rows=all_rows).float().cpu()
+
+    def _logits(self, step: StepInput, *, all_rows: bool = False) -> torch.Tensor:
+        """forward's logits, left on the device in the model's dtype."""
         if self.kv is None:
             raise RuntimeError("allocate_kv has not been called")
+        if not all_rows and self._decodes_fast(step):
+            return self._decode(step)
         if step.per_sequence and len(step.query_lens) > 1:
             parts = [
-                self.forward(step.sub(i), all_rows=all_rows) for i in range(len(step.query_lens))
+                self._logits(step.sub(i), all_rows=all_rows) for i in range(len(step.query_lens))
             ]
             if all_rows:
                 return torch.cat(parts)
@@ -167,12 +206,60 @@ class LocalRunner:
             paged=ctx,
             logits_rows=rows,
         )
-        self.kv.update_summaries(ctx.filled_blocks())
-        return logits.float().cpu()
+        self.kv.update_summaries(_filled_blocks(step.slot_mapping, self.kv.layout.block_size))
+        return logits
+
+    def _decodes_fast(self, step: StepInput) -> bool:
+        return (
+            self.fast_decode
+            and all(n == 1 for n in step.query_lens)
+            and len(step.sample_seqs) == len(step.query_lens)
+            and (not step.per_sequence or len(step.query_lens) == 1)
+            and self.arch.sliding_window is None
+        )
+
+    def _decode(self, step: StepInput) -> torch.Tensor:
+        """A pure decode step over the padded block tables (rows in sample_seqs order)."""
+        b = len(step.query_lens)
+        q = self.table_quantum
+        width = max(len(t) for t in step.block_tables)
+        width = -(-width // q) * q
+        tables = torch.zeros(b, width, dtype=torch.int32)
+        for i, table in enumerate(step.block_tables):
+            tables[i, : len(table)] = torch.as_tensor(table, dtype=torch.int32)
+        inputs = {
+            "tokens": step.token_ids,
+            "positions": step.positions,
+            "slots": step.slot_mapping,
+            "block_tables": tables,
+            "context_lens": torch.as_tensor(step.context_lens, dtype=torch.int32),
+        }
+        inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        logits = None
+        if self.graphs is not None:
+            try:
+                logits = self.graphs.run(inputs)
+            except RuntimeError as exc:  # capture refused: run eagerly from now on, say why
+                self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"[:500]
+        if logits is None:
+            ctx = DecodeContext(
+                cache=self.kv,
+                slots=inputs["slots"],
+                block_tables=inputs["block_tables"],
+                context_lens=inputs["context_lens"],
+                use_triton=self.triton_attention,
+            )
+            logits = self.model(inputs["tokens"], inputs["positions"], (1,) * b, paged=ctx)
+        order = list(step.sample_seqs)
+        return logits if order == list(range(b)) else logits[order]
 
     def execute(self, step: StepInput) -> StepOutput:
-        logits = self.forward(step)
-        tokens, logprobs = sample(logits, step.sampling)
+        logits = self._logits(step)
+        greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
+        if greedy and logits.device.type != "cpu":
+            tokens = logits.float().argmax(dim=-1).tolist()
+            return StepOutput(token_ids=tuple(tokens), logprobs=(None,) * len(tokens))
+        tokens, logprobs = sample(logits.float().cpu(), step.sampling)
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
 
     def read_block(self, block_id: int) -> torch.Tensor:
@@ -180,6 +267,12 @@ class LocalRunner:
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         self.kv.write_block(block_id, data)
+
+
+def _filled_blocks(slot_mapping: torch.Tensor, block_size: int) -> list[int]:
+    """Blocks whose last slot is written by this step (read from the host copy of the slots)."""
+    slots = slot_mapping.cpu()
+    return sorted(set((slots[(slots % block_size) == block_size - 1] // block_size).tolist()))
 
 
 def _num_layers(model_dir: str | Path) -> int:

@@ -10,6 +10,12 @@ paged (`paged` is a `actors.kv_cache.LayerKV`: the flat batch holds each sequenc
 their K/V (MLA: latents) are written into the paged cache, and each sequence attends to its whole
 cached context, the new tokens causally). Attention always runs one sequence at a time, so a
 sequence's result never depends on the other sequences of the batch.
+
+A third, for decode steps: `paged` is a `actors.kernels.decode_step.DecodeView` (one new token per
+sequence, block tables as a padded tensor): the K/V write and the attention run batched over the
+sequences with static shapes and no host synchronisation, so a CUDA graph can capture the step.
+MLA then attends in the latent space (kv_b's key half absorbed into the query, its value half
+applied to the weighted latent), reading only the cached latents.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.arch import ArchConfig
+from actors.kernels.decode_step import DecodeView
 from actors.layers.norm import RMSNorm
 from actors.layers.rope import apply_rotary
 from actors.layers.share import Share, cols, full, rows
@@ -86,6 +93,10 @@ def paged_attend(
     for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
         k, v = expand(*paged.gather(seq))
         qs = q[start : start + n].transpose(0, 1)
+        if q.is_cuda and ctx == n and window is None:
+            outs.append(_fresh_causal(qs, k, v, scale))
+            start += n
+            continue
         i = torch.arange(ctx - n, ctx, device=q.device)
         j = torch.arange(ctx, device=q.device)
         mask = j[None, :] <= i[:, None]
@@ -97,6 +108,25 @@ def paged_attend(
         outs.append(o.transpose(0, 1))
         start += n
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
+
+
+def q_full(q_nope: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
+    return torch.cat((q_nope, q_rot), dim=-1)
+
+
+def _fresh_causal(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A fresh prompt on the GPU: qs [h, L, d], k [L, h, d], v [L, h, dv] -> [L, h, dv].
+
+    Plain causal attention through the fused kernels, which take no mask, want 4-D inputs and one
+    head size for q, k and v (MLA's smaller value heads are zero-padded, the padding cut after).
+    """
+    dv = v.shape[-1]
+    if dv < k.shape[-1]:
+        v = F.pad(v, (0, k.shape[-1] - dv))
+    o = F.scaled_dot_product_attention(
+        qs[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale
+    )
+    return o[0, ..., :dv].transpose(0, 1)
 
 
 def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -143,7 +173,7 @@ class GQAAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         seq_lens: Sequence[int],
-        paged: LayerKV | None = None,
+        paged: LayerKV | DecodeView | None = None,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.arch.head_dim
         q = self.q_proj(x).view(t, self.heads, d)
@@ -157,6 +187,9 @@ class GQAAttention(nn.Module):
             o = attend(
                 q, k, v, seq_lens, scale=self.arch.softmax_scale, window=self.arch.sliding_window
             )
+        elif isinstance(paged, DecodeView):
+            paged.write(k, v)
+            o = paged.gqa(q, self.arch.softmax_scale)
         else:
             paged.write(k, v)
             rep = self.heads // self.kv_heads
@@ -234,7 +267,7 @@ class MLAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         seq_lens: Sequence[int],
-        paged: LayerKV | None = None,
+        paged: LayerKV | DecodeView | None = None,
     ) -> torch.Tensor:
         a, t, h = self.arch, x.shape[0], self.heads
         nope, rope, dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
@@ -248,20 +281,41 @@ class MLAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, rope], dim=-1)
         q_rot = apply_rotary(q_rot, cos, sin, interleave=a.rope.interleave)
         k_rot = apply_rotary(k_rot.view(t, 1, rope), cos, sin, interleave=a.rope.interleave)
-        q = torch.cat((q_nope, q_rot), dim=-1)
         # Step 3: per-head keys and values from the normalised latent (paged: the cache holds
-        # [normalised latent | rotated key] per token and the expansion runs over the context).
-        normed = self.kv_a_layernorm(latent)
-        if paged is None:
-            k, v = self._expand(torch.cat((normed, k_rot.view(t, rope)), dim=-1))
-            o = attend(q, k, v, seq_lens, scale=a.softmax_scale)
+        # [normalised latent | rotated key] per token and the expansion runs over the context;
+        # decode: attention in the latent space, no expansion).
+        cached = torch.cat((self.kv_a_layernorm(latent), k_rot.view(t, rope)), dim=-1)
+        if isinstance(paged, DecodeView):
+            paged.write(cached, None)
+            o = self._absorbed(q_nope, q_rot, paged)
+        elif paged is None:
+            k, v = self._expand(cached)
+            o = attend(q_full(q_nope, q_rot), k, v, seq_lens, scale=a.softmax_scale)
         else:
-            paged.write(torch.cat((normed, k_rot.view(t, rope)), dim=-1), None)
-            o = paged_attend(q, paged, lambda c, _: self._expand(c), scale=a.softmax_scale)
+            paged.write(cached, None)
+            o = paged_attend(
+                q_full(q_nope, q_rot), paged, lambda c, _: self._expand(c), scale=a.softmax_scale
+            )
         y = self.o_proj(o.reshape(t, h * dv))
         if self.reduce is not None:
             y = self.reduce(y)
         return y + self.o_bias if self.o_bias is not None else y
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, paged: DecodeView
+    ) -> torch.Tensor:
+        """Decode in the latent space. q_nope [T, h, nope], q_rot [T, h, rope] -> o [T, h, dv].
+
+        Step 1: q_lat = q_nope @ W_uk per head (W_uk = kv_b's key rows, [h, nope, R]).
+        Step 2: attention of [q_lat | q_rot] against the cached [latent | rotated key] rows.
+        Step 3: o = weighted latent @ W_uv^T per head (W_uv = kv_b's value rows, [h, dv, R]).
+        """
+        a, h = self.arch, self.heads
+        nope, r = a.qk_nope_head_dim, a.kv_lora_rank
+        w = self.kv_b_proj.weight.view(h, nope + a.v_head_dim, r)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)
+        o_lat = paged.mla(torch.cat((q_lat, q_rot), dim=-1), a.softmax_scale, r)
+        return torch.bmm(o_lat.transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)
 
     def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[L, kv_lora_rank + rope] (normalised latent, rotated key) -> k [L, h, d], v [L, h, dv]."""

@@ -37,6 +37,14 @@ class ExpertDispatch(Protocol):
         ...
 
 
+def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64 occurrences of each id in ids [R] (a scatter-add: unlike CUDA `bincount` it
+    never reads the largest id back to the host, so a step stays free of device syncs)."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids)
+    )
+
+
 class LocalDispatch:
     """World size 1: every (token, k) pair stays here."""
 
@@ -98,12 +106,12 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         # Step 1: route and count.
         logits, ids, weights = self.gate(x)
-        self.routed_counts += torch.bincount(ids.reshape(-1), minlength=self.arch.num_experts)
+        self.routed_counts += expert_counts(ids.reshape(-1), self.arch.num_experts)
         # Step 2: send (token, expert) pairs to their owners; group the received rows by expert.
         recv_x, recv_ids, handle = self.ep.dispatch(x, ids, weights)
         local = self.global_to_local[recv_ids]
         order = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=len(self.experts.local_experts))
+        counts = expert_counts(local, len(self.experts.local_experts))
         # Step 3: grouped expert GEMMs, rows back in received order, weighted sum per token.
         y_sorted = self.experts(recv_x[order], counts)
         y = torch.empty_like(y_sorted)

@@ -1,0 +1,549 @@
+"""GPU benchmark: our in-process engine on MoE shapes against transformers and measured limits.
+
+    python bench/gpu_moe.py --out bench/results/gpu_moe.json     # one H200 (one device call)
+    python bench/gpu_moe.py --tiny --out /tmp/gpu_moe.json       # the same code path, tiny, CPU
+
+One run, in this order (so only one copy of a model's weights is on the card at a time):
+Step 1: the two ceilings: a large device copy (bytes read + written) and a bf16 matrix product.
+Step 2: correctness: a tiny model of each family on the device path (bf16, CUDA graphs, Triton
+        decode attention) against the CPU float32 path, step by step; a fast path that fails its
+        check is switched off for the rest of the run and the JSON says so.
+Step 3: per model shape: random weights created on the device; the engine decodes at batch 1, 8,
+        32 with 1K and 8K contexts and batch 128 with 1K, and prefills an 8K prompt; the KV
+        offload through the cache's host tier is timed against a pinned copy of the same bytes.
+Step 4: the model is freed; transformers' own implementation runs the same shapes.
+Step 5: one table and one JSON object: ms per step, tokens/s, the roofline (bytes the step must
+        read over the measured copy bandwidth; prefill: FLOPs over the measured matrix rate),
+        the fraction reached, prefill MFU, the planner's prediction, and the speedup over
+        transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import secrets
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from actors import gpu_bench_parts as parts
+from actors.engine import Engine, SamplingParams
+from actors.layers import experts as experts_mod
+from actors.runner import LocalRunner, StepInput
+from actors.sampler import RowSampling
+
+DECODE_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 8192), (8, 8192), (32, 8192), (128, 1024))
+TINY_DECODE_SHAPES = ((1, 40), (3, 72))
+PROFILE_SHAPES = ((1, 1024), (32, 1024), (1, 40))
+
+
+@dataclass
+class Row:
+    model: str
+    phase: str
+    batch: int
+    context: int
+    ms_per_step: float | None = None
+    tokens_per_s: float | None = None
+    roofline_ms: float | None = None
+    roofline_fraction: float | None = None
+    mfu: float | None = None
+    hf_ms_per_step: float | None = None
+    speedup_vs_hf: float | None = None
+    predicted_ms: float | None = None
+    bytes_GB: dict | None = None
+    experts_hit: float | None = None
+    note: str = ""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def to_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    """A copy of `model` with parameters on `device` in `dtype`; buffers keep their dtype."""
+    out = copy.deepcopy(model)
+    for p in out.parameters():
+        p.data = p.data.to(device, dtype)
+    for m in out.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = b.to(device)
+    return out
+
+
+def _steps(seqs: list[list[int]], new: list[int], tables: list[list[int]], bs: int) -> StepInput:
+    from actors.kv_cache import slots_for
+
+    tokens, positions, slots = [], [], []
+    for seq, n, table in zip(seqs, new, tables, strict=True):
+        start = len(seq) - n
+        tokens += seq[start:]
+        positions += range(start, len(seq))
+        slots += slots_for(table, start, len(seq), bs)
+    greedy = RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
+    return StepInput(
+        token_ids=torch.tensor(tokens), positions=torch.tensor(positions),
+        query_lens=tuple(new), context_lens=tuple(len(s) for s in seqs),
+        block_tables=tuple(tuple(t) for t in tables), slot_mapping=torch.tensor(slots),
+        sample_seqs=tuple(range(len(seqs))), sampling=(greedy,) * len(seqs),
+    )  # fmt: skip
+
+
+def correctness(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dict[str, Any]:
+    """Step 2. Relative logit error of the device path against the CPU float32 path, per family."""
+    out: dict[str, Any] = {}
+    bs = 16
+    for name, cfg in parts.tiny_configs().items():
+        # Decisive routing (router logits of spread ~4): a bf16 rounding then almost never swaps
+        # which experts a token picks, so the error measures the arithmetic, not top-k ties.
+        # (Sigmoid routers saturate at that spread and tie near 1: they get a spread of 1.5.)
+        std = 4.0 if cfg["model_type"] == "qwen3_moe" else 1.5
+        ref_model = parts.random_model(
+            cfg, device="cpu", dtype=torch.float32, seed=1, router_std=std
+        )
+        ref = LocalRunner(ref_model, device="cpu", fast_decode=False)
+        variants = {"device": to_device(ref_model, device, dtype)}
+        runners = {"cpu_fp32": ref}
+        cuda = device.type == "cuda"
+        runners["fast"] = LocalRunner(
+            variants["device"], device=device, fast_decode=True, cuda_graphs=cuda,
+            triton_attention=flags["triton"] and cuda,
+        )  # fmt: skip
+        runners["paged"] = LocalRunner(variants["device"], device=device, fast_decode=False,
+                                       cuda_graphs=False)  # fmt: skip
+        for r in runners.values():
+            r.allocate_kv(64, bs)
+        tables = [[5, 9, 2, 30, 31, 40], [1, 7, 11, 12, 13, 14], [3, 4, 6, 8, 10, 15]]
+        gen = torch.Generator().manual_seed(2)
+        vocab = cfg["vocab_size"]
+        seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 20, 50)]
+        steps = [_steps(seqs, [37, 20, 50], tables, bs)]
+        for _ in range(8):
+            for s in seqs:
+                s.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+            steps.append(_steps(seqs, [1, 1, 1], tables, bs))
+        per_step: dict[str, list[float]] = {"fast": [], "paged": []}
+        for step in steps:
+            want = ref.forward(step)
+            for key, errs in per_step.items():
+                got = runners[key].forward(step)
+                err = float((got - want).norm() / want.norm())
+                errs.append(float(f"{err:.3g}") if err == err else float("inf"))
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+        worst = {k: max(v) for k, v in per_step.items()}
+        out[name] = {
+            "max_rel_err": worst, "per_step": per_step, "tolerance": tol,
+            "ok": max(worst.values()) < tol,
+            "fast_no_worse": worst["fast"] <= max(tol, 1.5 * worst["paged"]),
+            "graph_error": runners["fast"].graph_error,
+        }  # fmt: skip
+        log(f"correctness {name}: {per_step} (tolerance {tol})")
+    return out
+
+
+def triton_check(device: torch.device) -> tuple[bool, str]:
+    """The Triton decode kernel against the torch fallback at the Qwen3 head shapes, bf16."""
+    from actors.kernels import paged_decode, triton_available
+
+    if device.type != "cuda" or not triton_available():
+        return False, "not used (no CUDA or no triton)"
+    try:
+        gen = torch.Generator(device=device).manual_seed(3)
+        k = torch.randn(300, 16, 4, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        q = torch.randn(5, 32, 128, device=device, dtype=torch.bfloat16, generator=gen)
+        tables = torch.randint(0, 300, (5, 64), device=device, dtype=torch.int32, generator=gen)
+        lens = torch.tensor([1, 17, 500, 1024, 333], device=device, dtype=torch.int32)
+        ref = paged_decode.gqa_decode_torch(q, k, v, tables, lens, 0.088)
+        got = paged_decode.gqa_decode_triton(q, k, v, tables, lens, 0.088)
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+    except Exception as exc:  # a kernel that fails to build is switched off and reported
+        return False, f"failed: {type(exc).__name__}: {exc}"[:300]
+    return err < 1e-2, f"rel err {err:.2e}"
+
+
+class EngineBench:
+    """Our engine over one random model: decode rows, a prefill row, the offload timing."""
+
+    def __init__(self, name: str, cfg: dict, *, device: torch.device, dtype: torch.dtype,
+                 tiny: bool, flags: dict, kv_tokens: int) -> None:  # fmt: skip
+        self.name, self.cfg, self.device, self.tiny = name, cfg, device, tiny
+        t0 = time.perf_counter()
+        self.model = parts.random_model(cfg, device=str(device), dtype=dtype)
+        parts.sync(device)
+        log(f"{name}: built in {time.perf_counter() - t0:.1f} s")
+        cuda = device.type == "cuda"
+        self.runner = LocalRunner(
+            self.model, device=device, fast_decode=True, cuda_graphs=cuda and flags["graphs"],
+            triton_attention=cuda and flags["triton"],
+        )  # fmt: skip
+        self.vocab = cfg["vocab_size"]
+        self.engine = Engine(
+            self.runner, tokenizer=None, block_size=16, num_blocks=-(-kv_tokens // 16),
+            max_num_batched_tokens=256 if tiny else 8192, max_num_seqs=128,
+            cache_key_secret=secrets.token_bytes(16), weights_fingerprint=f"random-{name}",
+            batch_invariant=False,
+        )  # fmt: skip
+        self.gen = torch.Generator().manual_seed(5)
+        self.count = 0
+        self.profiles: list[str] = []
+
+    def _prompt(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    def _timed_step(self) -> float:
+        parts.sync(self.device)
+        t0 = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - t0
+
+    def decode(self, batch: int, context: int, *, warm: int, steps: int) -> dict:
+        e = self.engine
+        ids = []
+        for _ in range(batch):
+            self.count += 1
+            ids.append(f"r{self.count}")
+            params = SamplingParams(max_tokens=batch + warm + steps + 64, ignore_eos=True)
+            e.add_request(ids[-1], self._prompt(context), params)
+        while min(len(e.seqs[i].output_token_ids) for i in ids) < 1:
+            e.step()
+        for _ in range(warm):
+            e.step()
+        ctx0 = sum(e.seqs[i].num_tokens for i in ids)
+        times = [self._timed_step() for _ in range(steps)]
+        if (batch, context) in PROFILE_SHAPES:
+            graphs, self.runner.graphs = self.runner.graphs, None
+            self.profiles.append(self.profile(f"eager decode b{batch} ctx{context}", e.step))
+            self.runner.graphs = graphs
+            if graphs is not None:
+                self.profiles.append(self.profile(f"graph decode b{batch} ctx{context}", e.step))
+        self.model.reset_routing_counts()
+        e.step()
+        hit = sum(int((c > 0).sum()) for c in self.model.routing_counts().values())
+        for i in ids:
+            e.abort(i)
+        e.step()
+        return {
+            "ms": 1e3 * sorted(times)[len(times) // 2],
+            "context_tokens": ctx0 + batch * steps / 2,
+            "experts_hit": hit,
+        }
+
+    def profile(self, what: str, fn) -> str:
+        """The top device kernels of one call of fn (torch.profiler), as a table."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+        )
+        with profile(activities=acts) as prof:
+            fn()
+            parts.sync(self.device)
+        key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        text = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+        n = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        return f"== profile {self.name} {what}: {n} device kernel launches\n{text}"
+
+    def prefill(self, tokens: int, *, runs: int) -> float:
+        times = []
+        for i in range(runs + 1):
+            self.count += 1
+            rid = f"p{self.count}"
+            self.engine.add_request(rid, self._prompt(tokens), SamplingParams(max_tokens=1))
+            t = self._timed_step()
+            while self.engine.has_unfinished():
+                self.engine.step()
+            if i:
+                times.append(t)
+        self.count += 1
+        self.engine.add_request(
+            f"p{self.count}", self._prompt(tokens), SamplingParams(max_tokens=1)
+        )
+        self.profiles.append(self.profile(f"prefill {tokens}", self.engine.step))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return 1e3 * sorted(times)[len(times) // 2]
+
+    def offload(self, blocks: int) -> dict:
+        """Step 3's offload: the engine's device->host->device path through a host-tier
+        TieredCache (read_block, encode + put; get + decode, write_block) against copying the
+        same bytes into a pinned host buffer and back."""
+        from actors.block_manager import BlockKeyer
+        from actors.kv_tiers import KVTiers
+        from cache_service.namespace import CacheNamespace
+        from cache_service.store import TieredCache
+
+        layout = self.runner.kv_layout
+        keyer = BlockKeyer(
+            secret=b"bench", weights_fingerprint="bench", kv_dtype=layout.kv_dtype_name,
+            codec="raw", layer_range=layout.layer_range, kv_head_range=layout.kv_head_range,
+            block_size=layout.block_size,
+        )  # fmt: skip
+        keys: list = []
+        keyer.extend(keys, self._prompt(blocks * layout.block_size), blocks)
+        one = self.runner.read_block(0)
+        nbytes = one.numel() * one.element_size() * blocks
+        cache = TieredCache.from_urls(
+            ["host://"], capacities=[4 * nbytes + (1 << 20)],
+            namespace=CacheNamespace(model_fingerprint="bench", deployment="bench"),
+        )  # fmt: skip
+        tiers = KVTiers(cache, block_shape=layout.block_shape)
+        ids = list(range(blocks))
+        parts.sync(self.device)
+        t0 = time.perf_counter()
+        for b, key in zip(ids, keys, strict=True):
+            tiers.store(key, self.runner.read_block(b))
+        t1 = time.perf_counter()
+        for b, data in zip(ids, tiers.load(keys), strict=True):
+            self.runner.write_block(b, data)
+        parts.sync(self.device)
+        t2 = time.perf_counter()
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).random_(0, 255)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        best = float("inf")
+        for _ in range(3):
+            parts.sync(self.device)
+            s0 = time.perf_counter()
+            pinned.copy_(src)
+            src.copy_(pinned)
+            parts.sync(self.device)
+            best = min(best, time.perf_counter() - s0)
+        ours = t2 - t0
+        return {
+            "blocks": blocks, "bytes": nbytes, "ours_s": ours, "down_s": t1 - t0,
+            "up_s": t2 - t1, "pinned_copy_s": best,
+            "ours_GBps": 2 * nbytes / ours / 1e9, "pinned_GBps": 2 * nbytes / best / 1e9,
+            "fraction_of_pinned": best / ours,
+        }  # fmt: skip
+
+    def close(self) -> None:
+        del self.engine, self.runner, self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run(
+    *, tiny: bool, budget_s: float = 540.0, skip_hf: bool = False, progress=None
+) -> dict[str, Any]:
+    started = time.monotonic()
+    cuda = torch.cuda.is_available() and not tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "tiny": tiny,
+    }
+    # Step 1: ceilings.
+    hbm, tflops = parts.ceilings(device, tiny=not cuda)
+    result.update(hbm_GBps=round(hbm, 1), bf16_TFLOPs=round(tflops, 1))
+    log(f"ceilings: copy {hbm:.0f} GB/s, matmul {tflops:.1f} TFLOP/s")
+    # Step 2: correctness, and which fast paths stay on.
+    flags = {"graphs": cuda, "triton": cuda}
+    ok, note = triton_check(device)
+    flags["triton"] = flags["triton"] and ok
+    result["triton_decode_check"] = note
+    try:
+        result["correctness"] = correctness(device, dtype, flags=flags)
+    except Exception as exc:  # recorded, then the run goes on without graphs
+        result["correctness"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        flags["graphs"] = False
+    checks = [c for c in result["correctness"].values() if isinstance(c, dict)]
+    if not all(c.get("fast_no_worse", False) for c in checks):
+        flags["graphs"] = False
+    result["fast_paths"] = {
+        **flags,
+        "grouped_mm": cuda and hasattr(torch, "_grouped_mm"),
+    }
+    # Steps 3-4, per model.
+    configs = parts.tiny_configs() if tiny else parts.full_configs()
+    shapes = TINY_DECODE_SHAPES if tiny else DECODE_SHAPES
+    prefill_tokens = 96 if tiny else 8192
+    warm, steps = (2, 3) if tiny else (3, 10)
+    rows: list[Row] = []
+    fit_notes = {}
+    capacity = torch.cuda.mem_get_info()[1] if cuda else 141 * 10**9
+    for name, cfg in configs.items():
+        plan = parts.planner(cfg, capacity=capacity)
+        model_rows = [Row(model=name, phase="decode", batch=b, context=c) for b, c in shapes]
+        model_rows.append(Row(model=name, phase="prefill", batch=1, context=prefill_tokens))
+        if "fits" in plan:
+            big = (128, 8192) if not tiny else (128, 1024)
+            fits, text = plan["fits"](*big)
+            fit_notes[name] = {"batch": big[0], "context": big[1], "fits": fits, "plan": text}
+            log(f"planner {name}: {text}")
+            for r in model_rows:
+                r.predicted_ms = round(
+                    plan["predict"](r.batch, r.context, decode=r.phase == "decode"), 3
+                )
+        else:
+            fit_notes[name] = {"error": plan["error"]}
+        kv_tokens = max(b * (c + b + 64) for b, c in shapes) + 2 * prefill_tokens
+        try:
+            bench = EngineBench(name, cfg, device=device, dtype=dtype, tiny=tiny, flags=flags,
+                                kv_tokens=kv_tokens)  # fmt: skip
+        except Exception as exc:  # recorded; the run goes on with the next model
+            for r in model_rows:
+                r.note = f"our engine failed to build: {type(exc).__name__}: {exc}"[:300]
+            rows += model_rows
+            gc.collect()
+            continue
+        for r in model_rows:
+            try:
+                _our_row(bench, r, warm=warm, steps=steps, hbm=hbm, tflops=tflops, tiny=tiny)
+            except Exception as exc:  # recorded in the row; the run goes on
+                r.note = f"ours failed: {type(exc).__name__}: {exc}"[:300]
+                log(r.note)
+        graph_error = getattr(bench.runner, "graph_error", None)
+        if graph_error:
+            result.setdefault("graph_errors", {})[name] = graph_error
+        try:
+            result.setdefault("offload", {})[name] = bench.offload(16 if tiny else 256)
+        except Exception as exc:  # recorded; the run goes on
+            result.setdefault("offload", {})[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"offload {name}: {result['offload'][name]}")
+        result.setdefault("profiles", []).extend(bench.profiles)
+        for text in bench.profiles:
+            print(text, file=sys.stderr, flush=True)
+        bench.close()
+        if cuda:
+            log(f"after freeing {name}: {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated, "
+                f"{torch.cuda.mem_get_info()[0] / 1e9:.1f} GB free")  # fmt: skip
+        if not skip_hf:
+            _hf_rows(name, cfg, model_rows, device=device, dtype=dtype, tiny=tiny,
+                     deadline=started + budget_s)  # fmt: skip
+        rows += model_rows
+        if progress is not None:
+            progress({**result, "rows": [asdict(r) for r in rows]})
+    result["fast_paths"]["grouped_mm_error"] = experts_mod.GROUPED_MM_ERROR[0]
+    result["planner_fit"] = fit_notes
+    result["rows"] = [asdict(r) for r in rows]
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def _our_row(bench: EngineBench, r: Row, *, warm, steps, hbm, tflops, tiny) -> None:
+    """One row of our engine (updated in place)."""
+    if r.phase == "decode":
+        d = bench.decode(r.batch, r.context, warm=warm, steps=steps)
+        by = parts.decode_bytes(bench.model, batch=1, context=int(d["context_tokens"]),
+                                experts_hit=d["experts_hit"])  # fmt: skip
+        r.ms_per_step = round(d["ms"], 3)
+        r.tokens_per_s = round(r.batch * 1e3 / d["ms"], 1)
+        r.roofline_ms = round(sum(by.values()) / (hbm * 1e9) * 1e3, 3)
+        r.bytes_GB = {k: round(v / 1e9, 9) for k, v in by.items()}
+        r.experts_hit = d["experts_hit"]
+    else:
+        ms = bench.prefill(r.context, runs=2 if tiny else 3)
+        flops = parts.prefill_flops(bench.model, r.context)
+        r.ms_per_step = round(ms, 3)
+        r.tokens_per_s = round(r.context * 1e3 / ms, 1)
+        r.roofline_ms = round(flops / (tflops * 1e12) * 1e3, 3)
+        r.mfu = round(flops / (ms / 1e3) / (tflops * 1e12), 4)
+    r.roofline_fraction = round(r.roofline_ms / r.ms_per_step, 4)
+    log(f"ours {bench.name} {r.phase} b{r.batch} ctx{r.context}: {r.ms_per_step} ms "
+        f"(roofline {r.roofline_ms} ms)")  # fmt: skip
+
+
+def _hf_rows(name, cfg, rows, *, device, dtype, tiny, deadline) -> None:
+    """Step 4: transformers on the same shapes (rows updated in place)."""
+    try:
+        t0 = time.perf_counter()
+        model = parts.hf_model(cfg, device=str(device), dtype=dtype)
+        parts.sync(device)
+        log(f"hf {name}: built in {time.perf_counter() - t0:.1f} s")
+    except Exception as exc:  # recorded in every row of the model
+        for r in rows:
+            r.note = f"transformers failed to build: {type(exc).__name__}: {exc}"[:200]
+        return
+    vocab = cfg["vocab_size"]
+    for r in rows:
+        if time.monotonic() > deadline:
+            r.note = "transformers skipped: the run's time budget was spent"
+            continue
+        try:
+            if r.phase == "decode":
+                free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 1 << 40
+                ms, note = parts.hf_decode_ms(
+                    model, batch=r.batch, context=r.context, vocab=vocab, device=device,
+                    steps=2 if tiny else 3, free=free - (4 << 30),
+                )  # fmt: skip
+            else:
+                ms, note = (
+                    parts.hf_prefill_ms(
+                        model, tokens=r.context, vocab=vocab, device=device, runs=1 if tiny else 2
+                    ),
+                    "one sequence, logits of the last token",
+                )
+        except torch.OutOfMemoryError:
+            ms, note = None, "transformers ran out of device memory"
+            gc.collect()
+            torch.cuda.empty_cache()
+        r.note = note
+        if ms is not None and r.ms_per_step:
+            r.hf_ms_per_step = round(ms, 3)
+            r.speedup_vs_hf = round(ms / r.ms_per_step, 2)
+        log(f"hf {name} {r.phase} b{r.batch} ctx{r.context}: {ms} ms ({note})")
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def table(result: dict[str, Any]) -> str:
+    """The one table: a Markdown table of every row."""
+    head = ("| model | phase | batch | context | ms/step | tokens/s | roofline ms | of roofline "
+            "| MFU | planner ms | transformers ms | speedup |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
+
+    def f(x, spec="{:.2f}"):
+        return "-" if x is None else spec.format(x)
+
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['phase']} | {r['batch']} | {r['context']} | "
+            f"{f(r['ms_per_step'])} | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['roofline_ms'])} | "
+            f"{f(r['roofline_fraction'], '{:.0%}')} | {f(r['mfu'], '{:.0%}')} | "
+            f"{f(r['predicted_ms'])} | {f(r['hf_ms_per_step'])} | {f(r['speedup_vs_hf'], '{:.1f}x')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (same code path)")
+    p.add_argument("--out", default=None, help="write the JSON object here")
+    p.add_argument("--budget-s", type=float, default=540.0, help="skip transformers rows past this")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--no-grouped-mm", action="store_true", help="time the padded expert path")
+    args = p.parse_args(argv)
+    if args.no_grouped_mm:
+        experts_mod.GROUPED_MM_ENABLED[0] = False
+
+    def write(obj: dict) -> None:
+        if args.out:
+            with open(args.out, "w") as fh:
+                fh.write(json.dumps(obj, indent=1) + "\n")
+
+    result = run(tiny=args.tiny, budget_s=args.budget_s, skip_hf=args.skip_hf, progress=write)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    print(table(result))
+    print(f"hbm {result['hbm_GBps']} GB/s, bf16 {result['bf16_TFLOPs']} TFLOP/s; "
+          f"offload {json.dumps(result.get('offload'))}")  # fmt: skip
+    print(f"planner: {json.dumps(result['planner_fit'])}")
+    print(f"correctness: {json.dumps(result['correctness'])}")
+    return 0

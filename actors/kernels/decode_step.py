@@ -1,0 +1,147 @@
+"""The decode step's view of the paged KV cache, and CUDA graphs of whole decode steps.
+
+A pure decode step (one new token per sequence) has static shapes once the block tables are
+padded to a fixed width: `DecodeContext` carries them as tensors, so nothing in the forward reads
+a Python list or waits for the device, and `DecodeGraphs` can capture the whole model forward once
+per (batch, table width) and replay it every later step.
+
+Per layer (`DecodeView`):
+Step 1: write the new token's K/V (MLA: latent) at its slot (index_put, no host sync).
+Step 2: refresh the min/max key summaries of the block each token landed in (a full block's
+        summary is then exactly the one `KVCache.update_summaries` computes).
+Step 3: attention over each sequence's blocks: the Triton flash-decoding kernel when it is
+        enabled and the shapes suit it, else the torch fallback of the same signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.kernels import paged_decode
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeContext:
+    """One decode step over `cache` (an `actors.kv_cache.KVCache`). B sequences, NB table width.
+
+    slots [B] int64 (block * block_size + offset of each new token); block_tables [B, NB] int32;
+    context_lens [B] int32 (tokens attended, the new one included).
+    """
+
+    cache: Any
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    use_triton: bool = False
+    counters: dict = field(default_factory=dict)
+
+    def layer(self, index: int) -> DecodeView:
+        return DecodeView(context=self, index=index)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeView:
+    """What one attention layer sees of a `DecodeContext` (its own cache tensors)."""
+
+    context: DecodeContext
+    index: int
+
+    def write(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Steps 1-2. k [B, KV, D] (MLA: [B, latent]), v like k or None."""
+        c = self.context
+        cache = c.cache
+        keys = cache.k[self.index]
+        keys.view(-1, *keys.shape[2:])[c.slots] = k.to(keys.dtype)
+        if v is not None:
+            values = cache.v[self.index]
+            values.view(-1, *values.shape[2:])[c.slots] = v.to(values.dtype)
+        blocks = torch.div(c.slots, keys.shape[1], rounding_mode="floor")
+        low, high = torch.aminmax(keys[blocks], dim=1)
+        cache.key_min[self.index][blocks] = low
+        cache.key_max[self.index][blocks] = high
+
+    def gqa(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Step 3 for GQA: q [B, H, D] -> [B, H, D]."""
+        c = self.context
+        k, v = c.cache.k[self.index], c.cache.v[self.index]
+        if c.use_triton and triton_suits(k):
+            return paged_decode.gqa_decode_triton(q, k, v, c.block_tables, c.context_lens, scale)
+        return paged_decode.gqa_decode_torch(q, k, v, c.block_tables, c.context_lens, scale)
+
+    def mla(self, q_lat: torch.Tensor, scale: float, rank: int) -> torch.Tensor:
+        """Step 3 for MLA in the latent space: q_lat [B, H, R + P] -> [B, H, R]."""
+        c = self.context
+        return paged_decode.mla_decode_torch(
+            q_lat, c.cache.k[self.index], c.block_tables, c.context_lens, scale, rank
+        )
+
+
+def triton_suits(k_cache: torch.Tensor) -> bool:
+    """The Triton kernel's shape needs: block size >= 16 and a power-of-two head size >= 16."""
+    bs, d = k_cache.shape[1], k_cache.shape[-1]
+    return bs >= 16 and d >= 16 and (d & (d - 1)) == 0 and (bs & (bs - 1)) == 0
+
+
+class DecodeGraphs:
+    """CUDA graphs of `model(tokens, positions, ..., paged=DecodeContext)`, one per (B, NB).
+
+    `run` copies the step's inputs into the graph's static tensors and replays it; the returned
+    logits [B, V] are the graph's static output (valid until the next `run`). All graphs share one
+    memory pool. Capturing runs the forward once eagerly first (writing the same K/V the replay
+    writes again); the routing counters are restored so the step is counted once.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: Any, *, use_triton: bool, limit: int = 64):
+        self.model, self.cache, self.use_triton, self.limit = model, cache, use_triton, limit
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """inputs: tokens [B] int64, positions [B] int64, slots [B] int64, block_tables [B, NB]
+        int32, context_lens [B] int32 (device tensors)."""
+        key = (int(inputs["tokens"].shape[0]), int(inputs["block_tables"].shape[1]))
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.limit:
+                self.graphs.clear()
+            entry = self._capture(inputs)
+            self.graphs[key] = entry
+        graph, static, logits = entry
+        for name, tensor in inputs.items():
+            static[name].copy_(tensor, non_blocking=True)
+        graph.replay()
+        return logits
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        ctx = DecodeContext(
+            cache=self.cache,
+            slots=inputs["slots"],
+            block_tables=inputs["block_tables"],
+            context_lens=inputs["context_lens"],
+            use_triton=self.use_triton,
+        )
+        b = int(inputs["tokens"].shape[0])
+        return self.model(inputs["tokens"], inputs["positions"], (1,) * b, paged=ctx)
+
+    def _capture(self, inputs: dict[str, torch.Tensor]):
+        static = {name: t.clone() for name, t in inputs.items()}
+        counts = {
+            n: b.clone() for n, b in self.model.named_buffers() if n.endswith("routed_counts")
+        }
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.forward(static)
+        buffers = dict(self.model.named_buffers())
+        for name, saved in counts.items():
+            buffers[name].copy_(saved)
+        self.captures += 1
+        return graph, static, logits

@@ -1,0 +1,188 @@
+"""Decode attention over the engine's paged KV blocks: one new query token per sequence.
+
+Shapes (B sequences, H query heads, KV heads, D head size, N cache blocks of BS tokens, NB the
+padded block-table width):
+    q [B, H, D]; k_cache, v_cache [N, BS, KV, D]; block_tables [B, NB] int32 (entries past a
+    sequence's blocks are any valid id: they are masked); context_lens [B] int32 (tokens to attend,
+    the new one included, already written). Returns [B, H, D] in q's dtype.
+
+Two implementations with that signature:
+- `gqa_decode_torch`: gathers the padded context and runs a masked softmax in float32. Static
+  shapes (so CUDA graphs can capture it) but it moves the KV three times (gather read + write,
+  then the products read the copy).
+- `gqa_decode_triton` (flash-decoding, after Dao et al.'s "Flash-Decoding for long-context
+  inference", 2023): grid (B, KV, S); program (b, g, s) reads blocks [s*P, (s+1)*P) of sequence
+  b once, straight from the paged cache, for all H/KV query heads of group g, keeping an online
+  softmax (running max m, sum l, accumulator); a second kernel merges the S partial results.
+  S is chosen so B*KV*S fills the chip even at batch 1.
+
+MLA decode (`mla_decode_torch`) runs in the latent space (weight absorption, DeepSeek-V2 paper
+section 2.1.2): q_lat [B, H, R + P] (q_nope absorbed through kv_b's key half, then the rotary
+part) against the cached [normalised latent | rotated key] rows [N, BS, R + P]; returns the
+attention-weighted latent [B, H, R] (the caller applies kv_b's value half).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from actors.kernels import triton_available
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache [N, BS, ...], block_tables [B, NB] -> [B, NB * BS, ...]."""
+    return cache[block_tables.long()].flatten(1, 2)
+
+
+def _context_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, L] True where position < context_lens[b]."""
+    pos = torch.arange(length, device=context_lens.device)
+    return pos[None, :] < context_lens[:, None].long()
+
+
+def gqa_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference decode attention (see the module docstring for shapes)."""
+    b, h, d = q.shape
+    kv = k_cache.shape[2]
+    k = _gather_context(k_cache, block_tables).float()
+    v = _gather_context(v_cache, block_tables).float()
+    qg = q.float().view(b, kv, h // kv, d)
+    scores = torch.einsum("bgrd,blgd->bgrl", qg, k) * scale
+    mask = _context_mask(context_lens, k.shape[1])
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("bgrl,blgd->bgrd", torch.softmax(scores, dim=-1), v)
+    return out.reshape(b, h, d).to(q.dtype)
+
+
+def mla_decode_torch(
+    q_lat: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    rank: int,
+) -> torch.Tensor:
+    """q_lat [B, H, R + P], cache [N, BS, R + P] -> attention-weighted latent [B, H, R]."""
+    c = _gather_context(cache, block_tables).float()
+    scores = torch.matmul(q_lat.float(), c.transpose(1, 2)) * scale
+    mask = _context_mask(context_lens, c.shape[1])
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), c[..., :rank]).to(q_lat.dtype)
+
+
+def num_splits(batch: int, kv_heads: int, table_width: int, *, sms: int = 132) -> int:
+    """Splits of the context per (sequence, KV head) so that about 2 programs run per SM."""
+    want = max(1, math.ceil(2 * sms / max(1, batch * kv_heads)))
+    return max(1, min(want, table_width))
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gqa_partial(
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
+        stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_btb,
+        scale,
+        H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
+        BS: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        ctx = tl.load(lens_ptr + b)
+        n_blocks = (ctx + BS - 1) // BS
+        r = tl.arange(0, REP_PAD)
+        d = tl.arange(0, D)
+        t = tl.arange(0, BS)
+        head = g * REP + r
+        q = tl.load(
+            q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+            mask=(r < REP)[:, None],
+            other=0.0,
+        )
+        # A finite floor for the running max: fully masked blocks then add exactly nothing.
+        m = tl.full([REP_PAD], -1.0e30, tl.float32)
+        l_sum = tl.zeros([REP_PAD], tl.float32)
+        acc = tl.zeros([REP_PAD, D], tl.float32)
+        for j in range(0, PER_SPLIT):
+            i = s * PER_SPLIT + j
+            live = i < n_blocks
+            blk = tl.load(bt_ptr + b * stride_btb + i, mask=live, other=0).to(tl.int64)
+            offs = blk * stride_kn + t[:, None] * stride_kt + g * stride_kh + d[None, :]
+            valid = (i * BS + t) < ctx
+            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        row = (b * H + head) * S + s
+        keep = r < REP
+        tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None])
+        tl.store(ml_ptr + row * 2, m, mask=keep)
+        tl.store(ml_ptr + row * 2 + 1, l_sum, mask=keep)
+
+    @triton.jit
+    def _gqa_merge(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr):
+        bh = tl.program_id(0)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        inside = s < S
+        m = tl.load(ml_ptr + (bh * S + s) * 2, mask=inside, other=float("-inf"))
+        l_sum = tl.load(ml_ptr + (bh * S + s) * 2 + 1, mask=inside, other=0.0)
+        top = tl.max(m, 0)
+        w = tl.where(inside & (l_sum > 0), tl.exp(m - top), 0.0)
+        acc = tl.load(
+            acc_ptr + (bh * S + s)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0
+        )
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+        tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def gqa_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """Flash-decoding over the paged cache (module docstring); same contract as the torch version."""
+    if not triton_available():
+        raise RuntimeError("triton is not installed")
+    b, h, d = q.shape
+    _, bs, kv, _ = k_cache.shape
+    rep = h // kv
+    width = block_tables.shape[1]
+    s = splits or num_splits(b, kv, width)
+    per_split = math.ceil(width / s)
+    q = q.contiguous()
+    acc = torch.empty(b * h * s, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(b * h * s, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _gqa_partial[(b, kv, s)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), scale,
+        H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
+        PER_SPLIT=per_split, S=s,
+    )  # fmt: skip
+    _gqa_merge[(b * h,)](acc, ml, out, D=d, S=s, S_PAD=max(2, triton.next_power_of_2(s)))
+    return out
