@@ -105,6 +105,22 @@ PREFIX_PROMPTS = {
 """The three requests sharing the long prefix: name -> the text after the prefix."""
 
 
+def check_layout(model_dir: Path, layout: str) -> None:
+    """InputError (one line) when `layout` cannot split the demo model, before anything starts."""
+    from actors.weights import CheckpointIndex
+    from placement.parallel_dims import Layout, parse_layout
+
+    arch = CheckpointIndex.open(model_dir).arch()
+    dims = parse_layout(layout)
+    dims.check_model(
+        num_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        num_experts=arch.num_experts,
+    )
+    Layout.build(dims, num_layers=arch.num_layers, num_experts=arch.num_experts)
+
+
 def _corpus() -> str:
     from deploy.demo_checkpoint import CORPUS
 
@@ -212,13 +228,16 @@ def cache_report(stack: LocalStack, engine: dict[str, Any]) -> dict[str, Any]:
     """Hits per tier, in blocks: device (prefix blocks still in the replica's KV pool), then each
     lower tier as the cache server counted them."""
     hits = {"device": int(engine.get("prefix_hits", 0))}
+    held = {}
     for row in stack.tier_stats():
         hits[row["name"]] = int(row["hits"])
+        held[row["name"]] = {"blocks": int(row["blocks"]), "bytes": int(row["used_bytes"])}
     return {
         "mode": stack.cache_mode,
         "tiers": [u.split("://")[0] + "://" for u in stack.tier_urls],
         "namespace": stack.namespace,
         "hits_blocks": hits,
+        "held": held,
         "loaded_from_tiers_blocks": int(engine.get("tier_hits", 0)),
     }
 
@@ -236,21 +255,26 @@ def _raise_stopped(*_: object) -> None:
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises Stopped in the main thread while the block runs. `ray.init` installs its
-    own fatal-signal handler (it aborts the process), so the block re-installs ours after it."""
+    """While the block runs, SIGTERM raises Stopped and SIGINT KeyboardInterrupt in the main
+    thread, even where SIGINT was ignored at start (a job started in the background by a
+    script). `ray.init` installs its own fatal-signal handler (it aborts the process), so the
+    block calls `_reclaim_signals()` after it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _reclaim_signals()
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _reclaim_sigterm() -> None:
+def _reclaim_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_stopped)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class _Background:
@@ -288,6 +312,7 @@ def run_demo(opts: DemoOptions, ui: Any) -> dict[str, Any]:
         with ui.step("demo checkpoint (made or reused under ~/.cache)"):
             ckpt = ensure_demo_checkpoint(opts.cache_dir)
         report["model"] = str(ckpt)
+        check_layout(ckpt, opts.layout)
         with ui.step("topology discovery and the planner"):
             report.update(planner_pick(ckpt))
         report["layout_forced"] = opts.layout != report["plan"]["pick"]
@@ -299,7 +324,7 @@ def run_demo(opts: DemoOptions, ui: Any) -> dict[str, Any]:
         with LocalStack(config) as stack:
             with ui.step("local Ray"):
                 stack.start_ray()
-            _reclaim_sigterm()
+            _reclaim_signals()
             with ui.step("KV cache tiers"):
                 stack.start_cache()
             with ui.step(f"Serve: the {opts.layout} replica"):

@@ -117,16 +117,23 @@ def render(r: dict[str, Any], console: Console) -> None:
         f"requests in {t['wall_s']:.2f} s = [bold]{t['tokens_per_s']:.1f} tokens/s[/]"
     )
 
-    lat = Table(title="per-stage latency (mean)", title_justify="left")
+    lat = Table(title="per-stage latency (mean; prefill = to first token)", title_justify="left")
     lat.add_column("stage")
     lat.add_column("ms", justify="right")
     for stage, ms in r["stage_latency_ms"].items():
         lat.add_row(stage, f"{ms:,.2f}")
-    hits = Table(title="cache hits per tier (blocks)", title_justify="left")
+    hits = Table(title="KV cache per tier (16-token blocks)", title_justify="left")
     hits.add_column("tier")
     hits.add_column("hits", justify="right")
+    hits.add_column("held at the end", justify="right")
+    held = cache.get("held", {})
     for tier, n in cache["hits_blocks"].items():
-        hits.add_row(tier, str(n))
+        kept = held.get(tier)
+        hits.add_row(
+            tier,
+            str(n),
+            "-" if kept is None else f"{kept['blocks']} ({kept['bytes'] / 1024:,.0f} KiB)",
+        )
     console.print(lat)
     console.print(hits)
 

@@ -57,7 +57,7 @@ class StackConfig:
     """HTTP port of Serve on 127.0.0.1."""
     redis_url: str | None = None
     """Redis to use as the lower KV tier when it answers; None: the embedded disk tier."""
-    host_cache_bytes: int = 128 << 10
+    host_cache_bytes: int = 512 << 10
     """Budget of the host:// tier; blocks beyond it are demoted to the lower tier."""
     num_blocks: int = 64
     """Device KV blocks of the replica (x block_size tokens)."""

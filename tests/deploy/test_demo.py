@@ -190,3 +190,11 @@ def test_cache_tiers_redis_or_embedded(redis_url, tmp_path):
             stack.close()
     assert _redis_keys(redis_url, live.namespace) == []
     assert not disk.exists()
+
+
+@pytest.mark.parametrize(("layout", "needle"), [("qq2", "qq2"), ("pp3", "pp=3"), ("ep16", "ep=16")])
+def test_demo_refuses_a_layout_the_model_cannot_take(moectl, layout, needle):
+    code, out, err = moectl("demo", "--layout", layout, "--port", str(free_port()))
+    assert code == 2 and out == ""
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
