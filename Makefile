@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/moectl model inspect placement/examples/kimi-k3-class.config.json --context 1048576
+	$(BIN)/moectl demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .
