@@ -64,8 +64,9 @@ class SoakConfig:
     cancel_fraction: float = 0.15
     """Requests the client abandons after 1-3 streamed chunks."""
     stream_fraction: float = 0.6
-    prompt_words: tuple[int, ...] = (3, 24, 120, 300)
-    """Prompt lengths drawn uniformly from these (words; about 1-2 tokens each)."""
+    prompt_words: tuple[int, ...] = (3, 24, 100, 200)
+    """Prompt lengths drawn uniformly from these (words; about 3.5 demo-tokenizer tokens each,
+    so the longest with its max_tokens fits the demo model's 1024-token context)."""
     max_tokens: tuple[int, ...] = (4, 16, 48)
     warmup_fraction: float = 0.2
     sample_every_s: float = 5.0
