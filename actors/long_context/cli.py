@@ -78,6 +78,9 @@ def long_context_command(
     ] = "16M",
     host_bytes: Annotated[str, typer.Option("--host-bytes", help="Host tier budget.")] = "256M",
     decode_tokens: Annotated[int, typer.Option("--decode-tokens")] = 8,
+    eviction: Annotated[
+        str, typer.Option("--eviction", help="Host/disk tier eviction: lru | attention.")
+    ] = "lru",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
     work_dir: Annotated[Path, typer.Option("--work-dir", help="Disk tier folder.")] = Path(
         "/tmp/moe-long-context"
@@ -118,6 +121,7 @@ def long_context_command(
         device_budget_bytes=_bytes(device_budget, "--device-budget"),
         host_bytes=_bytes(host_bytes, "--host-bytes"),
         decode_tokens=decode_tokens,
+        eviction=eviction,
         device=device,
     )
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +137,7 @@ def long_context_command(
         f"moectl bench long-context --model {model} --lengths {lengths} --mode {mode} "
         f"--block-size {block_size} --window {window} --top-k {top_k} --sinks {sinks} "
         f"--chunk {chunk} --device-budget {device_budget} --host-bytes {host_bytes} "
-        f"--decode-tokens {decode_tokens} --device {device}"
+        f"--decode-tokens {decode_tokens} --eviction {eviction} --device {device}"
     )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

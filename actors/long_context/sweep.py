@@ -7,7 +7,8 @@ attention over a `SequenceKV` (device budget, then host and disk tiers of a real
 `--model tiny` builds a 2-layer model in-process with random weights (hidden 64, 4 query heads,
 2 KV heads, head_dim 32, dense MLP); a directory loads a checkpoint (GQA or MLA families).
 
-Per length: a fresh cache (host:// + file:// under the work folder, attention-score eviction),
+Per length: a fresh cache (host:// + file:// under the work folder;
+LRU eviction by default, see `SweepConfig.eviction`),
 random prompt tokens, chunked prefill, then `decode_tokens` greedy decode steps. Inflections
 compare the local log-log slope of each per-token cost with the slope the mode should have
 (exact: prefill per token and decode grow like L, slope 1; sparse: flat, slope 0).
@@ -68,6 +69,10 @@ class SweepConfig:
     host_bytes: int = 256 << 20
     disk_bytes: int = 64 << 30
     decode_tokens: int = 8
+    eviction: str = "lru"
+    """Eviction policy of the host and disk tiers. 'attention' keeps attended blocks, but the
+    cache's AttentionPolicy sorts every block of a tier on each eviction (O(blocks) per put), so
+    once the host tier is full each offload or promotion costs tens of ms at 1M tokens."""
     seed: int = 0
     device: str = "cpu"
 
@@ -118,7 +123,7 @@ def run_length(stage: StageModel, length: int, config: SweepConfig) -> dict:
         ["host://", disk.resolve().as_uri()],
         capacities=[config.host_bytes, config.disk_bytes],
         namespace=namespace,
-        eviction="attention",
+        eviction=config.eviction,
         sink_blocks=att.sink_blocks,
         window_blocks=att.window_blocks,
     )
@@ -273,6 +278,7 @@ def run_sweep(
             "device_budget_bytes": config.device_budget_bytes,
             "host_bytes": config.host_bytes,
             "decode_tokens": config.decode_tokens,
+            "eviction": config.eviction,
             "device": config.device,
             "layers": stage.arch.num_layers,
             "heads": stage.arch.num_heads,
