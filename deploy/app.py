@@ -38,7 +38,9 @@ from deploy.openai_protocol import (
     CompletionRequest,
     ProtocolError,
     chat_choice,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     models_body,
     new_id,
     parse_request,
@@ -135,6 +137,7 @@ class OpenAIIngress:
             "seed": req.seed,
             "stop": req.stop,
             "ignore_eos": req.ignore_eos,
+            "logprobs": req.logprobs_asked() if chat else req.logprobs,
         }
         if chat:
             prompts: list[Any] = [None]
@@ -210,17 +213,28 @@ class OpenAIIngress:
         finally:
             self.metrics.count(model, route, status)
 
+    @staticmethod
+    def _logprobs(chat: bool, tokens: list[dict] | None, offset: int = 0) -> dict | None:
+        if tokens is None:
+            return None
+        return chat_logprobs(tokens) if chat else completion_logprobs(tokens, offset)
+
     async def _complete(self, rid: str, chat: bool, jobs, opened) -> dict[str, Any]:
         texts = [""] * len(jobs)
         reasons: list[str | None] = [None] * len(jobs)
         last: list[dict] = [{} for _ in jobs]
+        lps: list[list[dict] | None] = [None] * len(jobs)
         async for i, item in _merge([gen for gen, _ in opened]):
             texts[i] += item["text"]
             last[i] = item
+            if item.get("logprobs") is not None:
+                lps[i] = (lps[i] or []) + item["logprobs"]
             if item["finished"]:
                 reasons[i] = item["finish_reason"]
         choices = [
-            chat_choice(i, t, reasons[i], delta=False) if chat else text_choice(i, t, reasons[i])
+            chat_choice(i, t, reasons[i], delta=False, logprobs=self._logprobs(chat, lps[i]))
+            if chat
+            else text_choice(i, t, reasons[i], self._logprobs(chat, lps[i]))
             for i, t in enumerate(texts)
         ]
         return completion_body(
@@ -241,6 +255,7 @@ class OpenAIIngress:
 
     async def _stream(self, rid, chat, jobs, opened, include_usage) -> AsyncIterator[str]:
         last: list[dict] = [{} for _ in jobs]
+        offsets = [0] * len(jobs)  # characters of each choice's tokens so far (text_offset)
         gens = [gen for gen, _ in opened]
         try:
             if chat:  # the role comes first, as OpenAI sends it
@@ -251,12 +266,15 @@ class OpenAIIngress:
             async for i, item in _merge(gens):
                 last[i] = item
                 reason = item["finish_reason"] if item["finished"] else None
-                if not item["text"] and reason is None:
+                tokens = item.get("logprobs") or None
+                if not item["text"] and reason is None and tokens is None:
                     continue
+                lp = self._logprobs(chat, tokens, offsets[i])
+                offsets[i] += sum(len(t["token"]) for t in tokens or ())
                 choice = (
-                    chat_choice(i, item["text"], reason, delta=True)
+                    chat_choice(i, item["text"], reason, delta=True, logprobs=lp)
                     if chat
-                    else text_choice(i, item["text"], reason)
+                    else text_choice(i, item["text"], reason, lp)
                 )
                 yield sse(self._chunk(rid, chat, [choice]))
             if include_usage:

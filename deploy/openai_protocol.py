@@ -18,11 +18,22 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MAX_BODY_BYTES = 4 << 20
 """Largest request body accepted, bytes (413 above)."""
 MAX_STOP_SEQUENCES = 4
+MAX_COMPLETION_LOGPROBS = 5
+"""OpenAI's limit on `logprobs` of /v1/completions."""
+MAX_CHAT_TOP_LOGPROBS = 20
+"""OpenAI's limit on `top_logprobs` of /v1/chat/completions."""
 
 
 class ProtocolError(Exception):
@@ -105,7 +116,8 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """Return the sampled token's logprob and this many most likely alternatives per token."""
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -122,13 +134,6 @@ class CompletionRequest(_Request):
     def _no_echo(cls, v: bool) -> bool:
         if v:
             raise ValueError("echo is not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not returned by this server yet")
         return v
 
     @field_validator("suffix")
@@ -171,14 +176,18 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=5)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    """Alternatives per token (needs `logprobs: true`, as OpenAI requires)."""
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not returned by this server yet")
-        return v
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per token for the engine (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def budget(self) -> int | None:
         """The token budget asked for (max_completion_tokens wins over max_tokens)."""
@@ -289,19 +298,67 @@ def text_choice(
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, *, delta: bool) -> dict[str, Any]:
+def chat_choice(
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    *,
+    delta: bool,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     if delta:
         return {
             "index": index,
             "delta": {"role": "assistant", "content": text} if text else {},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
     return {
         "index": index,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
+    }
+
+
+def completion_logprobs(tokens: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` object for generated tokens.
+
+    `tokens`: per token {"token": str, "logprob": float, "top": [{"token", "logprob"}, ...]}
+    (best first), as ModelServer sends them. `offset` is the character offset of the first
+    token in the choice's text (a streamed chunk continues where the previous one ended).
+    Returns {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}.
+    """
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t["token"])
+    return {
+        "tokens": [t["token"] for t in tokens],
+        "token_logprobs": [t["logprob"] for t in tokens],
+        "top_logprobs": [_best_by_text(t["top"]) for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _best_by_text(top: list[dict[str, Any]]) -> dict[str, float]:
+    """{token text: logprob} of alternatives given best first; two tokens with one text (parts of
+    one UTF-8 character both show U+FFFD) keep the better logprob."""
+    out: dict[str, float] = {}
+    for a in top:
+        out.setdefault(a["token"], a["logprob"])
+    return out
+
+
+def chat_logprobs(tokens: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def entry(t: dict[str, Any]) -> dict[str, Any]:
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]}
+
+    return {
+        "content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top"]]} for t in tokens],
+        "refusal": None,
     }
 
 

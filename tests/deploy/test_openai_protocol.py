@@ -17,8 +17,10 @@ from deploy.openai_protocol import (
     CompletionRequest,
     ProtocolError,
     chat_choice,
+    chat_logprobs,
     check_context,
     completion_body,
+    completion_logprobs,
     parse_request,
     text_choice,
     usage,
@@ -88,7 +90,8 @@ def test_valid_requests_parse():
         ({"prompt": "x"}, "model"),
         ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
-        ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
     ],
 )
 def test_bad_completion_fields_are_400_naming_the_param(data, param):
@@ -107,14 +110,77 @@ def test_bad_completion_fields_are_400_naming_the_param(data, param):
         ({"model": "m", "messages": "hello"}, "messages"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 2},
             "logprobs",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 21},
+            "top_logprobs",
         ),
     ],
 )
 def test_bad_chat_fields_are_400(data, param):
     err = _error(data, "chat")
     assert (err.status, err.param) == (400, param)
+
+
+def test_logprob_options_parse():
+    msgs = [{"role": "user", "content": "x"}]
+    assert _parse({"model": "m", "prompt": "x", "logprobs": 5}).logprobs == 5
+    assert _parse({"model": "m", "prompt": "x", "logprobs": 0}).logprobs == 0
+    chat = _parse({"model": "m", "messages": msgs, "logprobs": True, "top_logprobs": 3}, "chat")
+    assert chat.logprobs_asked() == 3
+    assert _parse({"model": "m", "messages": msgs, "logprobs": True}, "chat").logprobs_asked() == 0
+    assert _parse({"model": "m", "messages": msgs}, "chat").logprobs_asked() is None
+    # OpenAI refuses top_logprobs without logprobs: true.
+    err = _error({"model": "m", "messages": msgs, "top_logprobs": 2}, "chat")
+    assert err.status == 400 and "logprobs" in err.message
+
+
+def test_logprob_bodies_parse_with_the_official_openai_models():
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    tokens = [
+        {
+            "token": " a",
+            "bytes": [32, 97],
+            "logprob": -0.5,
+            "top": [{"token": " a", "bytes": [32, 97], "logprob": -0.5}],
+        },
+        {
+            "token": "bc",
+            "bytes": [98, 99],
+            "logprob": -1.5,
+            "top": [{"token": "x", "bytes": [120], "logprob": -0.25}],
+        },
+    ]
+    lp = completion_logprobs(tokens, offset=3)
+    assert lp["text_offset"] == [3, 5]  # 3, then 3 + len(" a")
+    comp = Completion.model_validate(
+        completion_body(
+            request_id="cmpl-1",
+            model="m",
+            choices=[text_choice(0, " abc", "length", lp)],
+            usage_=usage(1, 2, 0),
+            chat=False,
+        )
+    )
+    got = comp.choices[0].logprobs
+    assert got.tokens == [" a", "bc"] and got.token_logprobs == [-0.5, -1.5]
+    assert got.top_logprobs == [{" a": -0.5}, {"x": -0.25}]
+    chat = ChatCompletion.model_validate(
+        completion_body(
+            request_id="chatcmpl-1",
+            model="m",
+            choices=[chat_choice(0, " abc", "stop", delta=False, logprobs=chat_logprobs(tokens))],
+            usage_=usage(1, 2, 0),
+            chat=True,
+        )
+    )
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [" a", "bc"] and content[1].bytes == [98, 99]
+    assert content[1].top_logprobs[0].token == "x" and content[1].top_logprobs[0].logprob == -0.25
 
 
 def test_malformed_bodies():
