@@ -1,0 +1,298 @@
+"""The rank body of the multi-GPU benchmark (`actors/multi_gpu_bench.py`): one process per GPU.
+
+Every rank runs the same phases in order, each over a fresh rendezvous handed out by the driver,
+so a machine needs one set of processes for the whole benchmark (one CUDA context and one torch
+import per GPU instead of one per layout):
+
+Phase 1: the collective sweep (`cluster.probe.sweep`: all_reduce, alltoall, all_gather, sendrecv
+         over every rank), skipped when the driver ran the nccl-tests binaries.
+Phase 2: EP dispatch/combine of `EpShape` tokens over every rank (`actors.comm.ep`), checked
+         (identity experts: combine(dispatch(x)) = x * sum_k w) and timed.
+Phase 3: rank 0 alone runs the single-device reference of the checkpoint (world 1).
+Phase 4: each layout, largest world first; ranks outside a layout's world skip it. Each builds a
+         `ShardWorker` on its GPU, captures every module output of one step over the alignment
+         sequences (the `capture` hook of `StageModel.forward`, as `moectl validate` does), then
+         times prefill steps of the performance batch.
+
+Imports only torch and our packages (no pydantic, ray, redis), so it runs on a bare GPU machine.
+Results are plain containers (they travel through `torch.save`, weights_only).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from actors.comm.group import Rendezvous, destroy_world, init_world
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpShape:
+    """One EP dispatch/combine measurement: every rank sends `tokens` x `top_k` rows."""
+
+    tokens: int
+    """T: tokens per rank (data-parallel attention: each rank holds its own)."""
+    hidden: int
+    """H: hidden size; one row is H elements of `dtype`."""
+    top_k: int
+    """K: experts per token."""
+    experts: int
+    """E: routed experts, split contiguously over the ranks (E / world each)."""
+    iters: int
+    warmup: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankJob:
+    """Everything a rank needs; built by the driver, identical on every rank."""
+
+    device: str
+    """"cuda" (rank r on cuda:r, NCCL) or "cpu" (gloo)."""
+    dtype: str
+    """Compute dtype of the layouts: "bfloat16" on GPUs, "float32" in the CPU dry run."""
+    checkpoint_dir: str
+    sweep: object | None
+    """A `cluster.probe.SweepConfig`, or None when nccl-tests ran instead."""
+    sweep_init: str
+    """`tcp://host:port` for the sweep's process group."""
+    ep: EpShape
+    ep_rendezvous: Rendezvous
+    layouts: tuple[tuple[str, object, Rendezvous], ...]
+    """(name, `placement.parallel_dims.Layout`, rendezvous) in run order."""
+    align_tokens: tuple[tuple[int, ...], ...]
+    """Alignment sequences (>= 2, different lengths)."""
+    perf_tokens: tuple[tuple[int, ...], ...]
+    """The timed prefill batch."""
+    perf_steps: int
+    """Timed steps after one warm-up step."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device(job: RankJob, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}" if job.device == "cuda" else "cpu")
+
+
+# --------------------------------------------------------------------------------- phase 2: EP
+
+
+def ep_bench(rank: int, world: int, rendezvous: Rendezvous, shape: EpShape, *, device, dtype):
+    """Dispatch + combine of T x K rows of H elements over `world` ranks; per-iteration seconds.
+
+    Returns {"dispatch_s": [iters], "combine_s": [iters], "data_s": [iters] (the row all-to-all
+    alone, without the count exchange, sort and id exchange), "remote_bytes": bytes this rank
+    sends to other ranks in the row exchange, "send_bytes": T x K x H x elem, "check_rel_err"}.
+    """
+    from actors.comm.ep import ExpertParallel
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = init_world(rendezvous, rank=rank, world_size=world)
+    try:
+        per = shape.experts // world
+        ep = ExpertParallel(group, tuple(e // per for e in range(shape.experts)))
+        # Step 1: uniform random routing (seeded per rank) and softmax weights over the top-k.
+        gen = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device, dtype)
+        scores = torch.rand(shape.tokens, shape.experts, generator=gen)
+        top_w, top_ids = scores.topk(shape.top_k, dim=-1)
+        top_w, top_ids = top_w.softmax(-1).to(device), top_ids.to(device)
+        # Step 2: check with identity experts: combine(dispatch(x)) = x * sum_k w = x.
+        recv_x, _, handle = ep.dispatch(x, top_ids, top_w)
+        out = ep.combine(recv_x, handle)
+        ref = x.float() * top_w.float().sum(-1, keepdim=True)
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        elem = x.element_size()
+        remote_rows = sum(handle.send_counts) - handle.send_counts[group.index]
+        send_rows = x[handle.token_of_row].contiguous()
+        dispatch_s, combine_s, data_s = [], [], []
+        for i in range(shape.warmup + shape.iters):
+            # Step 3: dispatch and combine, each timed between a barrier and a device sync.
+            group.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            recv_x, _, handle = ep.dispatch(x, top_ids, top_w)
+            _sync(device)
+            t1 = time.perf_counter()
+            ep.combine(recv_x, handle)
+            _sync(device)
+            t2 = time.perf_counter()
+            # Step 4: the row exchange alone, on buffers sized in advance.
+            group.barrier()
+            _sync(device)
+            t3 = time.perf_counter()
+            group.all_to_all(recv_x, send_rows, handle.recv_counts, handle.send_counts)
+            _sync(device)
+            t4 = time.perf_counter()
+            if i >= shape.warmup:
+                dispatch_s.append(t1 - t0)
+                combine_s.append(t2 - t1)
+                data_s.append(t4 - t3)
+        return {
+            "dispatch_s": dispatch_s,
+            "combine_s": combine_s,
+            "data_s": data_s,
+            "remote_bytes": remote_rows * shape.hidden * elem,
+            "send_bytes": shape.tokens * shape.top_k * shape.hidden * elem,
+            "check_rel_err": rel,
+        }
+    finally:
+        destroy_world()
+
+
+# ---------------------------------------------------------------------------- phase 3 and 4
+
+
+def _microbatches(layout, rank: int, num_sequences: int) -> list[list[int]]:
+    """The sequences of each micro-batch `rank` runs, as `ShardWorker._step` splits them."""
+    from actors.worker import split_contiguous, split_round_robin
+
+    dims = layout.dims
+    owners = split_round_robin(num_sequences, dims.dp)
+    mine = owners[dims.coords(rank).dp]
+    return split_contiguous(mine, max(1, min(dims.pp, min(len(o) for o in owners))))
+
+
+def layout_pass(rank: int, world: int, rendezvous, layout, job: RankJob) -> dict:
+    """One layout on this rank: build, capture the alignment step, time the performance batch.
+
+    Returns {"outputs": {module: {seq: tensor}} (TP rank 0 only, CPU, compute dtype),
+    "step_s": [perf_steps] wall seconds of each timed step on this rank, "timings_s": the last
+    step's per-region seconds, "memory_bytes": per region, "layers": [start, stop]}.
+    """
+    from actors.worker import ShardWorker, StepBatch
+
+    device = _device(job, rank)
+    worker = ShardWorker(
+        layout=layout,
+        rank=rank,
+        checkpoint_dir=job.checkpoint_dir,
+        rendezvous=rendezvous if world > 1 else None,
+        device=str(device),
+        num_threads=None if job.device == "cuda" else 1,
+    )
+    try:
+        model = worker.model
+        dtype = _dtype(job.dtype)
+        if dtype != torch.float32:
+            # Parameters only: rotary inverse frequencies stay float32 (as `moectl validate`).
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+        # Step 1: one captured step; a fresh capture dict per micro-batch forward.
+        records: list[tuple[list[int], dict]] = []
+        capturing = [True]
+
+        def pass_capture(module, args, kwargs):
+            if not capturing[0]:
+                return None
+            cap: dict = {}
+            records.append((list(args[2]), cap))
+            return args, {**kwargs, "capture": cap}
+
+        hook = model.register_forward_pre_hook(pass_capture, with_kwargs=True)
+        worker.step(StepBatch(token_ids=job.align_tokens))
+        capturing[0] = False
+        hook.remove()
+        outputs: dict[str, dict[int, torch.Tensor]] = {}
+        if worker.coord.tp == 0:
+            expected = [mb for mb in _microbatches(layout, rank, len(job.align_tokens)) if mb]
+            seen = [r for r in records if r[0]]
+            if len(seen) != len(expected):
+                raise RuntimeError(f"rank {rank}: {len(seen)} forwards, expected {len(expected)}")
+            for (lens, cap), seqs in zip(seen, expected, strict=True):
+                for name, value in cap.items():
+                    for s, part in zip(seqs, torch.split(value, lens), strict=True):
+                        outputs.setdefault(name, {})[s] = part.detach().to("cpu").clone()
+        records.clear()
+        # Step 2: one warm-up and `perf_steps` timed prefill steps, each after a world barrier.
+        batch = StepBatch(token_ids=job.perf_tokens)
+        steps: list[float] = []
+        result = None
+        for i in range(1 + job.perf_steps):
+            worker.world.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            result = worker.step(batch)
+            _sync(device)
+            if i:
+                steps.append(time.perf_counter() - t0)
+        stage = layout.layer_range(worker.coord.pp)
+        return {
+            "outputs": outputs,
+            "step_s": steps,
+            "timings_s": dict(result.timings_s),
+            "memory_bytes": dict(result.memory_bytes),
+            "layers": [stage.start, stage.stop],
+            "coord": [worker.coord.pp, worker.coord.dp, worker.coord.tp],
+        }
+    finally:
+        worker.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def rank_main(rank: int, world: int, rendezvous: Rendezvous, job: RankJob) -> dict:
+    """The four phases of the module docstring on one rank; rank 0 carries the sweep and the
+    reference. `rendezvous` (from `run_ranks`) is unused: every phase has its own."""
+    from cluster.probe import sweep
+
+    out: dict = {"rank": rank, "phase_s": {}}
+    device = _device(job, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    t = time.perf_counter()
+    say(rank, f"start on {device}; sweep {'on' if job.sweep is not None else 'off'}")
+    if job.sweep is not None:
+        runs = sweep(rank, world, job.sweep_init, job.sweep)
+        if rank == 0:
+            out["sweep"] = runs
+    out["phase_s"]["sweep"] = time.perf_counter() - t
+    t = time.perf_counter()
+    say(rank, f"sweep done in {out['phase_s']['sweep']:.1f} s; EP dispatch/combine")
+    out["ep"] = ep_bench(
+        rank, world, job.ep_rendezvous, job.ep, device=device, dtype=_dtype(job.dtype)
+    )
+    out["phase_s"]["ep"] = time.perf_counter() - t
+    if rank == 0:
+        from placement.parallel_dims import Layout, ParallelDims
+
+        t = time.perf_counter()
+        say(rank, "single-device reference")
+        first = job.layouts[0][1]
+        single = Layout.build(
+            ParallelDims(pp=1, dp=1, tp=1),
+            num_layers=first.num_layers,
+            num_experts=first.num_experts,
+        )
+        out["reference"] = layout_pass(0, 1, None, single, job)
+        out["phase_s"]["reference"] = time.perf_counter() - t
+    out["layouts"] = {}
+    for name, layout, rdv in job.layouts:
+        if rank >= layout.dims.world:
+            continue
+        t = time.perf_counter()
+        say(rank, f"layout {name}")
+        out["layouts"][name] = layout_pass(rank, layout.dims.world, rdv, layout, job)
+        out["phase_s"][name] = time.perf_counter() - t
+    say(rank, "done")
+    return out
+
+
+def say(rank: int, msg: str) -> None:
+    """Progress on stderr as it happens, so a run cut off by its time limit shows where."""
+    print(f"[multi_gpu rank {rank} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")

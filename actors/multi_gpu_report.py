@@ -1,0 +1,403 @@
+"""What the multi-GPU benchmark makes of its ranks' results: collectives and the measured
+Topology, EP bandwidth against alltoall, alignment of every layout, the planner's prediction,
+the goals, and the table (`actors/multi_gpu_bench.py` runs it).
+
+Definitions (units: `_GBps` = 10^9 B/s one direction, sizes in bytes):
+- A collective's busbw is nccl-tests' (cluster/nccl_tests.py); its peak is the largest over sizes.
+- EP busbw = mean over ranks of the bytes a rank sends to *other* ranks in the row exchange /
+  the phase's time (median over iterations of the slowest rank). For uniform routing that is
+  nccl-tests' alltoall busbw definition (size x (n-1)/n / time), so the two compare directly at
+  the same bytes per rank (T x K x H x elem), the alltoall figure interpolated in log2(size).
+- Step time: median over timed steps of the slowest rank's wall time of one prefill step.
+- Alignment: `actors.validate.compare` of every module output against the single-GPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import platform
+from typing import Any
+
+import torch
+
+from actors.multi_gpu_ranks import median
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "nccl": _nccl_version(),
+        "transformers": transformers.__version__,
+    }
+
+
+def _nccl_version() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def settings_json(s) -> dict:
+    return {k: v for k, v in dataclasses.asdict(s).items() if k != "model"}
+
+
+def param_count(cfg: dict) -> int:
+    from placement.config_fields import ConfigFields
+    from placement.model_types import build_spec
+
+    spec = build_spec(ConfigFields(cfg, label="multi_gpu config"), source="multi_gpu config")
+    return int(spec.total_params)
+
+
+def transformers_capture(ckpt, sequences, *, device: str) -> dict[str, list[torch.Tensor]]:
+    """transformers (float32, eager) module outputs on `sequences` (`reference_capture` feeds
+    CPU tensors, so `device` is "cpu" unless that changes), on the CPU."""
+    from actors.reference import load_reference_model, reference_capture
+
+    model = load_reference_model(ckpt).to(device)
+    captured = reference_capture(model, sequences)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {k: [t.to("cpu") for t in v] for k, v in captured.items()}
+
+
+# ------------------------------------------------------------------------------ collectives
+
+
+def collectives(runs, source: str) -> dict[str, Any]:
+    from cluster.measure import peak_busbw_GBps
+
+    return {
+        "source": source,
+        "runs": [r.to_json() for r in runs],
+        "peak_busbw_GBps": {r.op: peak_busbw_GBps(r) for r in runs if r.rows},
+        "wrong": sum(r.total_wrong for r in runs),
+        "complete": all(r.complete for r in runs),
+    }
+
+
+def _stand_in_topology(world: int):
+    """A one-node NV18 matrix of `world` GPUs (the CPU dry run has no GPUs to discover)."""
+    from cluster.discovery import topology_from_smi_text
+
+    head = "\t" + "\t".join(f"GPU{i}" for i in range(world)) + "\tCPU Affinity\tNUMA Affinity"
+    rows = [
+        f"GPU{i}\t" + "\t".join("X" if i == j else "NV18" for j in range(world)) + "\t0-1\t0"
+        for i in range(world)
+    ]
+    return topology_from_smi_text("\n".join([head, *rows]), origin="dry-run stand-in")
+
+
+def topology(runs) -> dict[str, Any]:
+    """Step 1 of the benchmark's docstring: discover, write the measured figure in, compare."""
+    from cluster.discovery import discover_local
+    from cluster.errors import MoeError
+    from cluster.measure import apply_runs, peak_busbw_GBps
+    from cluster.topology_json import topology_to_json
+
+    world = runs[0].ranks
+    try:
+        topo, origin = discover_local(), "discovered (nvidia-smi topo -m, NVML)"
+    except (MoeError, OSError) as exc:
+        topo, origin = None, f"discovery failed ({exc})"
+    if topo is None or len(topo.gpus) < 2:
+        topo, origin = _stand_in_topology(world), f"stand-in NV18 matrix; {origin}"
+    nominal = topo.intra_node_bandwidth_GBps()
+    try:
+        measured = apply_runs(topo, list(runs))
+    except MoeError as exc:
+        return {"origin": origin, "nominal_intra_node_GBps": nominal, "error": str(exc)}
+    got = measured.intra_node_bandwidth_GBps()
+    per_op = {
+        r.op: {
+            "peak_busbw_GBps": peak_busbw_GBps(r),
+            "of_nominal": peak_busbw_GBps(r) / nominal if nominal else None,
+        }
+        for r in runs
+        if r.rows
+    }
+    return {
+        "origin": origin,
+        "nominal_intra_node_GBps": nominal,
+        "measured_intra_node_GBps": got,
+        "measured_of_nominal": got / nominal if nominal and got else None,
+        "per_op": per_op,
+        "latency_us": {r.op: r.rows[0].time_us for r in runs if r.rows},
+        "measured_topology": topology_to_json(measured),
+    }
+
+
+def busbw_at(run, size: int) -> tuple[float, bool]:
+    """(busbw of `run` at `size` bytes per rank, interpolated in log2 size; extrapolated?)."""
+    rows = sorted(run.rows, key=lambda r: r.size)
+    if size <= rows[0].size:
+        return rows[0].busbw_GBps, size < rows[0].size
+    for lo, hi in itertools.pairwise(rows):
+        if lo.size <= size <= hi.size:
+            f = (math.log2(size) - math.log2(lo.size)) / (math.log2(hi.size) - math.log2(lo.size))
+            return lo.busbw_GBps + f * (hi.busbw_GBps - lo.busbw_GBps), False
+    return rows[-1].busbw_GBps, True
+
+
+def _slowest(per_rank_lists: list[list[float]]) -> float:
+    """Median over iterations of the slowest rank's time."""
+    return median([max(v) for v in zip(*per_rank_lists, strict=True)])
+
+
+def ep(per_rank: list[dict], coll: dict, shape) -> dict[str, Any]:
+    """Step 3a: EP dispatch / combine / row exchange against the alltoall busbw."""
+    from cluster.probe import run_from_json
+
+    eps = [r["ep"] for r in per_rank]
+    remote = sum(e["remote_bytes"] for e in eps) / len(eps)
+    size = eps[0]["send_bytes"]
+    alltoall = next(run_from_json(r) for r in coll["runs"] if r["op"] == "alltoall")
+    ref, extrapolated = busbw_at(alltoall, size)
+    out: dict[str, Any] = {
+        "shape": dataclasses.asdict(shape),
+        "world": len(eps),
+        "bytes_per_rank": size,
+        "remote_bytes_per_rank": remote,
+        "check_max_rel_err": max(e["check_rel_err"] for e in eps),
+        "alltoall_busbw_GBps_at_size": ref,
+        "alltoall_extrapolated": extrapolated,
+    }
+    for phase in ("dispatch", "combine", "data"):
+        t = _slowest([e[f"{phase}_s"] for e in eps])
+        bw = remote / t / 1e9
+        out[phase] = {"ms": 1e3 * t, "busbw_GBps": bw, "of_alltoall": bw / ref if ref else None}
+    return out
+
+
+# ------------------------------------------------------------------------------- alignment
+
+
+def _merge(per_rank: list[dict], name: str, n: int) -> dict[str, list[torch.Tensor]]:
+    merged: dict[str, dict[int, torch.Tensor]] = {}
+    for r in per_rank:
+        for module, by_seq in r["layouts"].get(name, {}).get("outputs", {}).items():
+            merged.setdefault(module, {}).update(by_seq)
+    out = {}
+    for module, by_seq in merged.items():
+        missing = sorted(set(range(n)) - set(by_seq))
+        if missing:
+            raise RuntimeError(f"layout {name}: no rank captured {module} for sequences {missing}")
+        out[module] = [by_seq[i] for i in range(n)]
+    return out
+
+
+def _verdict(errors, agreement) -> dict[str, Any]:
+    first = next((e for e in errors if not e.ok), None)
+    logits = next((e for e in errors if e.op == "lm_head"), None)
+    return {
+        "aligned": first is None,
+        "max_rel_err": max((e.rel_err for e in errors), default=0.0),
+        "logits_rel_err": logits.rel_err if logits else None,
+        "first_divergence": None if first is None else f"{first.module} ({first.rel_err:.3g})",
+        "min_router_agreement": min(agreement.values(), default=1.0),
+        "modules_compared": len(errors),
+        "layers": [
+            {"module": e.module, "rel_err": e.rel_err, "ok": e.ok, "tokens": e.tokens}
+            for e in errors
+        ],
+    }
+
+
+def _step(entries: list[dict]) -> dict[str, Any]:
+    return {
+        "step_ms": 1e3 * _slowest([e["step_s"] for e in entries]),
+        "timings_s_rank0": entries[0]["timings_s"],
+        "weights_bytes_max": max(e["memory_bytes"].get("weights", 0) for e in entries),
+    }
+
+
+def alignment(per_rank, hf, names, *, world, dtype, num_layers, tolerance, flip_budget):
+    """Step 2: (reference entry, [layout entries]); the reference also against transformers."""
+    from actors.validate import TOLERANCE, compare
+
+    ref_entry = per_rank[0]["reference"]
+    ref = {k: [v[i] for i in sorted(v)] for k, v in ref_entry["outputs"].items()}
+    n = len(next(iter(ref.values())))
+    errors, agreement = compare(
+        hf, ref, num_layers, tolerance=TOLERANCE[dtype], flip_budget=flip_budget
+    )
+    reference = {
+        "layout": "single",
+        "world": 1,
+        "vs_transformers": {**_verdict(errors, agreement), "tolerance": TOLERANCE[dtype]},
+        **_step([ref_entry]),
+    }
+    layouts = []
+    for name in names:
+        entries = [r["layouts"][name] for r in per_rank if name in r["layouts"]]
+        errors, agreement = compare(
+            ref, _merge(per_rank, name, n), num_layers, tolerance=tolerance,
+            flip_budget=flip_budget,
+        )  # fmt: skip
+        layouts.append(
+            {
+                "layout": name,
+                "world": len(entries),
+                "tolerance": tolerance,
+                "flip_budget": flip_budget,
+                **_verdict(errors, agreement),
+                **_step(entries),
+            }
+        )
+    return reference, layouts
+
+
+# --------------------------------------------------------------------------------- planner
+
+
+def planner(result: dict, cfg: dict, s, per_rank: list[dict]) -> None:
+    """Step 3b: the planner's predicted prefill step (measured links) beside each measured one.
+
+    Links: every intra-node figure is the measured all_reduce peak busbw written into the
+    Topology, latencies the smallest-message times of all_reduce (TP), alltoall (EP) and
+    sendrecv (PP). Device: nominal H200 figures on GPUs (what the planner uses), stand-in
+    figures in the CPU dry run. The planner's prefill chunk is set so that its
+    micro-batch count equals the runtime's (`ShardWorker._step`).
+    """
+    from actors.worker import split_round_robin
+    from placement.config_fields import ConfigFields
+    from placement.cost_model import (
+        DEFAULT_CONSTANTS,
+        Device,
+        Links,
+        Step,
+        costs_from_spec,
+        phase_time,
+    )
+    from placement.model_types import build_spec
+    from placement.parallel_dims import Layout, parse_layout
+
+    topo = result["topology"]
+    bw = topo.get("measured_intra_node_GBps") or topo.get("nominal_intra_node_GBps") or 1.0
+    lat = topo.get("latency_us", {})
+    links = Links(
+        tp_GBps=bw, tp_latency_us=lat.get("all_reduce", 1.0), ep_local=result["world"], ep_local_GBps=bw,
+        ep_remote_GBps=math.inf, ep_latency_us=lat.get("alltoall", 1.0), pp_GBps=bw,
+        pp_latency_us=lat.get("sendrecv", 1.0),
+    )  # fmt: skip
+    if s.device == "cuda":
+        device = Device(**H200_DEVICE)
+        device_note = "nominal H200 (989.4 TFLOP/s bf16, 4800 GB/s)"
+    else:
+        device = Device(peak_flops=1e11, hbm_GBps=20.0, hbm_bytes=16 * 10**9)
+        device_note = "stand-in CPU figures (0.1 TFLOP/s, 20 GB/s): the dry run judges no speed"
+    spec = build_spec(ConfigFields(cfg, label="multi_gpu config"), source="multi_gpu config")
+    costs = costs_from_spec(spec, kv_dtype="bf16")
+    seqs, tokens = s.perf_batch
+    for entry in [result["reference"], *result["layouts"]]:
+        dims = parse_layout(entry["layout"])
+        layout = Layout.build(dims, num_layers=costs.num_layers, num_experts=costs.num_experts)
+        owners = split_round_robin(seqs, dims.dp)
+        m = max(1, min(dims.pp, min(len(o) for o in owners)))
+        total = math.ceil(seqs / dims.dp) * tokens
+        constants = dataclasses.replace(DEFAULT_CONSTANTS, prefill_chunk_tokens=-(-total // m))
+        t = phase_time(
+            costs, pp=dims.pp, dp=dims.dp, tp=dims.tp, etp=1,
+            stage_starts=tuple(b[0] for b in layout.stage_bounds),
+            slots_per_rank=max(1, costs.num_experts // dims.ep), links=links, device=device,
+            step=Step(sequences=seqs, new_tokens=tokens, context=tokens // 2, decode=False),
+            constants=constants,
+        )  # fmt: skip
+        entry["predicted_ms"] = t.total_ms
+        entry["predicted"] = dataclasses.asdict(t)
+        entry["prediction_error"] = (t.total_ms - entry["step_ms"]) / entry["step_ms"]
+    result["planner"] = {"device": device_note, "links": dataclasses.asdict(links)}
+
+
+H200_DEVICE = {"peak_flops": 989.4e12, "hbm_GBps": 4800.0, "hbm_bytes": 141 * 10**9}
+
+
+# ----------------------------------------------------------------------------------- goals
+
+
+def goals(result: dict, *, judge_speed: bool) -> dict[str, dict[str, Any]]:
+    """The issue's three goals; speed goals are not judged on CPU (`met` None)."""
+    lay = result["layouts"]
+    bad = [e["layout"] for e in lay if not e["aligned"]]
+    coll = result["collectives"]
+    anchor = result["reference"]["vs_transformers"]
+    ep_err = result["ep"]["check_max_rel_err"]
+    out = {
+        "aligned": {
+            "met": not bad and anchor["aligned"] and coll["wrong"] == 0 and ep_err < 1e-2,
+            "detail": f"{len(lay) - len(bad)}/{len(lay)} layouts aligned with single"
+            + (f" (not: {', '.join(bad)})" if bad else "")
+            + f"; single vs transformers {'aligned' if anchor['aligned'] else 'NOT aligned'}"
+            + f" (max {anchor['max_rel_err']:.2e}); collectives wrong elements {coll['wrong']};"
+            + f" EP round trip rel err {ep_err:.1e}",
+        }
+    }
+    ratios = {p: result["ep"][p]["of_alltoall"] for p in ("dispatch", "combine")}
+    worst = min((r for r in ratios.values() if r is not None), default=None)
+    out["ep_busbw"] = {
+        "met": (worst is not None and worst >= GOAL_EP) if judge_speed else None,
+        "detail": f"slower of dispatch/combine at {worst:.0%} of alltoall busbw (goal {GOAL_EP:.0%})"
+        if worst is not None
+        else "no alltoall figure",
+    }
+    errs = {e["layout"]: e["prediction_error"] for e in [result["reference"], *lay]}
+    worst_layout = max(errs, key=lambda k: abs(errs[k]))
+    out["planner"] = {
+        "met": all(abs(v) <= GOAL_PLANNER for v in errs.values()) if judge_speed else None,
+        "detail": f"worst {worst_layout} {errs[worst_layout]:+.0%} (goal within {GOAL_PLANNER:.0%})",
+    }
+    return out
+
+
+GOAL_EP = 0.8
+GOAL_PLANNER = 0.25
+
+
+# ----------------------------------------------------------------------------------- table
+
+
+def table(result: dict) -> str:
+    """One plain-text table: a row per layout, then collectives, EP and goals."""
+    lines = [
+        f"multi_gpu: {result['world']} x {result['device_name']} ({result['mode']}, "
+        f"{result['backend']}), model {result['model']['params'] / 1e9:.2f} B params",
+        f"{'layout':<14}{'ranks':>6}{'aligned':>9}{'max rel err':>13}{'logits err':>12}"
+        f"{'step ms':>10}{'planner ms':>12}{'error':>8}",
+    ]
+    for e in [result["reference"], *result["layouts"]]:
+        ok = e["vs_transformers"]["aligned"] if e["layout"] == "single" else e["aligned"]
+        err = e["vs_transformers"] if e["layout"] == "single" else e
+        lines.append(
+            f"{e['layout']:<14}{e['world']:>6}{'yes' if ok else 'NO':>9}{err['max_rel_err']:>13.2e}"
+            f"{err['logits_rel_err'] or 0:>12.2e}{e['step_ms']:>10.2f}{e['predicted_ms']:>12.2f}"
+            f"{e['prediction_error']:>+8.0%}"
+        )
+    lines.append("(single: against transformers float32; layouts: against single)")
+    topo = result["topology"]
+    lines.append(
+        f"collectives ({result['collectives']['source']}): peak busbw GB/s "
+        + ", ".join(f"{k} {v:.1f}" for k, v in result["collectives"]["peak_busbw_GBps"].items())
+        + f"; nominal link {topo.get('nominal_intra_node_GBps')}"
+    )
+    ep_ = result["ep"]
+    lines.append(
+        f"EP {ep_['shape']['tokens']} tok x {ep_['shape']['hidden']} x top-{ep_['shape']['top_k']}"
+        f" ({ep_['bytes_per_rank'] / 2**20:.0f} MiB/rank): "
+        + ", ".join(
+            f"{p} {ep_[p]['ms']:.2f} ms {ep_[p]['busbw_GBps']:.1f} GB/s"
+            for p in ("dispatch", "combine", "data")
+        )
+        + f"; alltoall {ep_['alltoall_busbw_GBps_at_size']:.1f} GB/s"
+    )
+    for name, g in result["goals"].items():
+        met = {True: "met", False: "NOT met", None: "not judged"}[g["met"]]
+        lines.append(f"goal {name}: {met}: {g['detail']}")
+    return "\n".join(lines)
