@@ -421,11 +421,15 @@ class Engine:
             "prefix_queries": self.counts["prefix_queries"],
             "prefix_hits": self.counts["prefix_hits"],
             "tier_hits": self.counts["tier_hits"],
+            "tier_hits_by_tier": dict(self.tiers.tier_hits) if self.tiers is not None else {},
             "preemptions": self.scheduler.preemptions,
             "steps": steps,
             "step_latency_s": self._latency["last_s"],
             "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
         }
+        timing = getattr(self.runner, "timing_stats", None)
+        if callable(timing):  # a distributed runner: per pipeline stage and comm axis
+            out.update(timing())
         if self.tiers is not None:
             out["cache"] = self.tiers.stats()
         return out
