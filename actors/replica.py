@@ -7,6 +7,17 @@ Only small step descriptions go out and only the last stage's logits (prefill `s
 token ids (engine `execute`) come back: activations move between workers over the collective
 backend.
 
+Placement: with `bundles` (placement.bundles.BundleSpecs, one bundle per rank) the replica
+creates a Ray placement group and starts rank r in bundle r with that bundle's resources; the
+group is removed at `shutdown`. A `placement_group` made by the caller is used the same way and
+left in place.
+
+Timings: each engine step keeps every rank's `timings_s` (`last_timings`) and an exponential
+moving average (`EMA_WEIGHT` on the newest step) per pipeline stage of the slowest rank of the
+stage: forward seconds (`stage_forward`), per op (attention, moe, dense_mlp) and whole step, and
+the collective wait per axis (`wait_<axis>` where the worker reports it); `timing_stats()` shows
+them, `drain_stage_samples()` hands each step's per-stage figures to the metrics.
+
 `Replica` is also an engine runner (`actors/runner.py`): `allocate_kv`, `execute` (one Ray call
 per rank per step, issued together and gathered with one `ray.get`), `read_block` / `write_block`
 (whole-model blocks assembled from / split into the ranks' parts), `kv_layout`, `arch`.
@@ -14,6 +25,7 @@ per rank per step, issued together and gathered with one `ray.get`), `read_block
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +37,39 @@ from actors.rank_runner import run_ranks
 from actors.runner import StepInput, StepOutput
 from actors.worker import ShardStep, ShardStepOutput, StepBatch, StepResult
 from placement.parallel_dims import Layout
+
+EMA_WEIGHT = 0.2
+"""Weight of the newest step in the moving averages of `timing_stats`."""
+STAGE_FIGURES = (
+    ("stage_forward", "forward"),
+    ("step", "step"),
+    ("attention", "attention"),
+    ("moe", "moe"),
+    ("dense_mlp", "dense_mlp"),
+)
+"""(worker timing key, name in the stage figures)."""
+MAX_SAMPLES = 4096
+"""Per-step samples kept for `drain_stage_samples` (older ones dropped when nobody drains)."""
+
+
+def stage_figures(dims, timings: Sequence[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """One step's figures per pipeline stage, the slowest rank of each stage:
+    {"stage<p>": {"forward", "step", "attention", "moe", "dense_mlp"} seconds} plus
+    {"comm": {axis: seconds waited}} (the slowest rank of the world). `timings`: rank order."""
+    out: dict[str, dict[str, float]] = {}
+    comm: dict[str, float] = {}
+    for rank, t in enumerate(timings):
+        stage = out.setdefault(f"stage{dims.coords(rank).pp}", {})
+        for key, name in STAGE_FIGURES:
+            if key in t:
+                stage[name] = max(stage.get(name, 0.0), float(t[key]))
+        for key, value in t.items():
+            if key.startswith("wait_"):
+                axis = key.removeprefix("wait_")
+                comm[axis] = max(comm.get(axis, 0.0), float(value))
+    if comm:
+        out["comm"] = comm
+    return out
 
 
 def gather_logits(results: Sequence[StepResult], num_sequences: int) -> list[torch.Tensor]:
@@ -46,6 +91,8 @@ class Replica:
     `num_cpus`/`num_gpus` are the per-actor resource requests (fractional allowed).
     `actors` reuses already started ShardWorkerActors (the first `world` of them; they are
     rebuilt for this layout and not killed by `shutdown`), e.g. a pool shared by many layouts.
+    `bundles` / `placement_group`: start rank r in bundle r of a placement group (see the module
+    docstring); exclusive with `actors` and `node_ids`.
     `compiled_graph`: engine steps go through a Ray compiled graph (`ray.dag`,
     `experimental_compile`, built at the first `execute`) instead of one `execute.remote` per
     rank; other calls (KV blocks, health, abort) stay plain actor calls.
@@ -64,9 +111,14 @@ class Replica:
         timeout_s: float = 60.0,
         actors: Sequence | None = None,
         compiled_graph: bool = False,
+        bundles=None,
+        placement_group=None,
     ) -> None:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from ray.util.scheduling_strategies import (
+            NodeAffinitySchedulingStrategy,
+            PlacementGroupSchedulingStrategy,
+        )
 
         from actors.worker_shell import shard_worker_actor
 
@@ -81,7 +133,17 @@ class Replica:
         self._parts: list[KVLayout] | None = None
         self._kv_layout: KVLayout | None = None
         self.placement = None
+        self.last_timings: tuple[dict[str, float], ...] = ()
+        self._ema: dict[str, dict[str, float]] = {}
+        self._samples: deque[dict[str, dict[str, float]]] = deque(maxlen=MAX_SAMPLES)
         self._owned = actors is None
+        self.placement_group = placement_group
+        self._owns_group = False
+        self.bundle_resources: list[dict[str, float]] | None = None
+        if bundles is not None or placement_group is not None:
+            if actors is not None or node_ids is not None:
+                raise ValueError("give a placement group (or bundles) or actors/node_ids, not both")
+            self._use_placement_group(ray, bundles, world)
         if actors is not None:
             if len(actors) < world:
                 raise ValueError(f"{len(actors)} actors given for {world} ranks")
@@ -94,14 +156,46 @@ class Replica:
         self.actors = []
         for rank in range(world):
             options: dict[str, object] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-            if node_ids is not None:
+            if self.placement_group is not None:
+                res = self.bundle_resources[rank]
+                options = {
+                    "num_cpus": res.get("CPU", 0.0),
+                    "num_gpus": res.get("GPU", 0.0),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement_group,
+                        placement_group_bundle_index=rank,
+                    ),
+                }
+            elif node_ids is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                     node_id=node_ids[rank], soft=False
                 )
             self.actors.append(actor_cls.options(**options).remote())
         self._ray = ray
         self.rendezvous = None
-        self.build()
+        try:
+            self.build()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _use_placement_group(self, ray, bundles, world: int) -> None:
+        """Create the group of `bundles` (owned: removed at shutdown) or take the given one;
+        check it has one bundle per rank and keep each bundle's resources."""
+        from ray.util.placement_group import placement_group_table
+
+        from actors.placement_group import create_placement_group
+
+        if self.placement_group is None:
+            if len(bundles.bundles) != world:
+                raise ValueError(f"{len(bundles.bundles)} bundles given for {world} ranks")
+            self.placement_group = create_placement_group(bundles, timeout_s=self.timeout_s)
+            self._owns_group = True
+        table = placement_group_table(self.placement_group)
+        found = table["bundles"]
+        if len(found) != world:
+            raise ValueError(f"placement group of {len(found)} bundles for {world} ranks")
+        self.bundle_resources = [dict(found[i]) for i in range(world)]
 
     def build(self) -> None:
         """(Re)build every worker over a fresh rendezvous hosted by rank 0's node."""
@@ -188,6 +282,7 @@ class Replica:
             outs = self._ray.get(
                 [a.execute.remote(shard) for a in self.actors], timeout=self.timeout_s * 2
             )
+        self._record_timings(outs)
         n = len(step.sample_seqs)
         tokens: list[int | None] = [None] * n
         logprobs: list = [None] * n
@@ -198,6 +293,36 @@ class Replica:
         if missing:
             raise RuntimeError(f"no rank sampled rows {missing} of the step")
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
+
+    def _record_timings(self, outs: Sequence[ShardStepOutput]) -> None:
+        by_rank = sorted(outs, key=lambda o: o.rank)
+        self.last_timings = tuple(dict(o.timings_s) for o in by_rank)
+        figures = stage_figures(self.layout.dims, self.last_timings)
+        self._samples.append(figures)
+        for group, values in figures.items():
+            ema = self._ema.setdefault(group, {})
+            for name, value in values.items():
+                old = ema.get(name)
+                ema[name] = value if old is None else old + EMA_WEIGHT * (value - old)
+
+    def timing_stats(self) -> dict[str, object]:
+        """Moving averages (seconds) for the engine's stats:
+        `stage_latency_s` {"stage<p>": forward}, `stage_ops_s` {"stage<p>": {op: s}},
+        `comm_wait_s` {axis: s}, and `rank_timings_s` (the last step, rank order)."""
+        stages = {k: v for k, v in self._ema.items() if k.startswith("stage")}
+        return {
+            "stage_latency_s": {k: v.get("forward", 0.0) for k, v in stages.items()},
+            "stage_ops_s": {k: dict(v) for k, v in stages.items()},
+            "comm_wait_s": dict(self._ema.get("comm", {})),
+            "rank_timings_s": [dict(t) for t in self.last_timings],
+        }
+
+    def drain_stage_samples(self) -> list[dict[str, dict[str, float]]]:
+        """The per-step `stage_figures` recorded since the last call (oldest first)."""
+        out = []
+        while self._samples:
+            out.append(self._samples.popleft())
+        return out
 
     def _compiled(self):
         """The Ray compiled graph fanning one ShardStep out to every rank's `execute`."""
@@ -259,9 +384,14 @@ class Replica:
         if self._owned:
             for actor in self.actors:
                 self._ray.kill(actor)
-        else:
+        elif self.actors:
             self._ray.get([a.close.remote() for a in self.actors], timeout=self.timeout_s)
         self.actors = []
+        if self._owns_group and self.placement_group is not None:
+            from actors.placement_group import remove
+
+            remove(self.placement_group)
+            self.placement_group = None
 
 
 def _process_rank(rank, world_size, rendezvous, layout, checkpoint_dir, batches):

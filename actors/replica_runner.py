@@ -159,6 +159,8 @@ def build_engine(
     timeout_s: float = 60.0,
     actors: Sequence | None = None,
     compiled_graph: bool = False,
+    bundles=None,
+    placement_group=None,
     cache_key_secret: bytes | None = None,
     **engine_kw: Any,
 ):
@@ -167,6 +169,9 @@ def build_engine(
     `layout` is a shorthand (`placement.parallel_dims.parse_layout`: "ep2", "pp2", "tp2",
     "ep2xpp2", ...) split evenly (layers over stages, contiguous experts over EP ranks).
     `compiled_graph` sends each step through a Ray compiled graph (see `Replica`).
+    `bundles` (BundleSpecs: `placement.bundles.bundle_specs(plan)` or `layout_bundle_specs`)
+    starts rank r in bundle r of a placement group created here and removed at shutdown;
+    `placement_group` uses one the caller made (and keeps).
     `engine_kw` go to `Engine` (num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
     cache, ...); tokenizer, EOS, weights fingerprint and the cache-key secret default as in
     `Engine.from_checkpoint`. Call `engine.runner.shutdown()` to stop the actors.
@@ -207,12 +212,41 @@ def build_engine(
         timeout_s=timeout_s,
         actors=actors,
         compiled_graph=compiled_graph,
+        bundles=bundles,
+        placement_group=placement_group,
     )
     try:
         return Engine(replica, cache_key_secret=cache_key_secret, **engine_kw)
     except BaseException:
         replica.shutdown()
         raise
+
+
+def layout_bundle_specs(
+    dims,
+    *,
+    name: str,
+    cpus_per_rank: float,
+    gpus_per_rank: float = 0.0,
+    strategy: str = "PACK",
+):
+    """Bundle specs of a layout without a topology (no Plan): one bundle per rank, in rank
+    order, with the worker's CPU/GPU request and no node constraint (Ray places the group;
+    PACK keeps it on as few nodes as fit). `dims`: placement.parallel_dims.ParallelDims."""
+    from placement.bundles import Bundle, BundleSpecs
+
+    if cpus_per_rank < 0 or gpus_per_rank < 0 or cpus_per_rank + gpus_per_rank <= 0:
+        raise InputError(
+            f"cpus_per_rank={cpus_per_rank}, gpus_per_rank={gpus_per_rank}: both >= 0, one > 0"
+        )
+    resources = [("CPU", float(cpus_per_rank))]
+    if gpus_per_rank:
+        resources.append(("GPU", float(gpus_per_rank)))
+    bundles = tuple(
+        Bundle(rank=r, resources=tuple(resources), label_selector=(), device="")
+        for r in range(dims.world)
+    )
+    return BundleSpecs(name=name, strategy=strategy, bundles=bundles)
 
 
 def _eos_token_id(root: Path) -> int | None:

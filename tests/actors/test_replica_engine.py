@@ -10,6 +10,8 @@ decisions and block ids are then identical, so tokens, prefix hits and block con
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -240,3 +242,79 @@ def test_compiled_graph_steps_match(ckpts, actor_pool):
             assert tokens(got[rid]) == tokens(want[rid]), rid
     finally:
         engine.runner.shutdown()
+
+
+def _placement_of(_actor_self):
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return ctx.get_placement_group_id(), ctx.get_node_id()
+
+
+def test_replica_in_placement_group_keeps_stage_timings(ray_session, ckpts):
+    """ep2xpp2 from bundle specs (one per rank): rank r runs in bundle r of a placement group
+    whose bundles are the specs', removed at shutdown; each step's per-rank timings give the
+    per-stage figures (slowest rank of each pipeline stage) and their moving average."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from actors.placement_group import bundle_nodes
+    from actors.replica import EMA_WEIGHT
+    from actors.replica_runner import layout_bundle_specs
+    from placement.bundles import NODE_LABEL
+    from placement.parallel_dims import parse_layout
+
+    dims = parse_layout("ep2xpp2")
+    specs = layout_bundle_specs(dims, name="moe-test-pg-ep2xpp2", cpus_per_rank=0.25)
+    assert [dict(b.resources) for b in specs.bundles] == [{"CPU": 0.25}] * 4
+    # Pin stage 0 (ranks 0, 1) to fake-a and stage 1 (ranks 2, 3) to fake-b, as a Plan's
+    # bundle specs would (PP across nodes), so bundle index == rank is visible.
+    stage_nodes = ["fake-a", "fake-a", "fake-b", "fake-b"]
+    specs = replace(
+        specs,
+        bundles=tuple(
+            replace(b, label_selector=((NODE_LABEL, stage_nodes[b.rank]),)) for b in specs.bundles
+        ),
+    )
+    _, want = local(ckpts, "qwen3_moe")
+    engine = build_engine(
+        ckpts["qwen3_moe"], layout="ep2xpp2", bundles=specs, cache_key_secret=SECRET, **ENGINE_KW
+    )
+    replica = engine.runner
+    pg = replica.placement_group
+    try:
+        table = placement_group_table(pg)
+        assert table["state"] == "CREATED" and table["strategy"] == "PACK"
+        assert table["bundles"] == {r: {"CPU": 0.25} for r in range(4)}
+        # Rank r's actor runs in the group on bundle r's node (stages on different nodes).
+        nodes = {n["NodeID"]: n["Labels"].get("moe.io/node") for n in ray.nodes() if n["Alive"]}
+        assert [nodes[n] for n in bundle_nodes(pg)] == stage_nodes
+        for rank, actor in enumerate(replica.actors):
+            group, node = ray.get(actor.__ray_call__.remote(_placement_of))
+            assert group == pg.id.hex() and nodes[node] == stage_nodes[rank], rank
+        got = scenario(engine)
+        for rid in want:
+            assert tokens(got[rid]) == tokens(want[rid]), rid
+
+        samples = replica.drain_stage_samples()
+        assert len(samples) == engine.stats()["steps"]
+        last = replica.last_timings
+        assert len(last) == 4 and all(t["stage_forward"] > 0 for t in last)
+        # Stage p = ranks 2p, 2p+1 (rank table): the slowest of them.
+        for p in range(2):
+            ranks = [r for r in range(4) if r // 2 == p]
+            assert samples[-1][f"stage{p}"]["forward"] == max(
+                last[r]["stage_forward"] for r in ranks
+            )
+        ema = samples[0]["stage1"]["forward"]
+        for s in samples[1:]:
+            ema = (1 - EMA_WEIGHT) * ema + EMA_WEIGHT * s["stage1"]["forward"]
+        stats = engine.stats()
+        assert set(stats["stage_latency_s"]) == {"stage0", "stage1"}
+        assert stats["stage_latency_s"]["stage1"] == pytest.approx(ema, rel=1e-9)
+        assert set(stats["stage_ops_s"]["stage0"]) >= {"forward", "step", "attention", "moe"}
+        assert replica.drain_stage_samples() == []
+    finally:
+        replica.shutdown()
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    assert ray.is_initialized()
