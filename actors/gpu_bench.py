@@ -34,6 +34,7 @@ import torch
 
 from actors import gpu_bench_parts as parts
 from actors.engine import Engine, SamplingParams
+from actors.kernels import fused
 from actors.layers import experts as experts_mod
 from actors.runner import LocalRunner, StepInput
 from actors.sampler import RowSampling
@@ -352,6 +353,11 @@ def run(
     ok, note = triton_check(device)
     flags["triton"] = flags["triton"] and ok
     result["triton_decode_check"] = note
+    fused_ok, fused_note = parts.fused_check(device)
+    fused.FUSED_ENABLED[0] = fused.FUSED_ENABLED[0] and fused_ok
+    flags["fused"] = fused.FUSED_ENABLED[0]
+    result["fused_kernels_check"] = fused_note
+    log(f"fused kernels: {fused_note}")
     try:
         result["correctness"] = correctness(device, dtype, flags=flags)
     except Exception as exc:  # recorded, then the run goes on without graphs
@@ -527,9 +533,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=540.0, help="skip transformers rows past this")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-grouped-mm", action="store_true", help="time the padded expert path")
+    p.add_argument("--no-fused", action="store_true", help="time without actors/kernels/fused.py")
     args = p.parse_args(argv)
     if args.no_grouped_mm:
         experts_mod.GROUPED_MM_ENABLED[0] = False
+    if args.no_fused:
+        fused.FUSED_ENABLED[0] = False
 
     def write(obj: dict) -> None:
         if args.out:

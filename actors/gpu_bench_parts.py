@@ -320,3 +320,77 @@ def hf_prefill_ms(model, *, tokens: int, vocab: int, device: torch.device, runs:
         if i:
             times.append(time.perf_counter() - t0)
     return 1e3 * sorted(times)[len(times) // 2]
+
+
+def fused_check(device: torch.device) -> tuple[bool, str]:
+    """The fused decode kernels (actors/kernels/fused.py) against torch at the Qwen3 shapes, bf16
+    inputs, float32 references; integer outputs (top-k ids, sort, counts) must match exactly."""
+    from actors.kernels import fused
+    from actors.layers.moe import expert_counts
+    from actors.layers.rope import apply_rotary
+    from actors.layers.router import softmax_topk
+
+    if not fused.use_triton(torch.empty(0, device=device)):
+        return False, "not used (no CUDA or no triton)"
+    try:
+        g = torch.Generator(device=device).manual_seed(5)
+
+        def rnd(*shape):
+            return torch.randn(*shape, device=device, generator=g).to(torch.bfloat16)
+
+        def rel(a, b):
+            return float((a.float() - b.float()).norm() / b.float().norm())
+
+        errs: dict[str, float] = {}
+        x, r, w = rnd(32, 2048), rnd(32, 2048), rnd(2048)
+        h, y = fused.rms_norm(x, w, 1e-6, residual=r)
+        errs["rms_h"] = rel(h, x.float() + r.float())
+        hh = (x + r).float()
+        ref = hh * torch.rsqrt(hh.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+        errs["rms"] = rel(y, ref)
+        wr = rnd(128, 2048)
+        logits, ids, wts = fused.router_softmax_topk(x, wr, 8, norm_topk_prob=True)
+        errs["logits"] = rel(logits, x.float() @ wr.float().T)
+        rids, rw = softmax_topk(logits, 8, norm_topk_prob=True)
+        errs["ids"] = float((ids.sort(1).values != rids.sort(1).values).sum())
+        errs["wts"] = rel(wts.sort(1).values, rw.sort(1).values)
+        flat = ids.reshape(-1)
+        routed = torch.zeros(128, dtype=torch.int64, device=device)
+        src, pos, offs = fused.dispatch_plan(flat, 8, 128, routed)
+        order = torch.argsort(flat, stable=True)
+        cnt = expert_counts(flat, 128)
+        errs["plan"] = float(
+            (src != order // 8).sum() + (offs.long() != cnt.cumsum(0)).sum() + (routed != cnt).sum()
+        )
+        ys = rnd(flat.numel(), 2048)
+        out = fused.combine(ys, pos.view(32, 8), wts, residual=r)
+        want = r.float() + (ys[pos].float().view(32, 8, -1) * wts[..., None]).sum(1)
+        errs["combine"] = rel(out, want)
+        b, nh, kv, d, bs, n = 32, 32, 4, 128, 16, 600
+        q, k, v = rnd(b, nh, d), rnd(b, kv, d), rnd(b, kv, d)
+        qw, kw = rnd(d), rnd(d)
+        kc, vc = rnd(n, bs, kv, d), rnd(n, bs, kv, d)
+        kmin, kmax = torch.zeros_like(kc[:, 0]), torch.zeros_like(kc[:, 0])
+        slots = torch.randperm(n * bs, device=device, generator=g)[:b]
+        ang = torch.rand(b, d // 2, device=device, generator=g) * 50
+        cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+        kc2 = kc.float().clone()
+        qo = fused.qk_norm_rope_write(q, k, v, qw, kw, 1e-6, cos, sin, (kc, vc, kmin, kmax), slots)
+
+        def nrm(t, wt):
+            t = t.float()
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * wt.float()
+
+        errs["q"] = rel(qo, apply_rotary(nrm(q, qw), cos.float(), sin.float(), interleave=False))
+        rk = apply_rotary(nrm(k, kw), cos.float(), sin.float(), interleave=False)
+        kc2.view(-1, kv, d)[slots] = rk
+        blocks = slots // bs
+        errs["k"] = rel(kc.view(-1, kv, d)[slots], rk)
+        errs["v"] = rel(vc.view(-1, kv, d)[slots], v)
+        errs["kmin"] = rel(kmin[blocks], kc2[blocks].amin(1))
+        errs["kmax"] = rel(kmax[blocks], kc2[blocks].amax(1))
+    except Exception as exc:  # a kernel that fails to build is switched off and reported
+        return False, f"failed: {type(exc).__name__}: {exc}"[:300]
+    ints_ok = errs["ids"] == 0 and errs["plan"] == 0
+    ok = ints_ok and max(v for key, v in errs.items() if key not in ("ids", "plan")) < 1e-2
+    return ok, json.dumps({key: float(f"{v:.3g}") for key, v in errs.items()})

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from actors.arch import ArchConfig
+from actors.kernels import fused
 from actors.layers.attention import GQAAttention, MLAttention
 from actors.layers.mlp import MLP
 from actors.layers.moe import ExpertDispatch, MoE
@@ -81,8 +82,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         kv = paged.layer(self.index) if paged is not None else None
         attn = self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, kv)
-        h = x + attn
-        normed = self.post_attention_layernorm(h)
+        post = self.post_attention_layernorm
+        if fused.use_triton(x):
+            h, normed = fused.rms_norm(x, post.weight, post.eps, residual=attn)
+        else:
+            h = x + attn
+            normed = post(h)
         if isinstance(self.mlp, MoE):
             ff = self.mlp(normed, capture, f"{self.name}.mlp")
         else:

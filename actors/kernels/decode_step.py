@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from actors.kernels import paged_decode
+from actors.kernels import fused, paged_decode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,47 @@ class DecodeView:
         low, high = torch.aminmax(keys[blocks], dim=1)
         cache.key_min[self.index][blocks] = low
         cache.key_max[self.index][blocks] = high
+
+    def fused_prologue_suits(self, q: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether `prologue` (one Triton kernel) serves this layer: full-width rotary, power-of-two
+        head and block sizes."""
+        keys = self.context.cache.k[self.index]
+        d = q.shape[-1]
+        return (
+            fused.use_triton(q)
+            and keys.dim() == 4
+            and cos.shape[-1] * 2 == d
+            and fused.fused_rope_suits(keys, d)
+        )
+
+    def prologue(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor] | None,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Steps 1-2 fused with q/k RMSNorm and rotary (GQA): q [B, H, D], k/v [B, KV, D] as
+        projected -> rotated q [B, H, D]; the rotated k and v are written to the cache."""
+        c = self.context
+        cache = c.cache
+        i = self.index
+        qw, kw = norms if norms is not None else (None, None)
+        return fused.qk_norm_rope_write(
+            q,
+            k,
+            v,
+            qw,
+            kw,
+            eps,
+            cos,
+            sin,
+            (cache.k[i], cache.v[i], cache.key_min[i], cache.key_max[i]),
+            c.slots,
+        )
 
     def gqa(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Step 3 for GQA: q [B, H, D] -> [B, H, D]."""

@@ -179,6 +179,11 @@ class GQAAttention(nn.Module):
         q = self.q_proj(x).view(t, self.heads, d)
         k = self.k_proj(x).view(t, self.kv_heads, d)
         v = self.v_proj(x).view(t, self.kv_heads, d)
+        if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
+            q = paged.prologue(q, k, v, norms, self.arch.rms_norm_eps, cos, sin)
+            o = paged.gqa(q, self.arch.softmax_scale)
+            return self._out(o)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin, interleave=False)
@@ -200,7 +205,11 @@ class GQAAttention(nn.Module):
             o = paged_attend(
                 q, paged, expand, scale=self.arch.softmax_scale, window=self.arch.sliding_window
             )
-        y = self.o_proj(o.reshape(t, self.heads * d))
+        return self._out(o)
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, heads, D] -> the row-parallel output projection (reduced over TP) [T, H]."""
+        y = self.o_proj(o.reshape(o.shape[0], self.heads * self.arch.head_dim))
         if self.reduce is not None:
             y = self.reduce(y)
         return y + self.o_bias if self.o_bias is not None else y

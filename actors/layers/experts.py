@@ -21,19 +21,26 @@ from actors.layers.share import Share, full
 
 
 def grouped_swiglu(
-    x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+    x_sorted: torch.Tensor,
+    counts: torch.Tensor | None,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts over rows grouped by expert.
 
     x_sorted [R, H]: rows of expert 0 first, then expert 1, ...; counts [E] int64 rows per expert
     (sum R); w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]. Returns [R, H]:
     row r -> w_down[e] @ (silu(gate_e x_r) * (up_e x_r)) for its expert e.
+    offsets [E] int32 (cumulative counts) may be given instead of counts (or beside them).
     """
-    r, e = x_sorted.shape[0], counts.shape[0]
+    r, e = x_sorted.shape[0], w_gate_up.shape[0]
     if r == 0:
         return x_sorted.new_zeros(0, w_down.shape[1])
     if grouped_mm_suits(x_sorted, w_gate_up):
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        if offsets is None:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
         try:
             gu = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets)
             gate, up = gu.chunk(2, -1)
@@ -43,6 +50,8 @@ def grouped_swiglu(
                 raise
             GROUPED_MM_ENABLED[0] = False
             GROUPED_MM_ERROR[0] = f"{type(exc).__name__}: {exc}"[:300]
+    if counts is None:
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     # Step 1: each row's expert and slot inside that expert's padded block.
     expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts)
     starts = torch.cumsum(counts, 0) - counts
@@ -87,8 +96,13 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.zeros(n, 2 * intermediate, hidden))
         self.w_down = nn.Parameter(torch.zeros(n, hidden, intermediate))
 
-    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x_sorted, counts, self.w_gate_up, self.w_down)
+    def forward(
+        self,
+        x_sorted: torch.Tensor,
+        counts: torch.Tensor | None,
+        offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return grouped_swiglu(x_sorted, counts, self.w_gate_up, self.w_down, offsets=offsets)
 
     def shares(self, prefix: str, *, fused: bool, names: tuple[str, str, str]) -> list[Share]:
         """Checkpoint boxes for the local experts.

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from actors.arch import ArchConfig
+from actors.kernels import fused as fused_kernels
 from actors.layers.experts import GroupedExperts
 from actors.layers.mlp import MLP
 from actors.layers.router import Router
@@ -104,6 +105,8 @@ class MoE(nn.Module):
     def forward(
         self, x: torch.Tensor, capture: dict[str, torch.Tensor] | None = None, name: str = ""
     ) -> torch.Tensor:
+        if isinstance(self.ep, LocalDispatch):
+            return self._forward_local(x, capture, name)
         # Step 1: route and count.
         logits, ids, weights = self.gate(x)
         self.routed_counts += expert_counts(ids.reshape(-1), self.arch.num_experts)
@@ -130,6 +133,48 @@ class MoE(nn.Module):
             if shared is not None:
                 capture[f"{name}.shared_experts"] = shared
         return out
+
+    def _forward_local(self, x: torch.Tensor, capture: dict | None, name: str) -> torch.Tensor:
+        """World size 1: sort the (token, k) pairs once, and combine through the inverse
+        permutation (a gather and a weighted sum per token: no scatter, no atomics)."""
+        t, k = x.shape[0], self.arch.top_k
+        e = self.arch.num_experts
+        # Step 1: route (one fused router for softmax scoring on small batches).
+        small = fused_kernels.use_triton(x) and t * k <= fused_kernels.PLAN_MAX_ROWS
+        if small and self.gate.scoring == "softmax":
+            logits, ids, weights = fused_kernels.router_softmax_topk(
+                x, self.gate.weight, k, norm_topk_prob=self.gate.norm_topk_prob
+            )
+        else:
+            logits, ids, weights = self.gate(x)
+        flat = ids.reshape(-1)
+        # Step 2: counts, offsets, the sort (src: token of each sorted row) and its inverse.
+        if small:
+            src, pos, offsets = fused_kernels.dispatch_plan(flat, k, e, self.routed_counts)
+            counts = None
+        else:
+            counts = expert_counts(flat, e)
+            self.routed_counts += counts
+            order = torch.argsort(flat, stable=True)
+            src = torch.div(order, k, rounding_mode="floor")
+            pos = torch.empty_like(order)
+            pos[order] = torch.arange(order.shape[0], device=order.device)
+            offsets = None
+        # Step 3: grouped GEMMs in expert order, then the weighted sum per token (+ shared).
+        y_sorted = self.experts(x[src], counts, offsets)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        pairs = pos.view(t, k)
+        if capture is None:
+            return fused_kernels.combine(y_sorted, pairs, weights, residual=shared).to(x.dtype)
+        routed = fused_kernels.combine(y_sorted, pairs, weights).to(x.dtype)
+        capture[f"{name}.gate"] = logits
+        capture[f"{name}.gate.topk_ids"] = ids
+        capture[f"{name}.gate.topk_weights"] = weights
+        capture[f"{name}.experts"] = routed
+        if shared is not None:
+            capture[f"{name}.shared_experts"] = shared
+            return routed + shared
+        return routed
 
     def shares(self, prefix: str, *, fused: bool) -> list[Share]:
         """Checkpoint boxes; `prefix` is the block's name in the file (`model.layers.3.mlp.`)."""

@@ -1,0 +1,335 @@
+"""Fused kernels that cut the number of launches of a decode layer, each with a torch fallback.
+
+A decode step of a 48-layer MoE used ~75 small kernels per layer (norms, rotary, KV write,
+router, sort, dispatch, combine); on an H200 each costs ~2-3 us of device time however little it
+does, so the step was bound by the kernel count, not by bytes. Here (T tokens, H hidden, E experts,
+K experts per token, R = T * K routed rows):
+
+- `rms_norm(x, w, eps, residual)`: one kernel for [residual add +] RMSNorm (statistics in
+  float32); with a residual it returns (x + residual, norm(x + residual)).
+- `qk_norm_rope_write(...)`: one kernel per decode step and layer: q/k per-head RMSNorm, rotary
+  (halves convention), the new K/V written at their slots, and the min/max key summary of the
+  block each token landed in (over the whole block, the new row included).
+- `router_softmax_topk(x, w, k, norm)`: router logits in float32 (bf16 products summed in float32),
+  softmax, top-k, renormalisation: two kernels.
+- `dispatch_plan(ids, k, E, routed_counts)`: one single-program kernel: per-expert counts (added to
+  `routed_counts`), cumulative offsets for the grouped GEMMs, and a stable counting sort of the
+  (token, k) pairs: src [R] (token of each sorted row) and pos [R] (sorted index of each pair,
+  the inverse permutation).
+- `combine(y_sorted, pos, weights, residual)`: out[t] = residual[t] + sum_k w[t,k] y[pos[t,k]]
+  (float32 accumulation, no atomics).
+
+Kernels run on CUDA, or on the CPU under `TRITON_INTERPRET=1` (the tests); `FUSED_ENABLED[0]`
+switches them off (the benchmark times both).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.kernels import triton_available, triton_interpreted
+
+FUSED_ENABLED = [True]
+PLAN_MAX_ROWS = 4096
+"""The single-program dispatch plan serves up to this many (token, expert) rows (decode)."""
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    if not (FUSED_ENABLED[0] and triton_available()):
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and triton_interpreted())
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        m = c < n
+        x = tl.load(x_ptr + row * n + c, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x = x + tl.load(r_ptr + row * n + c, mask=m, other=0.0).to(tl.float32)
+            xh = x.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * n + c, xh, mask=m)
+            x = xh.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+        w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * n + c, (x * inv * w).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, b, eps,
+                   NH: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+        """x rows [NH, D] of token b -> normed (optional) and rotated [NH_PAD, D] float32."""
+        h = tl.arange(0, NH_PAD)
+        d = tl.arange(0, D)
+        half: tl.constexpr = D // 2
+        partner = (d + half) % D
+        hm = (h < NH)[:, None]
+        base = x_ptr + b * NH * D + h[:, None] * D
+        x = tl.load(base + d[None, :], mask=hm, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner[None, :], mask=hm, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+            x = x * inv * tl.load(w_ptr + d).to(tl.float32)[None, :]
+            xp = xp * inv * tl.load(w_ptr + partner).to(tl.float32)[None, :]
+        c = tl.load(cos_ptr + b * half + d % half).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + b * half + d % half).to(tl.float32)[None, :]
+        sign = tl.where(d < half, -1.0, 1.0)[None, :]
+        return x * c + sign * xp * s
+
+    @triton.jit
+    def _qk_rope_write(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
+                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, eps,
+                       H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
+                       D: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, D)
+        hq = tl.arange(0, H_PAD)
+        q = _norm_rope(q_ptr, qw_ptr, cos_ptr, sin_ptr, b, eps, H, H_PAD, D, HAS_NORM)
+        tl.store(
+            qo_ptr + b * H * D + hq[:, None] * D + d[None, :],
+            q.to(qo_ptr.dtype.element_ty),
+            mask=(hq < H)[:, None],
+        )
+        k = _norm_rope(k_ptr, kw_ptr, cos_ptr, sin_ptr, b, eps, KV, KV_PAD, D, HAS_NORM)
+        k = k.to(kc_ptr.dtype.element_ty)
+        g = tl.arange(0, KV_PAD)
+        gm = (g < KV)[:, None]
+        slot = tl.load(slots_ptr + b)
+        blk = slot // BS
+        off = slot % BS
+        row = g[:, None] * D + d[None, :]
+        tl.store(kc_ptr + slot * KV * D + row, k, mask=gm)
+        v = tl.load(v_ptr + b * KV * D + row, mask=gm, other=0.0)
+        tl.store(vc_ptr + slot * KV * D + row, v.to(vc_ptr.dtype.element_ty), mask=gm)
+        # The block's summary over all BS rows, the new row taken from registers (not re-read).
+        t = tl.arange(0, BS)
+        keys = tl.load(
+            kc_ptr + blk * BS * KV * D + t[:, None, None] * KV * D + row[None, :, :],
+            mask=gm[None, :, :],
+            other=0.0,
+        )
+        keys = tl.where((t == off)[:, None, None], k[None, :, :], keys)
+        tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0), mask=gm)
+        tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0), mask=gm)
+
+    @triton.jit
+    def _router_logits(
+        x_ptr, w_ptr, out_ptr, hid: tl.constexpr, E, E_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * E_BLOCK + tl.arange(0, E_BLOCK)
+        em = e < E
+        acc = tl.zeros([E_BLOCK], tl.float32)
+        for h0 in range(0, hid, H_BLOCK):
+            hh = h0 + tl.arange(0, H_BLOCK)
+            hm = hh < hid
+            x = tl.load(x_ptr + t * hid + hh, mask=hm, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_ptr + e[:, None] * hid + hh[None, :], mask=em[:, None] & hm[None, :], other=0.0
+            ).to(tl.float32)
+            acc += tl.sum(w * x[None, :], 1)
+        tl.store(out_ptr + t * E + e, acc, mask=em)
+
+    @triton.jit
+    def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, E, E_PAD: tl.constexpr, K: tl.constexpr,
+                      K_PAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_PAD)
+        em = e < E
+        x = tl.load(logits_ptr + t * E + e, mask=em, other=float("-inf"))
+        p = tl.where(em, tl.exp(x - tl.max(x, 0)), 0.0)
+        p = p / tl.sum(p, 0)
+        cur = tl.where(em, p, -1.0)
+        kk = tl.arange(0, K_PAD)
+        ids = tl.zeros([K_PAD], tl.int64)
+        vals = tl.zeros([K_PAD], tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(cur, 0)
+            idx = tl.min(tl.where(cur == best, e, E_PAD), 0)
+            ids = tl.where(kk == j, idx.to(tl.int64), ids)
+            vals = tl.where(kk == j, best, vals)
+            cur = tl.where(e == idx, -2.0, cur)
+        if NORM:
+            vals = vals / tl.sum(vals, 0)
+        tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+        tl.store(wts_ptr + t * K + kk, vals, mask=kk < K)
+
+    @triton.jit
+    def _plan(ids_ptr, src_ptr, pos_ptr, offs_ptr, start_ptr, routed_ptr, R: tl.constexpr, E,
+              K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+        e = tl.arange(0, E_PAD)
+        counts = tl.zeros([E_PAD], tl.int32)
+        for c0 in range(0, R, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            idc = tl.load(ids_ptr + j, mask=j < R, other=-1)
+            counts += tl.sum((e[:, None] == idc[None, :]).to(tl.int32), 1)
+        em = e < E
+        inclusive = tl.cumsum(counts, 0)
+        tl.store(offs_ptr + e, inclusive, mask=em)
+        tl.store(start_ptr + e, inclusive - counts, mask=em)
+        routed = tl.load(routed_ptr + e, mask=em, other=0)
+        tl.store(routed_ptr + e, routed + counts.to(routed.dtype), mask=em)
+        tl.debug_barrier()
+        i = tl.arange(0, R_PAD)
+        im = i < R
+        idi = tl.load(ids_ptr + i, mask=im, other=-2)
+        before = tl.zeros([R_PAD], tl.int32)
+        for c0 in range(0, R, CHUNK):
+            j = c0 + tl.arange(0, CHUNK)
+            idc = tl.load(ids_ptr + j, mask=j < R, other=-1)
+            same = (idi[:, None] == idc[None, :]) & (j[None, :] < i[:, None])
+            before += tl.sum(same.to(tl.int32), 1)
+        pos = tl.load(start_ptr + idi, mask=im, other=0) + before
+        tl.store(pos_ptr + i, pos.to(tl.int64), mask=im)
+        tl.store(src_ptr + pos, (i // K).to(tl.int64), mask=im)
+
+    @triton.jit
+    def _combine(y_ptr, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
+                 K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < hid
+        acc = tl.zeros([BLOCK], tl.float32)
+        if HAS_RES:
+            acc += tl.load(r_ptr + t * hid + c, mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(K):
+            p = tl.load(pos_ptr + t * K + j)
+            w = tl.load(w_ptr + t * K + j).to(tl.float32)
+            acc += w * tl.load(y_ptr + p * hid + c, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * hid + c, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> norm(x); with residual (like x) -> (x + residual, norm(x + residual))."""
+    n = x.shape[-1]
+    if not use_triton(x):
+        h = x if residual is None else x + residual
+        h32 = h.to(torch.float32)
+        y = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(
+            x.dtype
+        )
+        return y if residual is None else (h, y)
+    xc = x.contiguous()
+    rows = xc.numel() // n
+    y = torch.empty_like(xc)
+    h = torch.empty_like(xc) if residual is not None else y
+    r = residual.contiguous() if residual is not None else xc
+    block = _pow2(n)
+    _rms[(rows,)](
+        xc, r, weight, h, y, n, eps, HAS_RES=residual is not None, BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+    return y if residual is None else (h, y)
+
+
+def qk_norm_rope_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per row. q [B, H, D], k/v [B, KV, D], cos/sin [B, D/2], caches =
+    (k_cache, v_cache [N, BS, KV, D], key_min, key_max [N, KV, D]), slots [B] int64.
+    Writes K/V and the block summaries; returns the rotated q [B, H, D]."""
+    k_cache, v_cache, key_min, key_max = caches
+    b, h, d = q.shape
+    kv, bs = k.shape[1], k_cache.shape[1]
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    has_norm = q_weight is not None
+    _qk_rope_write[(b,)](
+        q.contiguous(), k.contiguous(), v.contiguous(),
+        q_weight if has_norm else q, k_weight if has_norm else q,
+        cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, key_min, key_max, slots, eps,
+        H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv), D=d, BS=bs, HAS_NORM=has_norm,
+    )  # fmt: skip
+    return q_out
+
+
+def fused_rope_suits(k_cache: torch.Tensor, head_dim: int) -> bool:
+    """Power-of-two head size and block size (the kernel's block shapes), contiguous caches."""
+    bs = k_cache.shape[1]
+    return (
+        head_dim >= 2
+        and head_dim & (head_dim - 1) == 0
+        and bs & (bs - 1) == 0
+        and k_cache.is_contiguous()
+    )
+
+
+def router_softmax_topk(
+    x: torch.Tensor, weight: torch.Tensor, k: int, *, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H], weight [E, H] -> (logits [T, E] float32, ids [T, k] int64, weights [T, k] f32)."""
+    t, hid = x.shape
+    e = weight.shape[0]
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    wts = torch.empty(t, k, dtype=torch.float32, device=x.device)
+    e_block = 16
+    _router_logits[(t, triton.cdiv(e, e_block))](
+        x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block, H_BLOCK=256
+    )
+    _softmax_topk[(t,)](
+        logits, ids, wts, e, E_PAD=_pow2(e), K=k, K_PAD=_pow2(k), NORM=norm_topk_prob
+    )
+    return logits, ids, wts
+
+
+def dispatch_plan(
+    ids: torch.Tensor, k: int, num_experts: int, routed_counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [R] int64 (token-major, k per token) -> (src [R] int64, pos [R] int64, offsets [E]
+    int32); adds the per-expert counts to routed_counts [E] in place."""
+    r = ids.shape[0]
+    dev = ids.device
+    src = torch.empty(r, dtype=torch.int64, device=dev)
+    pos = torch.empty(r, dtype=torch.int64, device=dev)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    r_pad = max(16, _pow2(r))
+    _plan[(1,)](
+        ids, src, pos, offsets, start, routed_counts, r, num_experts,
+        K=k, E_PAD=_pow2(num_experts), R_PAD=r_pad, CHUNK=min(32, r_pad),
+        num_warps=8 if r_pad >= 512 else 4,
+    )  # fmt: skip
+    return src, pos, offsets
+
+
+def combine(
+    y_sorted: torch.Tensor,
+    pos: torch.Tensor,
+    weights: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype:
+    residual[t] + sum_k weights[t, k] * y_sorted[pos[t, k]]."""
+    t, k = pos.shape
+    hid = y_sorted.shape[1]
+    if not use_triton(y_sorted):
+        ys = y_sorted[pos.reshape(-1)].view(t, k, hid)
+        out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
+        return out if residual is None else out + residual
+    out = torch.empty(t, hid, dtype=y_sorted.dtype, device=y_sorted.device)
+    block = min(1024, _pow2(hid))
+    res = residual.contiguous() if residual is not None else out
+    _combine[(t, triton.cdiv(hid, block))](
+        y_sorted.contiguous(), pos.contiguous(), weights.contiguous(), res, out, hid,
+        K=k, HAS_RES=residual is not None, BLOCK=block,
+    )  # fmt: skip
+    return out
