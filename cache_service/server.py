@@ -24,7 +24,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ class ServerConfig:
     """Complete blocks of one Put stream handed to the store together, bytes."""
     get_batch_keys: int = 8
     """Keys of one Get request fetched from the store together."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # a secret: never in logs or reprs
     """Shared secret every call must present; None = no authentication."""
     tls_cert: Path | None = None
     """PEM certificate chain; with `tls_key`, the port speaks TLS."""

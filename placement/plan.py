@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from cluster.errors import InputError
 from placement.cost_model import DEFAULT_CONSTANTS, Constants, PhaseTime, costs_from_spec
 from placement.expert_placement import ExpertPlacement, contiguous, rebalance
 from placement.memory_plan import DeviceMemory, plan_memory
@@ -153,8 +154,22 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> Plan:
-        """Inverse of `to_json`."""
+    def from_json(cls, data: dict, *, origin: str = "plan") -> Plan:
+        """Inverse of `to_json`; a malformed document is one `InputError` naming what is wrong."""
+        if not isinstance(data, dict):
+            raise InputError(
+                f"{origin}: expected a plan mapping (as written by `moectl plan -o`), "
+                f"got {type(data).__name__}"
+            )
+        try:
+            return cls._from_json(data)
+        except KeyError as exc:
+            raise InputError(f"{origin}: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise InputError(f"{origin}: malformed plan: {exc}") from None
+
+    @classmethod
+    def _from_json(cls, data: dict) -> Plan:
         dims = ParallelDims(pp=data["pp"], dp=data["dp"], tp=data["tp"], etp=data["etp"])
         bounds = tuple((x["start"], x["end"]) for x in data["layers"])
         layout = Layout(
@@ -202,10 +217,16 @@ class Plan:
         return yaml.safe_dump(self.to_json(), sort_keys=False, width=120)
 
     @classmethod
-    def from_yaml(cls, text: str) -> Plan:
+    def from_yaml(cls, text: str, *, origin: str = "plan") -> Plan:
         import yaml
 
-        return cls.from_json(yaml.safe_load(text))
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise InputError(f"{origin}:{where} invalid YAML") from None
+        return cls.from_json(data, origin=origin)
 
 
 def why_lost(best: Candidate, other: Candidate, objective: str) -> str:

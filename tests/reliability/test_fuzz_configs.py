@@ -231,22 +231,12 @@ def _parse_plan(text: str):
     return Plan.from_yaml(text)
 
 
-PLAN_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=(KeyError, TypeError, AttributeError, ValueError),
-    reason="placement/plan.py Plan.from_yaml/from_json index the YAML without validation "
-    "(KeyError/TypeError escape); the fix is in RELIABILITY.md, 'Findings'",
-)
-
-
-@PLAN_BUG
 @SETTINGS
 @given(data=st.data())
 def test_plan_yaml_mutations(plan_doc, data):
     _run(_parse_plan, _mutated_text(plan_doc, data.draw, _yaml))
 
 
-@PLAN_BUG
 @SETTINGS
 @given(text=RANDOM_TEXT)
 def test_plan_yaml_random_text(text):

@@ -251,11 +251,6 @@ def test_redis_password_is_never_logged(debug_logs, capfd, monkeypatch):
     _assert_absent([REDIS_PASSWORD, REDIS_PASSWORD[3:]], records, out, err, *seen)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding: cache_service.server.ServerConfig is a plain dataclass whose repr shows the "
-    "token; fix: `token: str | None = field(default=None, repr=False)` (RELIABILITY.md)",
-)
 def test_server_config_repr_hides_the_token():
     from cache_service.server import ServerConfig
 
