@@ -5,8 +5,8 @@
 
 `build_app(args)` is the import path of the Serve config (`deploy.app:build_app`); `args` is the
 serve YAML as a mapping (deploy/config.py). Routes: POST /v1/completions, POST
-/v1/chat/completions (both with `stream: true` as server-sent events and `usage` with
-`prompt_tokens_details.cached_tokens`), GET /v1/models, /health, /metrics (deploy/metrics.py),
+/v1/chat/completions (both with `stream: true` as server-sent events, `usage` with
+`prompt_tokens_details.cached_tokens`, and OpenAI's `logprobs` shapes), GET /v1/models, /health, /metrics (deploy/metrics.py),
 /admin/stats (one replica's engine.stats(), for operators and tests).
 
 A client that disconnects cancels its Serve request; the cancellation reaches the replica's

@@ -14,7 +14,8 @@ Step 4: the local stack (deploy/local_stack.py): a local Ray, the KV tiers (host
 Step 5: OpenAI requests with the official client: two sharing a long prefix (the second
         streamed, its usage shows the cached prompt tokens), a concurrent burst (tokens/s) that
         pushes the prefix's device blocks out, and the prefix once more (now from the tiers).
-Step 6: the report: plan, layout, per-stage latency, tokens/s, cache hits per tier, precision.
+Step 6: the report: plan, layout, latency per request phase and per pipeline stage (moving
+        average of the slowest rank of each stage), tokens/s, cache hits per tier, precision.
 
 `--keep` leaves the endpoint up until Ctrl-C or SIGTERM; otherwise everything is shut down and
 the exit status is 0 (1 when the precision check fails).
@@ -225,12 +226,14 @@ def precision_check(model_dir: Path, layout: str) -> dict[str, Any]:
 
 
 def cache_report(stack: LocalStack, engine: dict[str, Any]) -> dict[str, Any]:
-    """Hits per tier, in blocks: device (prefix blocks still in the replica's KV pool), then each
-    lower tier as the cache server counted them."""
-    hits = {"device": int(engine.get("prefix_hits", 0))}
+    """Hits per tier, in blocks, as the replica's engine counted them (the figures of
+    moe_cache_hits_total{tier}): device (prefix blocks still in the replica's KV pool), then each
+    lower tier that served a load; and what each tier holds, from the cache server."""
+    hits = {k: int(v) for k, v in engine.get("cache_hits", {}).items()}
+    hits.setdefault("device", int(engine.get("prefix_hits", 0)))
     held = {}
     for row in stack.tier_stats():
-        hits[row["name"]] = int(row["hits"])
+        hits.setdefault(row["name"], 0)
         held[row["name"]] = {"blocks": int(row["blocks"]), "bytes": int(row["used_bytes"])}
     return {
         "mode": stack.cache_mode,
@@ -348,16 +351,24 @@ def run_demo(opts: DemoOptions, ui: Any) -> dict[str, Any]:
 
 
 def engine_report(stack: LocalStack) -> dict[str, Any]:
-    """Runner, per-stage latency (ms) and cache hits from the replica's engine stats."""
+    """Runner, latency (ms) per request phase and per pipeline stage, collective waits, and
+    cache hits from the replica's engine stats."""
     engine = stack.engine_stats()
-    stages = {k: round(v * 1e3, 3) for k, v in engine.get("stage_latency_s", {}).items()}
-    stages["engine_step"] = round(engine.get("mean_step_latency_s", 0.0) * 1e3, 3)
+
+    def ms(values: dict[str, float]) -> dict[str, float]:
+        return {k: round(v * 1e3, 3) for k, v in values.items()}
+
+    phases = ms(engine.get("phase_latency_s", {}))
+    phases["engine_step"] = round(engine.get("mean_step_latency_s", 0.0) * 1e3, 3)
     return {
         "runner": engine.get("runner"),
         "distributed": engine.get("runner") == "Replica",
         "served_layout": engine.get("layout"),
+        "placement_group": engine.get("placement_group"),
         "cache": cache_report(stack, engine),
-        "stage_latency_ms": stages,
+        "phase_latency_ms": phases,
+        "stage_latency_ms": ms(engine.get("stage_latency_s", {})),
+        "comm_wait_ms": ms(engine.get("comm_wait_s", {})),
         "engine_steps": engine.get("steps", 0),
     }
 

@@ -117,11 +117,15 @@ def render(r: dict[str, Any], console: Console) -> None:
         f"requests in {t['wall_s']:.2f} s = [bold]{t['tokens_per_s']:.1f} tokens/s[/]"
     )
 
-    lat = Table(title="per-stage latency (mean; prefill = to first token)", title_justify="left")
-    lat.add_column("stage")
+    lat = Table(title="latency (mean; pipeline stages: EMA per step)", title_justify="left")
+    lat.add_column("what")
     lat.add_column("ms", justify="right")
-    for stage, ms in r["stage_latency_ms"].items():
-        lat.add_row(stage, f"{ms:,.2f}")
+    for phase, ms in r["phase_latency_ms"].items():
+        lat.add_row(f"request {phase}", f"{ms:,.2f}")
+    for stage, ms in r.get("stage_latency_ms", {}).items():
+        lat.add_row(f"pipeline {stage}", f"{ms:,.2f}")
+    for axis, ms in r.get("comm_wait_ms", {}).items():
+        lat.add_row(f"{axis} collective wait", f"{ms:,.2f}")
     hits = Table(title="KV cache per tier (16-token blocks)", title_justify="left")
     hits.add_column("tier")
     hits.add_column("hits", justify="right")

@@ -12,13 +12,20 @@ Names (labels in braces; every series also has `model` and Ray's `WorkerId`/`Nod
     moe_ttft_seconds                           time to first token (histogram)
     moe_tpot_seconds                           time per output token after the first (histogram)
     moe_e2e_latency_seconds                    request latency, admission to last token (histogram)
-    moe_stage_latency_seconds{stage}           tokenize | queue | prefill | decode (histogram)
+    moe_stage_latency_seconds{stage}           one engine step's forward time of each pipeline stage
+                                               (stage0, stage1 ...: the slowest rank of the stage;
+                                               multi-rank replicas only) (histogram)
+    moe_comm_wait_seconds{axis}                one step's collective wait per parallel axis (ep,
+                                               pp, tp, dp), where the workers report it (histogram)
+    moe_request_phase_seconds{phase}           tokenize | prefill (to first token) | decode
+                                               (after the first token) of each request (histogram)
     moe_prompt_tokens_total, moe_completion_tokens_total, moe_cached_tokens_total
     moe_queue_depth                            requests waiting in the engine (gauge)
     moe_running_requests                       requests being decoded (gauge)
     moe_kv_utilisation                         KV blocks in use / all blocks, 0..1 (gauge)
     moe_kv_free_blocks                         free KV blocks (gauge)
-    moe_cache_hits_total{tier}                 prefix blocks found per tier (device, host, ...)
+    moe_cache_hits_total{tier}                 prefix blocks found per tier: device, then each
+                                               lower tier by name (host, redis, disk ...)
     moe_aborted_requests_total                 requests aborted (client disconnect)
 """
 
@@ -29,7 +36,8 @@ from collections.abc import Mapping
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TOKEN_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
-STAGES = ("tokenize", "queue", "prefill", "decode")
+PHASES = ("tokenize", "prefill", "decode")
+"""Request phases of moe_request_phase_seconds."""
 EXPORT_PREFIX = "ray_moe_"
 
 
@@ -50,11 +58,23 @@ class EngineMetrics:
         self.e2e = Histogram(
             "moe_e2e_latency_seconds", "Request latency, s.", LATENCY_BUCKETS_S, tag_keys=keys
         )
+        self.phase = Histogram(
+            "moe_request_phase_seconds",
+            "Latency of one phase of a request, s (tokenize, prefill, decode).",
+            LATENCY_BUCKETS_S,
+            tag_keys=(*keys, "phase"),
+        )
         self.stage = Histogram(
             "moe_stage_latency_seconds",
-            "Latency of one stage of a request, s (tokenize, queue, prefill, decode).",
-            LATENCY_BUCKETS_S,
+            "Forward time of one pipeline stage in one engine step, s (stage0, stage1, ...).",
+            TOKEN_BUCKETS_S,
             tag_keys=(*keys, "stage"),
+        )
+        self.comm_wait = Histogram(
+            "moe_comm_wait_seconds",
+            "Collective wait of one engine step per parallel axis, s.",
+            TOKEN_BUCKETS_S,
+            tag_keys=(*keys, "axis"),
         )
         self.prompt_tokens = Counter("moe_prompt_tokens_total", "Prompt tokens.", keys)
         self.completion_tokens = Counter("moe_completion_tokens_total", "Output tokens.", keys)
@@ -71,8 +91,20 @@ class EngineMetrics:
         )
         self._hits_seen: dict[str, float] = {}
 
-    def observe_stage(self, stage: str, seconds: float) -> None:
-        self.stage.observe(max(0.0, seconds), tags={**self.tags, "stage": stage})
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        self.phase.observe(max(0.0, seconds), tags={**self.tags, "phase": phase})
+
+    def observe_pipeline(self, samples: list[dict[str, dict[str, float]]]) -> None:
+        """Per-step figures of a Replica (`actors.replica.stage_figures`): each stage's forward
+        seconds into moe_stage_latency_seconds, each axis's wait into moe_comm_wait_seconds."""
+        for figures in samples:
+            for group, values in figures.items():
+                if group == "comm":
+                    for axis, seconds in values.items():
+                        self.comm_wait.observe(max(0.0, seconds), tags={**self.tags, "axis": axis})
+                elif "forward" in values:
+                    tags = {**self.tags, "stage": group}
+                    self.stage.observe(max(0.0, values["forward"]), tags=tags)
 
     def observe_request(
         self,
@@ -89,7 +121,7 @@ class EngineMetrics:
             if completion_tokens > 1:
                 decode_s = max(0.0, e2e_s - ttft_s)
                 self.tpot.observe(decode_s / (completion_tokens - 1), tags=self.tags)
-                self.observe_stage("decode", decode_s)
+                self.observe_phase("decode", decode_s)
         self.e2e.observe(e2e_s, tags=self.tags)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, tags=self.tags)

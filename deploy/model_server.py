@@ -54,6 +54,34 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path) -> dict[str, Any]:
     }
 
 
+def cache_hits(stats: dict[str, Any]) -> dict[str, int]:
+    """Prefix blocks found per tier from engine.stats(): `device` (blocks still in the
+    replica's KV pool), then each lower tier by name as the cache reported it (host, redis,
+    disk ...; `unattributed` for blocks the cache's counters did not explain)."""
+    out = {"device": int(stats.get("prefix_hits", 0))}
+    for tier, n in (stats.get("tier_hits_by_tier") or {}).items():
+        out[str(tier)] = int(n)
+    return out
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte of the byte-level BPE alphabet (GPT-2's scheme): the printable bytes
+    33-126, 161-172 and 174-255 stand for themselves, the other 68 bytes in increasing order
+    for the characters U+0100, U+0101, ..."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in chars)
+    for n, b in enumerate(extra):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
+
+
 class ModelServer:
     """One model replica: an AsyncEngine, the tokenizer, and the engine metrics.
 
@@ -62,7 +90,8 @@ class ModelServer:
     "params": SamplingParams fields, "budget_param": str}. It yields dicts:
     {"type": "error", "status", "body"} (then stops), or {"type": "start", "prompt_tokens"},
     then {"type": "delta", "text", "token_ids", "finished", "finish_reason",
-    "prompt_tokens", "completion_tokens", "cached_tokens"}.
+    "prompt_tokens", "completion_tokens", "cached_tokens", "logprobs"} where "logprobs" is None
+    or one entry per new token (see `_logprob_entries`).
     """
 
     def __init__(self, args: dict[str, Any], engine_module: str = "actors.engine") -> None:
@@ -101,16 +130,39 @@ class ModelServer:
         self._ttfts: deque[tuple[float, float]] = deque(maxlen=1024)  # (monotonic s, ttft s)
         self._stages: dict[str, list[float]] = {}  # stage -> [count, total seconds]
         self._stats_task: asyncio.Task | None = None
+        self._byte_of: dict[str, int] | None = None
+        self._pg_info: dict[str, Any] | None = None
 
     def _build_engine(self, Engine, path: Path, kw: dict[str, Any]):
         """One rank: the in-process runner. More ranks: a Replica of ShardWorker Ray actors
-        (WORKER_NUM_CPUS each, gloo between them) built by the replica factory; the actors are
-        owned by this replica's actor, so they go when it goes."""
+        (WORKER_NUM_CPUS each, gloo between them) built by the replica factory inside a
+        placement group of one bundle per rank (`layout_bundle_specs`: no topology, so no node
+        constraint); the actors are owned by this replica's actor, and the group is removed
+        when the replica shuts down."""
         if self.layout is None or self.layout.world == 1:
             return Engine.from_checkpoint(path, **kw)
-        from actors.replica_runner import build_engine
+        import uuid
 
-        return build_engine(path, layout=self.layout.shorthand, num_cpus=WORKER_NUM_CPUS, **kw)
+        from actors.replica_runner import build_engine, layout_bundle_specs
+
+        specs = layout_bundle_specs(
+            self.layout,
+            name=f"moe-{self.layout.shorthand}-{uuid.uuid4().hex[:12]}",
+            cpus_per_rank=WORKER_NUM_CPUS,
+        )
+        return build_engine(path, layout=self.layout.shorthand, bundles=specs, **kw)
+
+    def _placement_group_info(self) -> dict[str, Any] | None:
+        """The replica's placement group: id and the Ray node of each bundle (rank order);
+        read once (the group does not move)."""
+        if self._pg_info is None:
+            pg = getattr(self.engine.engine.runner, "placement_group", None)
+            if pg is None:
+                return None
+            from actors.placement_group import bundle_nodes
+
+            self._pg_info = {"id": pg.id.hex(), "bundle_nodes": bundle_nodes(pg)}
+        return self._pg_info
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -177,6 +229,7 @@ class ModelServer:
                     "prompt_tokens": out.prompt_tokens,
                     "completion_tokens": out.completion_tokens,
                     "cached_tokens": out.cached_tokens,
+                    "logprobs": self._logprob_entries(out.logprobs),
                 }
         finally:
             if ttft is not None and completion > 1:
@@ -193,10 +246,37 @@ class ModelServer:
                 cached_tokens=cached,
             )
 
+    def _logprob_entries(self, logprobs) -> list[dict[str, Any]] | None:
+        """Engine TokenLogprobs -> [{"token", "bytes", "logprob", "top": [{token, bytes,
+        logprob}]}]: each token's own bytes and their text (a token holding part of a UTF-8
+        character shows U+FFFD, its bytes stay exact); None when the request asked for none."""
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            raw = self._token_bytes(token_id)
+            text = raw.decode("utf-8", errors="replace")
+            return {"token": text, "bytes": list(raw), "logprob": logprob}
+
+        return [
+            {**entry(lp.token_id, lp.logprob), "top": [entry(i, v) for i, v in lp.top]}
+            for lp in logprobs
+        ]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: through the byte-level alphabet of a byte-level BPE
+        tokenizer (GPT-2's printable stand-ins for the 256 bytes), else its decoded text."""
+        if self._byte_of is None:
+            self._byte_of = byte_level_alphabet() if _is_byte_level(self.tokenizer) else {}
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self._byte_of and isinstance(piece, str) and all(c in self._byte_of for c in piece):
+            return bytes(self._byte_of[c] for c in piece)
+        return self.tokenizer.decode([token_id]).encode()
+
     def _observe(self, stage: str, seconds: float, count: int = 1) -> None:
         """Record a request-stage latency (seconds; `count` samples of that mean)."""
         if stage != "decode_per_token":
-            self.metrics.observe_stage(stage, seconds)
+            self.metrics.observe_phase(stage, seconds)
         acc = self._stages.setdefault(stage, [0, 0.0])
         acc[0] += count
         acc[1] += seconds * count
@@ -217,13 +297,17 @@ class ModelServer:
                 free_blocks=s["free_blocks"],
                 cache_hits=s["cache_hits"],
             )
+            drain = getattr(self.engine.engine.runner, "drain_stage_samples", None)
+            if callable(drain):
+                self.metrics.observe_pipeline(drain())
             await asyncio.sleep(STATS_PERIOD_S)
 
     def _engine_state(self) -> dict[str, Any]:
         """engine.stats() plus the derived figures the metrics and the policy read.
 
-        Cache hits per tier: `device` counts prefix blocks found on the device, `lower` those
-        loaded from the cache tiers (host, Redis, disk) together.
+        Cache hits per tier: see `cache_hits`. Latency: `stage_latency_s` per pipeline stage
+        (the engine's, for a multi-rank replica), `phase_latency_s` per request phase
+        (tokenize, prefill = to first token, decode_per_token).
         """
         s = dict(self.engine.stats())
         total = s.get("total_blocks") or 0
@@ -231,12 +315,14 @@ class ModelServer:
         s["waiting"] = s.get("queue_depth", 0)
         s.setdefault("running", 0)
         s.setdefault("kv_utilisation", (total - free) / total if total else 0.0)
-        s["cache_hits"] = {"device": s.get("prefix_hits", 0), "lower": s.get("tier_hits", 0)}
+        s["cache_hits"] = cache_hits(s)
         s["ttft_recent_s"] = self._recent_ttft()
         s["max_model_len"] = self.max_model_len
         s["layout"] = "single" if self.layout is None else self.layout.shorthand
         s["runner"] = type(self.engine.engine.runner).__name__
-        s["stage_latency_s"] = {k: total / n for k, (n, total) in self._stages.items() if n}
+        s["phase_latency_s"] = {k: total / n for k, (n, total) in self._stages.items() if n}
+        s.setdefault("stage_latency_s", {})
+        s["placement_group"] = self._placement_group_info()
         return s
 
     def _recent_ttft(self) -> float:

@@ -318,4 +318,112 @@ def test_metrics_endpoint_serves_replica_figures(server):
         time.sleep(2)
     for name in ("ray_moe_tpot_seconds", "ray_moe_kv_utilisation", "ray_moe_queue_depth"):
         assert name in text
-    assert 'stage="tokenize"' in text
+    assert 'phase="tokenize"' in text
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(demo, dtype=torch.float32).eval()
+
+
+def _hf_greedy(model, ids: list[int], steps: int):
+    """transformers' greedy tokens and log_softmax of its logits at each of them:
+    ([steps] ids, [steps, vocab] float64)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0].tolist()
+        logits = model(torch.tensor([out])).logits[0, len(ids) - 1 : -1]
+    return out[len(ids) :], torch.log_softmax(logits.double(), dim=-1)
+
+
+def _check(tokenizer, new, ref, entries, k):
+    """entries: per token (bytes, logprob, [(bytes, logprob)] best first) from the server.
+
+    The token is transformers' greedy token (its bytes decode to the tokenizer's text of that
+    id), its logprob and the top-k values equal log_softmax of transformers' logits (1e-4), and
+    the chosen logprob is the top-1 (greedy)."""
+    import torch
+
+    assert len(entries) == len(new)
+    for pos, (raw, lp, top) in enumerate(entries):
+        assert raw.decode("utf-8", "replace") == tokenizer.decode([new[pos]])
+        assert lp == pytest.approx(float(ref[pos, new[pos]]), abs=1e-4)
+        values, ids = torch.topk(ref[pos], k)
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-4)
+        for (alt, _), i in zip(top, ids.tolist(), strict=True):
+            assert alt.decode("utf-8", "replace") == tokenizer.decode([i])
+        assert lp == pytest.approx(top[0][1], abs=1e-6)
+
+
+def test_completion_logprobs_equal_transformers(client, tokenizer, hf_model):
+    import torch
+
+    prompt = "Experts hold the weights of"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    new, ref = _hf_greedy(hf_model, ids, 6)
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    full = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    lp = full.choices[0].logprobs
+    # Completions carry token strings only: their UTF-8 bytes are the token's bytes unless it
+    # splits a character, which the tokenizer's decode renders as U+FFFD alike.
+    entries = [
+        (t.encode(), v, [(t.encode(), top[t])])
+        for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+    ]
+    _check(tokenizer, new, ref, entries, 1)
+    # top_logprobs maps text -> logprob (OpenAI's shape): the better one where texts collide.
+    for pos, top in enumerate(lp.top_logprobs):
+        values, best = torch.topk(ref[pos], 3)
+        want: dict[str, float] = {}
+        for i, v in zip(best.tolist(), values.tolist(), strict=True):
+            want.setdefault(tokenizer.decode([i]), v)
+        assert top == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(new))]
+
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+
+
+def test_chat_logprobs_equal_transformers(client, tokenizer, hf_model):
+    msgs = [{"role": "user", "content": "Name a router."}]
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0}
+    full = client.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    content = full.choices[0].logprobs.content
+    assert 1 <= len(content) == full.usage.completion_tokens
+    new, ref = _hf_greedy(hf_model, ids, len(content))
+    entries = [
+        (bytes(c.bytes), c.logprob, [(bytes(a.bytes), a.logprob) for a in c.top_logprobs])
+        for c in content
+    ]
+    _check(tokenizer, new, ref, entries, 2)
+    assert (
+        b"".join(bytes(c.bytes) for c in content)
+        .decode("utf-8", "replace")
+        .startswith(full.choices[0].message.content)
+    )
+
+    chunks = list(client.chat.completions.create(**kw, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.bytes, e.logprob) for e in streamed] == [(c.bytes, c.logprob) for c in content]
+    plain = client.chat.completions.create(**kw)
+    assert plain.choices[0].logprobs is None
