@@ -392,9 +392,9 @@ def test_completion_logprobs_equal_transformers(client, tokenizer, hf_model):
 
     chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-    assert sum((s.tokens for s in streamed), []) == lp.tokens
-    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
-    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert [x for s in streamed for x in s.tokens] == lp.tokens
+    assert [x for s in streamed for x in s.token_logprobs] == lp.token_logprobs
+    assert [x for s in streamed for x in s.text_offset] == lp.text_offset
 
 
 def test_chat_logprobs_equal_transformers(client, tokenizer, hf_model):
