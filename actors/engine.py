@@ -142,9 +142,11 @@ class Engine:
         *,
         device: str = "cpu",
         cache_key_secret: bytes | None = None,
+        runner: Any = None,
         **kw: Any,
     ) -> Engine:
-        """An engine over an in-process runner holding every layer of the checkpoint.
+        """An engine over `runner`, by default an in-process runner holding every layer of the
+        checkpoint (a multi-rank `actors.replica.Replica` is passed by `replica_runner`).
 
         The tokenizer is the checkpoint's tokenizer.json (None when absent); EOS comes from
         generation_config.json or config.json. Without `cache_key_secret` the secret comes from
@@ -178,7 +180,8 @@ class Engine:
                         kw["eos_token_id"] = int(eos)
                         break
         kw.setdefault("weights_fingerprint", weights_fingerprint(root))
-        runner = LocalRunner.from_checkpoint(root, device=device)
+        if runner is None:
+            runner = LocalRunner.from_checkpoint(root, device=device)
         return cls(runner, cache_key_secret=cache_key_secret, **kw)
 
     # ------------------------------------------------------------------ requests

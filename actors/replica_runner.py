@@ -21,9 +21,6 @@ bytes as the in-process engine, so a block written by one layout is read by any 
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -179,7 +176,6 @@ def build_engine(
     from actors.engine import Engine
     from actors.replica import Replica
     from actors.weights import CheckpointIndex
-    from cache_service.block_key import secret_from_env, weights_fingerprint
     from placement.parallel_dims import Layout, parse_layout
 
     root = Path(model_dir)
@@ -187,20 +183,6 @@ def build_engine(
     plan = Layout.build(
         parse_layout(layout), num_layers=arch.num_layers, num_experts=arch.num_experts
     )
-    if cache_key_secret is None:
-        if os.environ.get("MOE_CACHE_SECRET") or engine_kw.get("cache") is not None:
-            cache_key_secret = secret_from_env()
-        else:
-            cache_key_secret = secrets.token_bytes(32)
-    if "tokenizer" not in engine_kw:
-        engine_kw["tokenizer"] = None
-        if (root / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer
-
-            engine_kw["tokenizer"] = Tokenizer.from_file(str(root / "tokenizer.json"))
-    if "eos_token_id" not in engine_kw:
-        engine_kw["eos_token_id"] = _eos_token_id(root)
-    engine_kw.setdefault("weights_fingerprint", weights_fingerprint(root))
     replica = Replica(
         layout=plan,
         checkpoint_dir=root,
@@ -216,7 +198,9 @@ def build_engine(
         placement_group=placement_group,
     )
     try:
-        return Engine(replica, cache_key_secret=cache_key_secret, **engine_kw)
+        return Engine.from_checkpoint(
+            root, runner=replica, cache_key_secret=cache_key_secret, **engine_kw
+        )
     except BaseException:
         replica.shutdown()
         raise
@@ -247,15 +231,3 @@ def layout_bundle_specs(
         for r in range(dims.world)
     )
     return BundleSpecs(name=name, strategy=strategy, bundles=bundles)
-
-
-def _eos_token_id(root: Path) -> int | None:
-    """EOS from generation_config.json, else config.json (the first of a list)."""
-    for name in ("generation_config.json", "config.json"):
-        if (root / name).is_file():
-            eos = json.loads((root / name).read_text()).get("eos_token_id")
-            if isinstance(eos, list):
-                eos = eos[0] if eos else None
-            if eos is not None:
-                return int(eos)
-    return None
