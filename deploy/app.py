@@ -32,8 +32,18 @@ from deploy.config import (
     autoscaling_config,
     parse_serve_config,
 )
+from deploy.limits import (
+    DEFAULT_MAX_STREAMS,
+    StreamLimiter,
+    client_id,
+    error_headers,
+    read_body,
+    sse_error,
+    unavailable,
+)
 from deploy.model_server import ModelServer
 from deploy.openai_protocol import (
+    MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
@@ -55,7 +65,7 @@ fastapi_app = FastAPI(title="moe-orchestrator", docs_url=None, redoc_url=None)
 
 @fastapi_app.exception_handler(ProtocolError)
 async def _protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=error_headers(exc))
 
 
 async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
@@ -92,9 +102,22 @@ async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int,
 
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
-    """The HTTP front: OpenAI routes over one model deployment (a Serve handle)."""
+    """The HTTP front: OpenAI routes over one model deployment (a Serve handle).
 
-    def __init__(self, model: Any, args: dict[str, Any]) -> None:
+    Early limits (deploy/limits.py): a body over `max_body_bytes` is a 413 as soon as that is
+    known; a client (API key, else peer address) with `max_streams_per_client` requests in flight
+    gets a 429 with Retry-After; a replica that lost a worker and could not resume answers 503
+    with Retry-After (an `error` event as the last SSE event once a stream has started).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        args: dict[str, Any],
+        *,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_streams_per_client: int = DEFAULT_MAX_STREAMS,
+    ) -> None:
         from deploy.metrics import IngressMetrics
 
         self.model = model
@@ -106,6 +129,8 @@ class OpenAIIngress:
         if env and not self.api_key:
             raise RuntimeError(f"http.api_key_env={env!r} names an unset environment variable")
         self.metrics = IngressMetrics()
+        self.max_body_bytes = max_body_bytes
+        self.limiter = StreamLimiter(max_streams_per_client)
 
     def _authorise(self, request: Request) -> None:
         if self.api_key is None:
@@ -186,31 +211,45 @@ class OpenAIIngress:
     async def _serve(self, request: Request, kind: str, route: str) -> Response:
         status = 200
         model = ""
+        client, held = client_id(request), False
         try:
             self._authorise(request)
-            req = parse_request(await request.body(), kind)  # type: ignore[arg-type]
+            body = await read_body(request, self.max_body_bytes)
+            req = parse_request(body, kind)  # type: ignore[arg-type]
             model = req.model
             jobs = self._jobs(req)
+            self.limiter.acquire(client)
+            held = True
             opened = await self._open(jobs)
             chat = kind == "chat"
             rid = new_id("chatcmpl" if chat else "cmpl")
             if req.stream:
-                return StreamingResponse(
-                    self._stream(rid, chat, jobs, opened, req.include_usage),
+                stream = self._stream(rid, chat, jobs, opened, req.include_usage)
+                response = StreamingResponse(
+                    self.limiter.wrap_stream(client, stream),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
+                held = False  # the stream releases the slot when it ends or is cancelled
+                return response
             return JSONResponse(await self._complete(rid, chat, jobs, opened))
         except ProtocolError as exc:
             status = exc.status
             raise
-        except Exception as exc:  # the HTTP boundary: an OpenAI-shaped 500, counted
+        except Exception as exc:  # the HTTP boundary: a retryable 503 or a 500, counted
+            retry = unavailable(exc)
+            if retry is not None:
+                status = retry.status
+                log.warning("request on %s: %s", route, exc)
+                raise retry from exc
             status = 500
             log.exception("request failed on %s", route)
             raise ProtocolError(
                 500, f"the model server failed: {type(exc).__name__}", code="internal_error"
             ) from exc
         finally:
+            if held:
+                self.limiter.release(client)
             self.metrics.count(model, route, status)
 
     @staticmethod
@@ -280,6 +319,16 @@ class OpenAIIngress:
             if include_usage:
                 yield sse(self._chunk(rid, chat, [], usage_=self._usage(jobs, opened, last)))
             yield sse("[DONE]")
+        except Exception as exc:  # after the 200: the error is the stream's last event
+            error = unavailable(exc)
+            if error is None:
+                log.exception("stream %s failed", rid)
+                error = ProtocolError(
+                    500, f"the model server failed: {type(exc).__name__}", code="internal_error"
+                )
+            else:
+                log.warning("stream %s: %s", rid, exc)
+            yield sse_error(error)
         finally:
             # Client gone (or done): cancel what still runs; replicas abort their engine requests.
             for gen in gens:
@@ -322,8 +371,17 @@ class OpenAIIngress:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-def build_app(args: dict[str, Any], engine_module: str = "actors.engine"):
-    """The Serve application of a serve YAML (mapping): ingress bound to the model deployment."""
+def build_app(
+    args: dict[str, Any],
+    engine_module: str = "actors.engine",
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_streams_per_client: int = DEFAULT_MAX_STREAMS,
+):
+    """The Serve application of a serve YAML (mapping): ingress bound to the model deployment.
+
+    `max_body_bytes` (413 above it) and `max_streams_per_client` (429 above it) are the
+    ingress's early limits (deploy/limits.py)."""
     cfg = parse_serve_config(dict(args), origin="serve args")
     plain = cfg.model_dump(mode="json")
     model = serve.deployment(
@@ -341,4 +399,9 @@ def build_app(args: dict[str, Any], engine_module: str = "actors.engine"):
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0.1},
     )
-    return ingress.bind(model.bind(plain, engine_module), plain)
+    return ingress.bind(
+        model.bind(plain, engine_module),
+        plain,
+        max_body_bytes=max_body_bytes,
+        max_streams_per_client=max_streams_per_client,
+    )

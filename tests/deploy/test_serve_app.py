@@ -27,6 +27,8 @@ PREFIX = "/moetest"
 MODEL = "moe-demo-test"
 BLOCK = 16
 NUM_BLOCKS = 128
+MAX_STREAMS = 6
+"""Per-client limit of the test app (the concurrent tests below send at most 5 at once)."""
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def server(ray_session, demo):
         "autoscaling": {"min_replicas": 1, "max_replicas": 1},
         "http": {"route_prefix": PREFIX},
     }
-    serve.run(build_app(args), name=APP, route_prefix=PREFIX)
+    serve.run(build_app(args, max_streams_per_client=MAX_STREAMS), name=APP, route_prefix=PREFIX)
     base = f"http://127.0.0.1:{port}{PREFIX}"
     yield base
     serve.delete(APP)
@@ -427,3 +429,92 @@ def test_chat_logprobs_equal_transformers(client, tokenizer, hf_model):
     assert [(e.bytes, e.logprob) for e in streamed] == [(c.bytes, c.logprob) for c in content]
     plain = client.chat.completions.create(**kw)
     assert plain.choices[0].logprobs is None
+
+
+def _raw(server: str, head: str, body: bytes = b"", timeout: float = 30) -> tuple[int, dict, str]:
+    """Send a request's head (and part of its body) on a plain socket; (status, headers,
+    body) of the answer, read without sending the rest."""
+    host, port = server.removeprefix("http://").split("/", 1)[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head.encode() + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        top, rest = data.split(b"\r\n\r\n", 1)
+        lines = top.decode().split("\r\n")
+        headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        want = int(headers.get("content-length", 0))
+        while len(rest) < want:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    return int(lines[0].split()[1]), headers, rest.decode()
+
+
+def test_oversize_body_is_refused_before_it_is_read(server):
+    """Content-Length says 64 MiB and only one byte follows: the answer (413) comes at once;
+    an ingress that read the body first would wait for the other 64 MiB (socket timeout)."""
+    head = (
+        f"POST {PREFIX}/v1/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {64 << 20}\r\n\r\n"
+    )
+    status, _, text = _raw(server, head, b"{", timeout=20)
+    assert status == 413, text
+    err = json.loads(text)["error"]
+    assert err["code"] == "request_too_large" and str(4 << 20) in err["message"]
+
+
+def _open_stream(server: str, key: str) -> http.client.HTTPConnection:
+    host, port = server.removeprefix("http://").split("/", 1)[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {
+        "model": MODEL,
+        "prompt": "one stream of many",
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn.request(
+        "POST",
+        f"{PREFIX}/v1/completions",
+        json.dumps(body),
+        {"content-type": "application/json", "authorization": f"Bearer {key}"},
+    )
+    return conn
+
+
+def test_too_many_streams_of_one_client_get_429_with_retry_after(server, client):
+    """MAX_STREAMS streams of one API key are served; one more is a 429 with Retry-After (the
+    openai client's RateLimitError); another key is unaffected; a closed stream frees its
+    slot."""
+    import openai
+
+    conns = [_open_stream(server, "client-a") for _ in range(MAX_STREAMS)]
+    try:
+        for conn in conns:
+            resp = conn.getresponse()
+            assert resp.status == 200
+            assert resp.readline().startswith(b"data:")
+        over = openai.OpenAI(base_url=f"{server}/v1", api_key="client-a", max_retries=0, timeout=60)
+        with pytest.raises(openai.RateLimitError) as info:
+            over.completions.create(model=MODEL, prompt="one more", max_tokens=1)
+        assert info.value.code == "too_many_concurrent_requests"
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        other = client.completions.create(model=MODEL, prompt="another client", max_tokens=1)
+        assert other.usage.completion_tokens == 1
+    finally:
+        for conn in conns:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            r = over.completions.create(model=MODEL, prompt="slot freed", max_tokens=1)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert r.usage.completion_tokens == 1
