@@ -15,6 +15,7 @@ from typing import Any
 
 from deploy.autoscaling import KV_UTILISATION, QUEUE_DEPTH, TTFT
 from deploy.config import DEMO_MODEL, ServeConfig, parse_serve_config
+from deploy.limits import max_token_bytes, prompt_too_long
 from deploy.openai_protocol import ProtocolError, check_context
 
 STATS_PERIOD_S = 0.5
@@ -110,6 +111,7 @@ class ModelServer:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         hf_config = AutoConfig.from_pretrained(path)
         self.max_model_len = self.cfg.engine.max_model_len or int(hf_config.max_position_embeddings)
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
         kw = engine_kwargs(self.cfg, path)
         self.cache_client = None
         if self.cfg.cache.tiers:
@@ -138,7 +140,10 @@ class ModelServer:
         (WORKER_NUM_CPUS each, gloo between them) built by the replica factory inside a
         placement group of one bundle per rank (`layout_bundle_specs`: no topology, so no node
         constraint); the actors are owned by this replica's actor, and the group is removed
-        when the replica shuts down."""
+        when the replica shuts down. A multi-rank engine recovers from worker faults
+        (actors/recovery.py): dead actors are replaced, the replica rebuilt, and the requests
+        in flight resumed from the tokens their clients have (else they end with
+        ReplicaUnavailable, a 503 with Retry-After at the ingress)."""
         if self.layout is None or self.layout.world == 1:
             return Engine.from_checkpoint(path, **kw)
         import uuid
@@ -150,7 +155,14 @@ class ModelServer:
             name=f"moe-{self.layout.shorthand}-{uuid.uuid4().hex[:12]}",
             cpus_per_rank=WORKER_NUM_CPUS,
         )
-        return build_engine(path, layout=self.layout.shorthand, bundles=specs, **kw)
+        from actors.recovery import RecoveringEngine, ReplicaRebuilder
+
+        engine = build_engine(
+            path, layout=self.layout.shorthand, num_cpus=WORKER_NUM_CPUS, bundles=specs, **kw
+        )
+        return RecoveringEngine(
+            engine, rebuild=ReplicaRebuilder(engine.runner, num_cpus=WORKER_NUM_CPUS)
+        )
 
     def _placement_group_info(self) -> dict[str, Any] | None:
         """The replica's placement group: id and the Ray node of each bundle (rank order);
@@ -175,8 +187,16 @@ class ModelServer:
                 ids = ids["input_ids"]
             return list(ids)
         prompt = job["prompt"]
+        too_long = prompt_too_long(prompt, self.max_model_len, self.max_token_bytes)
+        if too_long is not None:
+            raise too_long
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            if not ids:
+                raise ProtocolError(
+                    400, f"the prompt {prompt[:40]!r} has no tokens", param="prompt"
+                )
+            return ids
         vocab = len(self.tokenizer)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

@@ -127,6 +127,8 @@ class CompletionRequest(_Request):
             raise ValueError("prompt must not be an empty list")
         if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
             raise ValueError("token prompts must not be empty")
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("a text prompt must not be empty")
         return v
 
     @field_validator("echo")
