@@ -44,6 +44,7 @@ def _optional_clis() -> list:
         "deploy.serve_cli",
         "deploy.adapt_cli",
         "deploy.render_cli",
+        "actors.long_context.cli",
     ):
         try:
             found.append(importlib.import_module(name))
