@@ -220,7 +220,20 @@ class ShardWorker:
             else None
         )
 
-        # Step 3: load this rank's shard only.
+        # Step 3: load this rank's shard only. On failure leave the process group again, so a
+        # later build in this process can initialise a fresh one.
+        try:
+            self._load(layout, checkpoint_dir, ep_index)
+        except BaseException:
+            if dims.world > 1:
+                destroy_world()
+            raise
+        self.kv: KVCache | None = None
+        self._timings: dict[str, float] = defaultdict(float)
+        self._install_timers()
+
+    def _load(self, layout: Layout, checkpoint_dir: str | Path, ep_index: int) -> None:
+        dims = layout.dims
         stage = self.coord.pp
         layers = layout.layer_range(stage)
         self.model, self.read_log = load_stage_model(
@@ -233,7 +246,7 @@ class ShardWorker:
             tp_reduce=self.tp.all_reduce if self.tp.size > 1 else None,
             local_experts=layout.local_experts(ep_index) if self.ep is not None else None,
             ep=self.ep,
-            rank=rank,
+            rank=self.rank,
             device=self.device,
         )
         arch = self.model.arch
@@ -247,9 +260,6 @@ class ShardWorker:
             raise InputError(
                 f"layout has {layout.num_layers} layers, the checkpoint {arch.num_layers}"
             )
-        self.kv: KVCache | None = None
-        self._timings: dict[str, float] = defaultdict(float)
-        self._install_timers()
 
     @staticmethod
     def _local_device_index(device: str) -> int:
@@ -415,6 +425,9 @@ class ShardWorker:
             self.in_step = False
         self.steps += 1
         self._timings["step"] = time.perf_counter() - start
+        for axis, group in self.groups.items():
+            if group.size > 1:
+                self._timings[f"wait_{axis.value}"] = group.waited_s
         return ShardStepOutput(
             rank=self.rank,
             rows=rows,

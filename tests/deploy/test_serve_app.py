@@ -277,6 +277,13 @@ def test_disconnect_returns_kv_blocks(server, client):
             "context_length_exceeded",
         ),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999]}, 400, "prompt", None),
+        (  # far over the context: refused on its byte length, before it is tokenized
+            "/v1/completions",
+            {"model": MODEL, "prompt": "word " * 200_000},
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
         (
             "/v1/chat/completions",

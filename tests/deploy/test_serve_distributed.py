@@ -106,11 +106,13 @@ def test_pipeline_stage_latency_in_stats_and_metrics(server):
     assert set(s["stage_latency_s"]) == {"stage0", "stage1"}
     assert all(v > 0 for v in s["stage_latency_s"].values())
     assert len(s["rank_timings_s"]) == 4
+    # ep2xpp2: EP all-to-all, PP send/recv and DP block copies wait on collectives.
+    assert {"ep", "pp"} <= set(s["comm_wait_s"]), s["comm_wait_s"]
     assert set(s["phase_latency_s"]) >= {"tokenize", "prefill"}
     deadline = time.monotonic() + 60
     while True:
         text = _get(f"{server['base']}/metrics")[1]
-        if 'stage="stage1"' in text and 'phase="prefill"' in text:
+        if 'stage="stage1"' in text and 'phase="prefill"' in text and 'axis="ep"' in text:
             break
         assert time.monotonic() < deadline, text[:2000]
         time.sleep(2)
