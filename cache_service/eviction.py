@@ -12,10 +12,16 @@ kinds of blocks are never chosen:
   - the recent window: the `window_blocks` highest positions seen for the block's sequence
     (sequences are told apart by `key.root_tag`, the digest of their block 0).
 Blocks with an unknown position (-1) are neither sinks nor in a window.
+
+The attention policy keeps a lazy min-heap of (mass, tick, key): every change of a block's mass or
+recency pushes a fresh entry and leaves the old one stale, so choosing victims pops from the top
+instead of sorting the whole tier on every eviction (a tier holding a 1M-token context has tens
+of thousands of blocks and evicts one per put).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -101,9 +107,19 @@ class AttentionPolicy(EvictionPolicy):
         self._entries: dict[BlockKey, _Entry] = {}
         self._last_position: dict[bytes, int] = {}
         self._clock = itertools.count()
+        # (mass, tick, key) per change; an item is live when it equals its entry's (mass, tick).
+        self._heap: list[tuple[float, int, BlockKey]] = []
+
+    def _push(self, entry: _Entry) -> None:
+        heapq.heappush(self._heap, (entry.mass, entry.tick, entry.key))
+        if len(self._heap) > 4 * len(self._entries) + 64:  # drop stale items now and then
+            self._heap = [(e.mass, e.tick, e.key) for e in self._entries.values()]
+            heapq.heapify(self._heap)
 
     def admit(self, key: BlockKey, size: int) -> None:
-        self._entries[key] = _Entry(key=key, size=size, mass=0.0, tick=next(self._clock))
+        entry = _Entry(key=key, size=size, mass=0.0, tick=next(self._clock))
+        self._entries[key] = entry
+        self._push(entry)
         self.note(key)
 
     def note(self, key: BlockKey) -> None:
@@ -116,6 +132,7 @@ class AttentionPolicy(EvictionPolicy):
         entry = self._entries.get(key)
         if entry is not None:
             entry.tick = next(self._clock)
+            self._push(entry)
 
     def forget(self, key: BlockKey) -> None:
         self._entries.pop(key, None)
@@ -124,6 +141,7 @@ class AttentionPolicy(EvictionPolicy):
         entry = self._entries.get(key)
         if entry is not None:
             entry.mass += mass
+            self._push(entry)
 
     def protected(self, key: BlockKey) -> bool:
         """True for attention sinks and blocks in their sequence's recent window."""
@@ -135,15 +153,25 @@ class AttentionPolicy(EvictionPolicy):
         return key.position > last - self.window_blocks
 
     def victims(self, need_bytes: int) -> list[BlockKey]:
-        # Step 1: candidates are the unprotected blocks; Step 2: least mass, then oldest first.
-        candidates = [e for e in self._entries.values() if not self.protected(e.key)]
-        candidates.sort(key=lambda e: (e.mass, e.tick))
-        chosen, freed = [], 0
-        for entry in candidates:
-            if freed >= need_bytes:
-                break
-            chosen.append(entry.key)
+        # Step 1: pop live items, least mass then oldest first; stale items are dropped.
+        # Step 2: protected blocks are skipped; every live item popped goes back afterwards (the
+        # tier forgets the victims it really evicts, which makes their items stale).
+        chosen: list[BlockKey] = []
+        popped: list[tuple[float, int, BlockKey]] = []
+        freed = 0
+        while self._heap and freed < need_bytes:
+            item = heapq.heappop(self._heap)
+            mass, tick, key = item
+            entry = self._entries.get(key)
+            if entry is None or entry.mass != mass or entry.tick != tick:
+                continue
+            popped.append(item)
+            if self.protected(key):
+                continue
+            chosen.append(key)
             freed += entry.size
+        for item in popped:
+            heapq.heappush(self._heap, item)
         return chosen
 
 
