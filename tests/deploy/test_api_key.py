@@ -1,0 +1,36 @@
+"""Optional API-key auth on the ingress: `http.api_key_env` names the variable holding the key."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deploy.openai_protocol import ProtocolError
+
+
+def _authorise():
+    from deploy.app import OpenAIIngress
+
+    return getattr(OpenAIIngress, "func_or_class", OpenAIIngress)._authorise
+
+
+def test_the_right_bearer_key_passes_and_anything_else_is_a_401():
+    authorise = _authorise()
+    ingress = SimpleNamespace(api_key="s3cret-key")
+    authorise(ingress, SimpleNamespace(headers={"authorization": "Bearer s3cret-key"}))
+    for headers in (
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": "Bearer s3cret-ke"},
+        {"authorization": "Bearer s3cret-key-and-more"},
+    ):
+        with pytest.raises(ProtocolError) as info:
+            authorise(ingress, SimpleNamespace(headers=headers))
+        assert info.value.status == 401
+        assert info.value.code == "invalid_api_key"
+        assert "s3cret" not in str(info.value)
+
+
+def test_without_a_configured_key_every_request_passes():
+    _authorise()(SimpleNamespace(api_key=None), SimpleNamespace(headers={}))
