@@ -82,6 +82,9 @@ def long_context_command(
         str, typer.Option("--eviction", help="Host/disk tier eviction: lru | attention.")
     ] = "lru",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")] = "cpu",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="Weights and KV: float32 | bfloat16.")
+    ] = "float32",
     work_dir: Annotated[Path, typer.Option("--work-dir", help="Disk tier folder.")] = Path(
         "/tmp/moe-long-context"
     ),
@@ -123,9 +126,10 @@ def long_context_command(
         decode_tokens=decode_tokens,
         eviction=eviction,
         device=device,
+        dtype=dtype,
     )
     work_dir.mkdir(parents=True, exist_ok=True)
-    stage = build_model(model, seed=config.seed, device=device)
+    stage = build_model(model, seed=config.seed, device=device, dtype=dtype)
 
     def progress(row: dict) -> None:
         state = "ok" if row["ok"] else f"FAILED ({row.get('error')})"
@@ -137,7 +141,7 @@ def long_context_command(
         f"moectl bench long-context --model {model} --lengths {lengths} --mode {mode} "
         f"--block-size {block_size} --window {window} --top-k {top_k} --sinks {sinks} "
         f"--chunk {chunk} --device-budget {device_budget} --host-bytes {host_bytes} "
-        f"--decode-tokens {decode_tokens} --eviction {eviction} --device {device}"
+        f"--decode-tokens {decode_tokens} --eviction {eviction} --device {device} --dtype {dtype}"
     )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

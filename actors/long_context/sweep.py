@@ -54,6 +54,7 @@ TINY = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
 }
 """The in-process tiny model: both layers dense, so the sweep measures attention and the tiers."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,8 @@ class SweepConfig:
     once the host tier is full each offload or promotion costs tens of ms at 1M tokens."""
     seed: int = 0
     device: str = "cpu"
+    dtype: str = "float32"
+    """Weights and KV dtype (DTYPES): float32, or bfloat16 as a GPU serves it."""
 
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 1 for n in self.lengths):
@@ -83,21 +86,30 @@ class SweepConfig:
             raise InputError(f"lengths={list(self.lengths)}: expected distinct, ascending values")
         if self.decode_tokens < 1:
             raise InputError(f"decode_tokens={self.decode_tokens} must be >= 1")
+        if self.dtype not in DTYPES:
+            raise InputError(f"dtype={self.dtype!r}; expected one of {sorted(DTYPES)}")
 
 
-def build_model(model: str, *, seed: int, device: str) -> StageModel:
-    """'tiny' (in-process, random weights) or a checkpoint directory."""
-    if model == "tiny":
-        torch.manual_seed(seed)
-        arch = ArchConfig.from_hf(TINY, source="tiny")
-        return StageModel(
-            arch, layer_range=(0, arch.num_layers), first=True, last=True, device=device
-        )
-    from actors.weights import CheckpointIndex, load_stage_model
+def build_model(model: str, *, seed: int, device: str, dtype: str = "float32") -> StageModel:
+    """'tiny' (in-process, random weights) or a checkpoint directory, weights in `dtype`."""
+    if dtype not in DTYPES:
+        raise InputError(f"dtype={dtype!r}; expected one of {sorted(DTYPES)}")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[dtype])
+    try:
+        if model == "tiny":
+            torch.manual_seed(seed)
+            arch = ArchConfig.from_hf(TINY, source="tiny")
+            return StageModel(
+                arch, layer_range=(0, arch.num_layers), first=True, last=True, device=device
+            )
+        from actors.weights import CheckpointIndex, load_stage_model
 
-    arch = CheckpointIndex.open(model).arch()
-    stage, _ = load_stage_model(model, layer_range=(0, arch.num_layers), device=device)
-    return stage
+        arch = CheckpointIndex.open(model).arch()
+        stage, _ = load_stage_model(model, layer_range=(0, arch.num_layers), device=device)
+        return stage
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -280,6 +292,7 @@ def run_sweep(
             "decode_tokens": config.decode_tokens,
             "eviction": config.eviction,
             "device": config.device,
+            "dtype": config.dtype,
             "layers": stage.arch.num_layers,
             "heads": stage.arch.num_heads,
             "kv_heads": stage.arch.num_kv_heads,

@@ -124,3 +124,17 @@ def test_lengths_parse_binary_units_and_refuse_garbage():
     with pytest.raises(InputError, match="'8Q'") as info:
         _app()(["bench", "long-context", "--lengths", "1K,8Q"], standalone_mode=False)
     assert info.value.exit_code == 2 and "\n" not in str(info.value)
+
+
+def test_bfloat16_model_halves_the_kv_block_and_bad_dtype_is_refused():
+    import torch
+
+    from actors.long_context.sweep import block_bytes, build_model
+
+    stage = build_model("tiny", seed=0, device="cpu", dtype="bfloat16")
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored
+    # 16 tokens x (k, v) x 2 KV heads x 32 dims x 2 bytes.
+    assert block_bytes(stage.arch, 16, torch.bfloat16) == 16 * 2 * 2 * 32 * 2
+    with pytest.raises(InputError, match="'float16'"):
+        build_model("tiny", seed=0, device="cpu", dtype="float16")
