@@ -16,18 +16,25 @@ Every figure is a ratio measured side by side in one run (DESIGN.md, performance
 - LongestPrefix of a 1M-token prefix (62,500 keys of 16 tokens), all present, per tier.
 The blocks are what the engine puts: `encode_block` output (`EncodedBlock`), which the store
 admits with a header check; reads from Redis are verified in full (header, key, XXH3 checksum).
-GB/s = 10^9 bytes per second of block bytes. The contenders of one block size run interleaved
-(pass 1 of each, then pass 2 of each, ...), so load from other jobs hits them alike; each row
-reports the best of `repeats` passes (tiers are put-if-absent, so every pass starts empty).
-
+GB/s = 10^9 bytes per second of block bytes. Fair measurement (see `_interleaved`): each row
+is a pair (the tier, its baseline) run interleaved batch by batch (batch 1 of both, batch 2 of
+both, ..., the order of the two swapped every batch and every pass), the pairs one after another
+within a pass, after an untimed warm-up, with `gc.collect()` and the dropping of replies outside
+the timed calls, so load from other jobs, page faults of fresh reply memory and garbage hit both
+alike. Each row reports the median GB/s over `repeats` passes and, as the ratio, the median of
+the per-pass ratios against the baseline of the same pass, with their range (tiers are
+put-if-absent, so every pass starts empty).
 It writes only under a fresh namespace `bench-<random>` and raw keys `moe:bench-raw:<that>:*`,
-and deletes exactly those keys afterwards; at most `bytes_per_size` bytes are live per row.
+and deletes exactly those keys afterwards; at most `bytes_per_size` bytes are live per
+contender, and the two contenders of a pair hold theirs at once (2 x 256 MiB in Redis at most).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
+import statistics
 import subprocess
 import sys
 import time
@@ -53,7 +60,7 @@ class BenchConfig:
     batch_bytes: int = 16 * MiB
     """Bytes per put_many/get_many call and per raw pipeline."""
     repeats: int = 3
-    """Timed passes per row; the best is reported."""
+    """Timed passes per row; the median is reported, with the range of the ratios."""
     prefix_blocks: int = 62_500
     """Keys of the LongestPrefix lookup (62,500 = 1M tokens of 16-token blocks)."""
     with_grpc: bool = True
@@ -122,7 +129,9 @@ def run_bench(config: BenchConfig, *, progress: Callable[[str], None] = lambda _
             "grpc+redis": "CacheClient -> CacheServer in a separate Python process -> Redis tier",
             "host": "stores a reference to the immutable block (no copy); gets return it",
             "host copy": "host://?copy=1: copies each block into fresh memory at put",
-            "order": "contenders of one block size interleaved pass by pass; best of repeats",
+            "order": "each tier interleaved with its baseline batch by batch (order swapped every "
+            "batch and pass), warm-up and gc outside timing; GB/s = median over passes; "
+            "ratio = median of per-pass ratios; range = [min, max] over passes",
         },
         "goal": {
             "min_ratio_vs_raw_redis": GOAL_RATIO,
@@ -198,53 +207,69 @@ def _size_rows(
         for name, url in (("host", "host://"), ("host copy", "host://?copy=1")):
             cache = stack.enter_context(_cache([url], capacity, f"{deployment}-h"))
             ops[name] = _store_ops(cache, keys, blocks)
-        best = _interleaved(ops, config.repeats, batches, total)
-    redis_base, copy_base = best["raw redis"], best["memory copy"]
-    rows = [_row("redis", size, len(blocks), best["redis"], redis_base, "redis-py")]
-    if config.with_grpc:
-        rows.append(
-            _row("grpc+redis", size, len(blocks), best["grpc+redis"], redis_base, "redis-py")
-        )
-    rows.append(_row("host", size, len(blocks), best["host"], copy_base, "memory copy"))
-    rows.append(
-        _row(
-            "host copy",
-            size,
-            len(blocks),
-            best["host copy"],
-            best["memory copy, resident"],
-            "memory copy, resident",
-        )
-    )
-    return rows
+        pairs = [("redis", "raw redis", "redis-py")]
+        if config.with_grpc:
+            pairs.append(("grpc+redis", "raw redis", "redis-py"))
+        pairs += [
+            ("host", "memory copy", "memory copy"),
+            ("host copy", "memory copy, resident", "memory copy, resident"),
+        ]
+        seconds = _interleaved(ops, [(t, b) for t, b, _ in pairs], config.repeats, batches, total)
+    return [_row(tier, size, len(blocks), total, *seconds[tier], name) for tier, _, name in pairs]
 
 
 def _interleaved(
     ops: dict[str, tuple[Callable, Callable, Callable]],
+    pairs: list[tuple[str, str]],
     repeats: int,
     batches: list[list[int]],
     total: int,
-) -> dict[str, tuple[float, float]]:
-    """Best-of-`repeats` (put, get) GB/s per contender; pass r of every contender runs before
-    pass r + 1 of any. Each pass: clear, put every batch, get every batch, clear."""
-    best = {name: (float("inf"), float("inf")) for name in ops}
-    for _ in range(repeats):
-        for name, (put, get, clear) in ops.items():
-            clear()
-            started = time.perf_counter()
-            for batch in batches:
-                put(batch)
-            put_s = time.perf_counter() - started
-            started = time.perf_counter()
-            read = 0
-            for batch in batches:
-                read += sum(len(b) for b in get(batch) if b is not None)
-            get_s = time.perf_counter() - started
-            clear()
-            if not name.startswith("memory copy") and read != total:
-                raise RuntimeError(f"bench {name}: read {read} of {total} bytes written")
-            best[name] = (min(best[name][0], put_s), min(best[name][1], get_s))
-    return {name: (total / p / 1e9, total / g / 1e9) for name, (p, g) in best.items()}
+) -> dict[str, tuple[dict[str, list[float]], dict[str, list[float]]]]:
+    """Per (tier, baseline) pair, the seconds of each of `repeats` passes of both:
+    {tier: ({"put": [...], "get": [...]} of the tier, the same of its baseline)}.
+
+    Fairness, so that a ratio compares the two contenders and not what ran around them:
+    Step 1: one untimed put+get of the first batch per contender (connections, scripts, the
+    allocator's reply buffers), then clear. Step 2, per pass, per pair (the pairs one after
+    another, so the gRPC server process or a host tier's garbage never lands inside another pair's
+    calls): clear both and `gc.collect()` outside the timed calls; put batch 1 for both, batch 2
+    for both, ... with the order of the two swapped every batch and every pass (ABBA); then the
+    same for gets. Each call is timed alone; the replies of a get are counted and dropped after
+    its timer stops, alike for both (the get itself, with any verification and LRU index refresh,
+    is inside the timer). Every pass starts empty (tiers are put-if-absent).
+    """
+    for put, get, clear in ops.values():
+        put(batches[0])
+        get(batches[0])
+        clear()
+    seconds = {name: {"put": [], "get": []} for name in ops}
+    out = {tier: (seconds[tier], {"put": [], "get": []}) for tier, _ in pairs}
+    for r in range(repeats):
+        for tier, base in pairs:
+            both = (tier, base)
+            for name in both:
+                ops[name][2]()
+            for phase, slot in (("put", 0), ("get", 1)):
+                gc.collect()
+                spent = dict.fromkeys(both, 0.0)
+                read = dict.fromkeys(both, 0)
+                for j, batch in enumerate(batches):
+                    for name in both if (j + r) % 2 == 0 else both[::-1]:
+                        call = ops[name][slot]
+                        started = time.perf_counter()
+                        replies = call(batch)
+                        spent[name] += time.perf_counter() - started
+                        if replies:
+                            read[name] += sum(len(b) for b in replies if b is not None)
+                        del replies
+                out[tier][0][phase].append(spent[tier])
+                out[tier][1][phase].append(spent[base])
+                for name in both:
+                    if phase == "get" and not name.startswith("memory") and read[name] != total:
+                        raise RuntimeError(f"bench {name}: read {read[name]} of {total} bytes")
+            for name in both:
+                ops[name][2]()
+    return out
 
 
 @contextlib.contextmanager
@@ -309,19 +334,33 @@ def _store_ops(store, keys, blocks):
     return put, get, clear
 
 
-def _row(tier: str, size: int, count: int, gbps, baseline, baseline_name: str) -> dict[str, Any]:
-    return {
+def _row(
+    tier: str,
+    size: int,
+    count: int,
+    total: int,
+    ours: dict[str, list[float]],
+    base: dict[str, list[float]],
+    baseline_name: str,
+) -> dict[str, Any]:
+    """GB/s = median over passes; ratio = median of the per-pass ratios (ours / baseline of the
+    same pass), with their range over the passes."""
+    row: dict[str, Any] = {
         "tier": tier,
         "block_bytes": size,
         "blocks": count,
-        "put_GBps": round(gbps[0], 4),
-        "get_GBps": round(gbps[1], 4),
+        "passes": len(ours["put"]),
         "baseline": baseline_name,
-        "baseline_put_GBps": round(baseline[0], 4),
-        "baseline_get_GBps": round(baseline[1], 4),
-        "put_ratio": round(gbps[0] / baseline[0], 3),
-        "get_ratio": round(gbps[1] / baseline[1], 3),
     }
+    for phase in ("put", "get"):
+        row[f"{phase}_GBps"] = round(total / statistics.median(ours[phase]) / 1e9, 4)
+    for phase in ("put", "get"):
+        row[f"baseline_{phase}_GBps"] = round(total / statistics.median(base[phase]) / 1e9, 4)
+    for phase in ("put", "get"):
+        ratios = [b / o for o, b in zip(ours[phase], base[phase], strict=True)]
+        row[f"{phase}_ratio"] = round(statistics.median(ratios), 3)
+        row[f"{phase}_ratio_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    return row
 
 
 def _blocks(size: int, count: int, *, seed: int):
@@ -424,6 +463,7 @@ def render_table(result: dict) -> None:
         "base get",
         "put %",
         "get %",
+        "get % range",
     ):
         table.add_column(name, justify="left" if name in ("tier", "baseline") else "right")
     for row in result["rows"]:
@@ -437,6 +477,7 @@ def render_table(result: dict) -> None:
             f"{row['baseline_get_GBps']:.3f}",
             f"{100 * row['put_ratio']:.0f}",
             f"{100 * row['get_ratio']:.0f}",
+            "-".join(f"{100 * r:.0f}" for r in row.get("get_ratio_range", ())),
         )
     console = Console()
     console.print(table)

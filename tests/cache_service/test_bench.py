@@ -39,6 +39,10 @@ def test_quick_bench_json_shape_and_cleanup(moectl, redis_url, tmp_path):
         assert set(row) >= ROW_FIELDS
         for field in ROW_FIELDS - {"tier", "block_bytes"}:
             assert row[field] > 0, (row["tier"], field)
+        assert row["passes"] == 1
+        for phase in ("put", "get"):
+            low, high = row[f"{phase}_ratio_range"]
+            assert low <= row[f"{phase}_ratio"] <= high
         assert row["baseline"] == {
             "host": "memory copy",
             "host copy": "memory copy, resident",
@@ -61,3 +65,37 @@ def test_bench_refuses_a_block_smaller_than_its_header(moectl, redis_url, tmp_pa
     )
     assert code == 2
     assert "larger than the" in err
+
+
+def test_each_pair_runs_interleaved_batch_by_batch_and_swaps_order():
+    from cache_service.bench import _interleaved
+
+    calls: list[tuple[str, str, int]] = []
+    data = {0: b"ab", 1: b"cde"}
+
+    def contender(name: str, *, lose: bool = False):
+        def put(batch):
+            calls.append((name, "put", batch[0]))
+
+        def get(batch):
+            calls.append((name, "get", batch[0]))
+            return [None if lose else data[i] for i in batch]
+
+        return put, get, lambda: calls.append((name, "clear", -1))
+
+    ops = {"t": contender("t"), "b": contender("b"), "u": contender("u"), "c": contender("c")}
+    seconds = _interleaved(ops, [("t", "b"), ("u", "c")], 2, [[0], [1]], total=5)
+    timed = [c for c in calls[12:] if c[1] != "clear"]  # after the warm-up of 4 contenders
+    pass_1 = [(n, p, i) for n, p, i in timed[:16]]
+    assert pass_1[:8] == [
+        ("t", "put", 0), ("b", "put", 0), ("b", "put", 1), ("t", "put", 1),
+        ("t", "get", 0), ("b", "get", 0), ("b", "get", 1), ("t", "get", 1),
+    ]  # fmt: skip
+    assert {n for n, _, _ in pass_1[8:]} == {"u", "c"}
+    assert timed[16:20] == [("b", "put", 0), ("t", "put", 0), ("t", "put", 1), ("b", "put", 1)]
+    for tier in ("t", "u"):
+        ours, base = seconds[tier]
+        assert len(ours["put"]) == len(ours["get"]) == len(base["get"]) == 2
+    lossy = {"t": contender("t", lose=True), "b": contender("b")}
+    with pytest.raises(RuntimeError, match="read 0 of 5 bytes"):
+        _interleaved(lossy, [("t", "b")], 1, [[0], [1]], total=5)
