@@ -23,7 +23,8 @@ accounting off by that batch; expired (TTL) values stay accounted until eviction
 
 URL query options: ttl_s (block TTL, default none), timeout_s (socket timeouts, 1.0),
 retries (2, exponential backoff from 10 ms), breaker_failures (3), breaker_cooldown_s (2.0),
-max_connections (32), cluster=1 (same as the redis+cluster:// scheme; one seed host:port, the
+max_connections (32), lru_refresh_s (2.0: a get re-scores a block in the LRU index only if this
+process has not done so within that many seconds; 0 = on every get), cluster=1 (same as the redis+cluster:// scheme; one seed host:port, the
 client discovers the other nodes). Eviction on this tier is LRU whatever the cache's policy:
 attention mass lives in the engine process and is not shared across replicas.
 
@@ -67,9 +68,11 @@ _OPTIONS = {
     "breaker_cooldown_s": float,
     "max_connections": int,
     "cluster": int,
+    "lru_refresh_s": float,
 }
 _FAULTS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 _EVICT_ROUNDS = 64
+_REFRESH_MEMORY = 1 << 16
 
 
 class RedisTier(Tier):
@@ -94,6 +97,9 @@ class RedisTier(Tier):
         self._timeout = options.get("timeout_s", 1.0)
         self._retries = options.get("retries", 2)
         self._max_connections = options.get("max_connections", 32)
+        self._lru_refresh_s = options.get("lru_refresh_s", 2.0)
+        self._refresh_lock = threading.Lock()
+        self._refreshed: dict[bytes, float] = {}
         ns = namespace.prefix
         self._ns = ns
         self._meta = f"moe:kvmeta:{ns}"
@@ -234,31 +240,62 @@ class RedisTier(Tier):
     # -- operations ----------------------------------------------------------------------------
 
     def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """Pipelined GET of the values, then the LRU index refresh of the blocks that are due
+        (`_due_for_refresh`): one ZADD XX per run with due blocks and one ZADD XX of those runs,
+        in the same round trip."""
         keys = list(keys)
         if not keys:
             return []
-        groups = self._by_run(keys)
+        due = self._due_for_refresh(keys)
 
         def work(client: Any) -> list[bytes | None]:
             now = time.time()
             pipe = client.pipeline(transaction=False)
-            for run, idx in groups.items():
-                for i in idx:
-                    pipe.execute_command("GET", self.value_key(keys[i]))
+            for key in keys:
+                pipe.execute_command("GET", self.value_key(key))
+            for run, idx in due.items():
                 scored = [part for i in idx for part in (now, keys[i].hex)]
                 pipe.execute_command("ZADD", self._index_keys(run)[0], "XX", *scored)
-                pipe.execute_command("ZADD", self._runs, "XX", now, run)
-            replies = pipe.execute()
-            out: list[bytes | None] = [None] * len(keys)
-            pos = 0
-            for idx in groups.values():
-                for i in idx:
-                    out[i] = replies[pos]
-                    pos += 1
-                pos += 2
-            return out
+            if due:
+                pipe.execute_command("ZADD", self._runs, "XX", *[p for r in due for p in (now, r)])
+            return pipe.execute()[: len(keys)]
 
         return self._call("get", work, [None] * len(keys))
+
+    def _due_for_refresh(self, keys: list[BlockKey]) -> dict[str, list[int]]:
+        """Per run, the indices of `keys` whose LRU score this process has not refreshed within
+        the last `lru_refresh_s` seconds (all of them when it is 0); marks them refreshed now.
+
+        The trade-off: a block read again and again is re-scored at most once per
+        `lru_refresh_s` by this process, so LRU order is exact only to that many seconds (reads
+        by other replicas refresh it on their own). A deleted block (and an evicted one, as far as
+        the eviction script returns it) is forgotten, so its next read after a re-put refreshes
+        at once. The memory is bounded: past
+        `_REFRESH_MEMORY` blocks, entries older than the window are dropped (all, if still over).
+        """
+        groups = self._by_run(keys)
+        if self._lru_refresh_s <= 0:
+            return groups
+        now = time.monotonic()
+        horizon = now - self._lru_refresh_s
+        due: dict[str, list[int]] = {}
+        with self._refresh_lock:
+            seen = self._refreshed
+            for run, idx in groups.items():
+                stale = [i for i in idx if seen.get(keys[i].digest, horizon) <= horizon]
+                if stale:
+                    due[run] = stale
+                    for i in stale:
+                        seen[keys[i].digest] = now
+            if len(seen) > _REFRESH_MEMORY:
+                kept = {d: t for d, t in seen.items() if t > horizon}
+                self._refreshed = kept if len(kept) <= _REFRESH_MEMORY else {}
+        return due
+
+    def _forget_refreshed(self, digests: Sequence[bytes]) -> None:
+        with self._refresh_lock:
+            for digest in digests:
+                self._refreshed.pop(digest, None)
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         keys = list(keys)
@@ -370,9 +407,10 @@ class RedisTier(Tier):
                 used, blocks = (int(v) for v in pipe.execute()[:2])
                 self._last_totals = (used, blocks)
                 run_bytes = bytes.fromhex(run)
-                for member, value in zip(pairs[::2], pairs[1::2], strict=True):
-                    key = BlockKey(digest=bytes.fromhex(member.decode()), run=run_bytes)
-                    out.append((key, value))
+                gone = [bytes.fromhex(member.decode()) for member in pairs[::2]]
+                for digest, value in zip(gone, pairs[1::2], strict=True):
+                    out.append((BlockKey(digest=digest, run=run_bytes), value))
+                self._forget_refreshed(gone)
                 self.metrics.evictions.labels(tier=self.name).inc(int(count))
             return out
 
@@ -382,6 +420,7 @@ class RedisTier(Tier):
         keys = list(keys)
         if not keys:
             return 0
+        self._forget_refreshed([key.digest for key in keys])
         groups = self._by_run(keys)
 
         def work(client: Any) -> int:

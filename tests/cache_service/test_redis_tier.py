@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -98,6 +99,43 @@ def test_reads_refresh_lru(redis_url, ns):
         assert cache.contains(keys[:64]) == [True] * 64
         assert sum(cache.contains(keys[64:])) == 6  # 30 of run 1's blocks made room
         assert cache.contains(newer) == [True] * 30
+
+
+@pytest.mark.parametrize("window", [0.0, 30.0])
+def test_reads_rescore_a_block_at_most_once_per_refresh_window(redis_url, ns, window):
+    """The LRU score (the documented index: sorted set moe:kvidx:<ns>:{<run>}, score = last use in
+    unix seconds), read straight from Redis: the first read re-scores; with lru_refresh_s=30 a
+    second read within the window leaves it, a read after delete + re-put re-scores again; with 0
+    every read re-scores."""
+    key = keys_for(1)[0]
+    client = redis.Redis.from_url(redis_url)
+    index = f"moe:kvidx:{ns.prefix}:{{{key.run_tag.hex()}}}"
+    runs = f"moe:kvruns:{ns.prefix}"
+    url = f"{redis_url}?lru_refresh_s={window}"
+
+    def scores() -> tuple[float, float]:
+        time.sleep(0.02)
+        return client.zscore(index, key.hex), client.zscore(runs, key.run_tag.hex())
+
+    try:
+        with _redis_cache(url, ns) as cache:
+            cache.put_many([(key, block_for(key, 0))])
+            put = scores()
+            assert cache.get(key) is not None
+            first = scores()
+            assert first[0] > put[0] and first[1] > put[1]
+            assert cache.get(key) is not None
+            second = scores()
+            assert (second == first) == (window > 0)
+            if window == 0:
+                assert second[0] > first[0] and second[1] > first[1]
+            assert cache.evict([key]) == 1
+            cache.put_many([(key, block_for(key, 0))])
+            again = scores()
+            assert cache.get(key) is not None
+            assert scores()[0] > again[0]
+    finally:
+        client.close()
 
 
 def test_namespace_fingerprint_and_salt_isolation(redis_url, ns):
