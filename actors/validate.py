@@ -252,9 +252,9 @@ def load_plan(path: str | Path):
     text = p.read_text()
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-        return Plan.from_json(data)
-    except (ValueError, KeyError, TypeError, yaml.YAMLError) as exc:
-        raise InputError(f"--plan {p}: not a Plan ({type(exc).__name__}: {exc})") from None
+    except (ValueError, yaml.YAMLError) as exc:
+        raise InputError(f"--plan {p}: not JSON/YAML ({type(exc).__name__})") from None
+    return Plan.from_json(data, origin=f"--plan {p}")
 
 
 # ----------------------------------------------------------------------------- comparison

@@ -39,12 +39,7 @@ def _load_plan(path: Path):
         text = path.read_text()
     except OSError as exc:
         raise InputError(f"{path}: cannot read the plan ({exc.strerror})") from None
-    try:
-        return Plan.from_yaml(text)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise InputError(
-            f"{path}: not a plan written by `moectl plan -o` ({type(exc).__name__}: {exc})"
-        ) from None
+    return Plan.from_yaml(text, origin=str(path))
 
 
 def build_values(plan_path: Path | None, values_files: list[Path]) -> tuple[dict[str, Any], Any]:

@@ -164,9 +164,13 @@ class Plan:
         try:
             return cls._from_json(data)
         except KeyError as exc:
-            raise InputError(f"{origin}: missing field {exc.args[0]!r}") from None
+            raise InputError(
+                f"{origin}: missing field {exc.args[0]!r}; not a plan written by `moectl plan -o`"
+            ) from None
         except (TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise InputError(f"{origin}: malformed plan: {exc}") from None
+            raise InputError(
+                f"{origin}: malformed plan ({exc}); not a plan written by `moectl plan -o`"
+            ) from None
 
     @classmethod
     def _from_json(cls, data: dict) -> Plan:
