@@ -224,7 +224,11 @@ def bench_cache(
     ),
     sizes: str = typer.Option("64K,256K,1M,4M", "--sizes", help="Block sizes, comma-separated."),
     total: str = typer.Option("256M", "--total", help="Bytes written per block size and row."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed passes; the median (and the range of the per-pass ratios) is reported."),
+    repeats: int = typer.Option(
+        3,
+        "--repeats",
+        help="Timed passes; the median (and the range of the per-pass ratios) is reported.",
+    ),
     quick: bool = typer.Option(
         False, "--quick", help="Tiny sizes for a smoke test (numbers mean nothing)."
     ),
