@@ -13,10 +13,12 @@ EP sends routed tokens to the experts' owners inside each MoE layer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,14 +288,10 @@ class ShardWorker:
 
     # ------------------------------------------------------------------ step
 
-    def step(self, batch: StepBatch) -> StepResult:
-        """Run every sequence of `batch` through the replica; returns this rank's part.
-
-        Step 1: DP: this rank takes sequences dp, dp + DP, ... (TP members take the same).
-        Step 2: PP: they are cut into micro-batches, the same count on every DP rank so the
-        EP all-to-alls of a stage pair up; a DP rank without sequences runs empty micro-batches.
-        Step 3: the last stage's TP rank 0 returns the logits of its sequences.
-        """
+    @contextlib.contextmanager
+    def _timed_step(self) -> Iterator[None]:
+        """Around one step: refuse a broken rank, reset the per-step counters, mark the rank
+        broken on a communication error, then record the step time and each axis's wait."""
         if self.broken is not None:
             raise CommError(f"rank {self.rank} is broken ({self.broken}); rebuild the replica")
         self.in_step = True
@@ -303,7 +301,7 @@ class ShardWorker:
         self.model.reset_routing_counts()
         start = time.perf_counter()
         try:
-            result = self._step(batch)
+            yield
         except CommError as exc:
             self.broken = type(exc).__name__
             raise
@@ -314,6 +312,17 @@ class ShardWorker:
         for axis, group in self.groups.items():
             if group.size > 1:
                 self._timings[f"wait_{axis.value}"] = group.waited_s
+
+    def step(self, batch: StepBatch) -> StepResult:
+        """Run every sequence of `batch` through the replica; returns this rank's part.
+
+        Step 1: DP: this rank takes sequences dp, dp + DP, ... (TP members take the same).
+        Step 2: PP: they are cut into micro-batches, the same count on every DP rank so the
+        EP all-to-alls of a stage pair up; a DP rank without sequences runs empty micro-batches.
+        Step 3: the last stage's TP rank 0 returns the logits of its sequences.
+        """
+        with self._timed_step():
+            result = self._step(batch)
         return StepResult(
             rank=self.rank,
             seq_indices=result[0],
@@ -409,25 +418,9 @@ class ShardWorker:
         if self.broken is not None:
             raise CommError(f"rank {self.rank} is broken ({self.broken}); rebuild the replica")
         cache = self._cache()
-        self.in_step = True
-        self._timings.clear()
-        for group in self.groups.values():
-            group.waited_s = 0.0
-        self.model.reset_routing_counts()
-        start = time.perf_counter()
-        try:
+        with self._timed_step():
             self._copy_blocks(cache, shard.copies)
             rows, tokens, logprobs = self._execute(cache, shard)
-        except CommError as exc:
-            self.broken = type(exc).__name__
-            raise
-        finally:
-            self.in_step = False
-        self.steps += 1
-        self._timings["step"] = time.perf_counter() - start
-        for axis, group in self.groups.items():
-            if group.size > 1:
-                self._timings[f"wait_{axis.value}"] = group.waited_s
         return ShardStepOutput(
             rank=self.rank,
             rows=rows,
