@@ -133,6 +133,11 @@ class Group:
         try:
             work.wait()
         except RuntimeError as exc:
+            if "imed out" in str(exc):  # the backend's own timeout fired before our deadline
+                raise CollectiveTimeout(
+                    f"{what} on {self.axis} group {self.ranks} (rank {self.ranks[self.index]}) "
+                    f"did not complete within {self.timeout_s:g} s"
+                ) from exc
             raise CommError(f"{what} on {self.axis} group {self.ranks} failed: {exc}") from exc
 
     def _check(self, what: str, deadline: float) -> None:
