@@ -16,6 +16,15 @@ Step 3: newly full blocks are registered under their keys; sampled tokens are ap
         detokenised, checked against stop conditions; finished sequences' blocks are written down
         the tiers (as are preempted ones') and released.
 
+Roles (prefill/decode disaggregation, deploy/disagg.py): a `mixed` engine runs requests from
+prompt to last token. A `prefill` engine runs the prompt, samples the first token, writes the
+prompt's full KV blocks down the tiers and ends the request with finish_reason 'handoff' and a
+`Handoff` (tokens so far, seed, blocks written); a `decode` engine takes it with
+`resume_request(rid, prompt, params, **handoff.resume_kwargs())`, loads the blocks it lacks from the tiers (the
+cache verifies each block's key and checksum, so a block half written or lost is a miss and its
+tokens are recomputed), and streams the rest. A decode engine is otherwise a mixed one (a
+request that reaches it directly runs whole).
+
 Batch invariance (`batch_invariant=True`, the default): the runner runs the model one sequence at
 a time and prefill chunks have a fixed size, so a request's greedy tokens do not depend on what
 else is in the batch: every operation of a sequence sees the same shapes alone or batched. What
@@ -51,7 +60,56 @@ from actors.sampler import RowSampling, SamplingParams, TokenLogprob
 from actors.scheduler import Scheduler, SchedulerConfig, Sequence
 from cluster.errors import InputError
 
-__all__ = ["AsyncEngine", "Engine", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = [
+    "ROLES",
+    "AsyncEngine",
+    "Engine",
+    "Handoff",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handoff:
+    """What a prefill engine hands a decode engine: enough to resume the request exactly."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    """Tokens sampled so far (the first one); the client has them."""
+    seed: int
+    """The sampler's seed (a decode engine samples step len(output_token_ids) next)."""
+    cached_tokens: int
+    """Prompt tokens the prefill engine found cached (usage.cached_tokens)."""
+    blocks: int
+    """Full prompt blocks (the decode engine recomputes the partial last one)."""
+    blocks_stored: int
+    """Blocks the tiers now hold (written now or before); fewer when a tier refused or failed."""
+    bytes_written: int
+    write_s: float
+
+    def resume_kwargs(self) -> dict[str, Any]:
+        """`resume_request(request_id, handoff.prompt_token_ids, params, **resume_kwargs())`."""
+        return {
+            "seed": self.seed,
+            "output_token_ids": list(self.output_token_ids),
+            "cached_tokens": self.cached_tokens,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "output_token_ids": list(self.output_token_ids),
+            "seed": self.seed,
+            "cached_tokens": self.cached_tokens,
+            "blocks": self.blocks,
+            "blocks_stored": self.blocks_stored,
+            "bytes_written": self.bytes_written,
+            "write_s": self.write_s,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +128,8 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     """Prompt tokens whose KV came from the cache (device prefix blocks or the tiers)."""
+    handoff: Handoff | None = None
+    """Set on a prefill engine's last output of a request (finish_reason 'handoff')."""
 
 
 class Engine:
@@ -91,7 +151,13 @@ class Engine:
         batch_invariant: bool = True,
         cache_codec: str = "raw",
         cache_compression: str | None = None,
+        role: str = "mixed",
     ) -> None:
+        if role not in ROLES:
+            raise InputError(f"engine role {role!r}: expected one of {', '.join(ROLES)}")
+        if role == "prefill" and cache is None:
+            raise InputError("engine role 'prefill' needs a cache: its KV blocks go to the tiers")
+        self.role = role
         if batch_invariant and max_num_batched_tokens < max_num_seqs:
             raise InputError(
                 f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
@@ -132,7 +198,15 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
-        self.counts = {"prefix_queries": 0, "prefix_hits": 0, "tier_hits": 0, "steps": 0}
+        self.counts = {
+            "prefix_queries": 0,
+            "prefix_hits": 0,
+            "tier_hits": 0,
+            "steps": 0,
+            "handoffs": 0,
+            "handoff_blocks": 0,
+            "handoff_bytes": 0,
+        }
         self._latency = {"last_s": 0.0, "total_s": 0.0}
 
     @classmethod
@@ -290,15 +364,48 @@ class Engine:
             elif len(seq.output_token_ids) >= p.max_tokens:
                 reason, text = "length", text + detok.flush()
         lps = None if p.logprobs is None else (logprob,)
-        out = self._output(seq, (token,), text, reason, lps)
+        handoff = None
+        if reason is None and self.role == "prefill":
+            reason, handoff = "handoff", self._hand_off(seq)
+        out = self._output(seq, (token,), text, reason, lps, handoff)
         if reason is not None:
-            self._write_down(seq)
+            if handoff is None:
+                self._write_down(seq)
             self.scheduler.remove(seq)
             self._forget(seq)
         return out
 
-    def _output(self, seq, tokens, text, reason, logprobs) -> RequestOutput:
+    def _hand_off(self, seq: Sequence) -> Handoff:
+        """A prefill engine's end of a request: its full prompt blocks down the tiers, then the
+        Handoff (written only after every put returned, so a decode engine never looks for a
+        block still in flight)."""
+        started = time.perf_counter()
+        written = self._write_down(seq)
+        full = len(seq.prompt_token_ids) // self.block_size
+        stored = sum(
+            1
+            for i in range(min(full, seq.registered))
+            if self.blocks.stored[seq.block_table[i]]
+            and self.blocks.key[seq.block_table[i]] == seq.block_keys[i]
+        )
+        handoff = Handoff(
+            prompt_token_ids=tuple(seq.prompt_token_ids),
+            output_token_ids=tuple(seq.output_token_ids),
+            seed=seq.seed,
+            cached_tokens=seq.cached_tokens or 0,
+            blocks=full,
+            blocks_stored=stored,
+            bytes_written=written,
+            write_s=time.perf_counter() - started,
+        )
+        self.counts["handoffs"] += 1
+        self.counts["handoff_blocks"] += stored
+        self.counts["handoff_bytes"] += written
+        return handoff
+
+    def _output(self, seq, tokens, text, reason, logprobs, handoff=None) -> RequestOutput:
         return RequestOutput(
+            handoff=handoff,
             request_id=seq.request_id,
             new_token_ids=tuple(tokens),
             text_delta=text,
@@ -356,15 +463,22 @@ class Engine:
             self.blocks.register(seq.block_table[i], seq.block_keys[i])
         seq.registered = full
 
-    def _write_down(self, seq: Sequence) -> None:
-        """Write the sequence's computed full blocks to the tiers (finish or preemption)."""
+    def _write_down(self, seq: Sequence) -> int:
+        """Write the sequence's computed full blocks to the tiers (finish, preemption, handoff);
+        returns the bytes newly written. A block whose put faulted stays unmarked (a later
+        write-down tries again); one the tiers already held counts as stored."""
         if self.tiers is None:
-            return
+            return 0
+        written = 0
         for i in range(seq.registered):
             block, key = seq.block_table[i], seq.block_keys[i]
             if self.blocks.key[block] == key and not self.blocks.stored[block]:
-                self.tiers.store(key, self.runner.read_block(block))
-                self.blocks.stored[block] = True
+                data = self.runner.read_block(block)
+                faults = self.tiers.counts["faults"]
+                if self.tiers.store(key, data):
+                    written += data.numel() * data.element_size()
+                self.blocks.stored[block] = self.tiers.counts["faults"] == faults
+        return written
 
     # --------------------------------------------------------------- recovery
 
@@ -426,6 +540,10 @@ class Engine:
             "tier_hits": self.counts["tier_hits"],
             "tier_hits_by_tier": dict(self.tiers.tier_hits) if self.tiers is not None else {},
             "preemptions": self.scheduler.preemptions,
+            "role": self.role,
+            "handoffs": self.counts["handoffs"],
+            "handoff_blocks": self.counts["handoff_blocks"],
+            "handoff_bytes": self.counts["handoff_bytes"],
             "steps": steps,
             "step_latency_s": self._latency["last_s"],
             "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
@@ -458,8 +576,16 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        resume: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. `resume` (a decode engine taking a handoff, or a request
+        moved off a lost replica): `Engine.resume_request`'s keywords, {seed, output_token_ids,
+        cached_tokens}."""
         if self._stop.is_set():
             raise RuntimeError("the engine is shut down")
         loop = asyncio.get_running_loop()
@@ -468,7 +594,10 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise InputError(f"request_id {request_id!r} is already running")
             self._streams[request_id] = (loop, stream)
-        self._send(("add", request_id, list(prompt_token_ids), params))
+        if resume is None:
+            self._send(("add", request_id, list(prompt_token_ids), params))
+        else:
+            self._send(("resume", request_id, list(prompt_token_ids), params, dict(resume)))
         finished = False
         try:
             while True:
@@ -518,9 +647,13 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if command[0] == "add":
+                if command[0] in ("add", "resume"):
                     try:
-                        engine.add_request(*command[1:])
+                        if command[0] == "add":
+                            engine.add_request(*command[1:])
+                        else:
+                            rid, ids, params, kw = command[1:]
+                            engine.resume_request(rid, ids, params, **kw)
                     except InputError as exc:
                         self._deliver(command[1], exc)
                 else:
