@@ -152,6 +152,21 @@ class RecoveringEngine:
             prompt=list(seq.prompt_token_ids), params=params, seed=seq.seed
         )
 
+    def resume_request(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, **resume: Any
+    ) -> None:
+        """A request taken over from another replica (a handoff): tracked from the tokens its
+        client already has, so a fault here resumes it again."""
+        self.engine.resume_request(request_id, prompt_token_ids, params, **resume)
+        t = _Tracked(
+            prompt=list(prompt_token_ids),
+            params=params,
+            seed=resume["seed"],
+            cached_tokens=resume.get("cached_tokens"),
+        )
+        t.delivered.extend(resume["output_token_ids"])
+        self.tracked[request_id] = t
+
     def abort(self, request_id: str) -> None:
         self.tracked.pop(request_id, None)
         self.engine.abort(request_id)

@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,10 +29,11 @@ from ray import serve
 from deploy.config import (
     INGRESS_DEPLOYMENT,
     INGRESS_MAX_ONGOING,
-    MODEL_DEPLOYMENT,
-    autoscaling_config,
+    ROLE_OF_DEPLOYMENT,
+    model_deployments,
     parse_serve_config,
 )
+from deploy.disagg import HandoffStream
 from deploy.limits import (
     DEFAULT_MAX_STREAMS,
     StreamLimiter,
@@ -117,10 +119,15 @@ class OpenAIIngress:
         *,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_streams_per_client: int = DEFAULT_MAX_STREAMS,
+        prefill: Any = None,
     ) -> None:
+        """`model` is the model deployment; in a disaggregated deployment it is the decode
+        pool and `prefill` the prefill pool (deploy/disagg.py)."""
         from deploy.metrics import IngressMetrics
 
-        self.model = model
+        self.model, self.prefill = model, prefill
+        self.handoffs: list[dict[str, Any]] = []
+        """The last handoffs' figures (bytes, seconds, retries), for /admin/handoffs."""
         self.cfg = parse_serve_config(args)
         self.name = self.cfg.model.served_name
         self.created = int(time.time())
@@ -174,6 +181,9 @@ class OpenAIIngress:
         for prompt in prompts:
             for j in range(req.n):
                 seed = None if req.seed is None else req.seed + j
+                if seed is None and self.prefill is not None:
+                    # Fixed here so any replica can carry the request on (deploy/disagg.py).
+                    seed = secrets.randbits(63)
                 jobs.append(
                     {
                         "request_id": new_id("req"),
@@ -187,8 +197,11 @@ class OpenAIIngress:
         return jobs
 
     async def _open(self, jobs: list[dict[str, Any]]) -> list[tuple[Any, dict]]:
-        """Start every job; raise the first job's error (4xx) before any response is sent."""
-        handle = self.model.options(stream=True)
+        """Start every job; raise the first job's error (4xx) before any response is sent.
+
+        Disaggregated: each job starts on the prefill pool and goes on as a HandoffStream."""
+        first_pool = self.prefill if self.prefill is not None else self.model
+        handle = first_pool.options(stream=True)
         gens = [handle.generate.remote(job) for job in jobs]
         opened = []
         try:
@@ -206,7 +219,29 @@ class OpenAIIngress:
             for gen in gens:
                 gen.cancel()
             raise
+        if self.prefill is not None:
+            decode = self.model.options(stream=True)
+            retries = self.cfg.disaggregation.handoff_retries
+            opened = [
+                (self._handoff_stream(job, gen, handle, decode, retries), first)
+                for job, (gen, first) in zip(jobs, opened, strict=True)
+            ]
         return opened
+
+    def _handoff_stream(self, job, gen, prefill, decode, retries: int) -> HandoffStream:
+        return HandoffStream(
+            job,
+            gen,
+            prefill=prefill,
+            decode=decode,
+            retries=retries,
+            on_handoff=self._record_handoff,
+        )
+
+    def _record_handoff(self, stats: dict[str, Any]) -> None:
+        self.metrics.observe_handoff(self.name, stats)
+        self.handoffs.append(stats)  # the stream's own dict: later retries show here too
+        del self.handoffs[:-1024]
 
     async def _serve(self, request: Request, kind: str, route: str) -> Response:
         status = 200
@@ -357,9 +392,17 @@ class OpenAIIngress:
         return JSONResponse({"status": "ok", "model": self.name})
 
     @fastapi_app.get("/admin/stats")
-    async def admin_stats(self, request: Request) -> JSONResponse:
+    async def admin_stats(self, request: Request, role: str = "decode") -> JSONResponse:
+        """One model replica's engine stats (`?role=prefill`: a prefill replica's)."""
         self._authorise(request)
-        return JSONResponse(await self.model.stats.remote())
+        pool = self.prefill if role == "prefill" and self.prefill is not None else self.model
+        return JSONResponse(await pool.stats.remote())
+
+    @fastapi_app.get("/admin/handoffs")
+    async def admin_handoffs(self, request: Request) -> JSONResponse:
+        """The last handoffs of a disaggregated deployment: blocks, bytes, seconds, retries."""
+        self._authorise(request)
+        return JSONResponse({"handoffs": list(self.handoffs)})
 
     @fastapi_app.get("/metrics")
     async def prometheus(self) -> PlainTextResponse:
@@ -384,14 +427,6 @@ def build_app(
     ingress's early limits (deploy/limits.py)."""
     cfg = parse_serve_config(dict(args), origin="serve args")
     plain = cfg.model_dump(mode="json")
-    model = serve.deployment(
-        ModelServer,
-        name=MODEL_DEPLOYMENT,
-        autoscaling_config=autoscaling_config(cfg),
-        max_ongoing_requests=cfg.engine.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.engine.num_cpus},
-        health_check_period_s=5,
-    )
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,
@@ -399,9 +434,14 @@ def build_app(
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0.1},
     )
-    return ingress.bind(
-        model.bind(plain, engine_module),
-        plain,
-        max_body_bytes=max_body_bytes,
-        max_streams_per_client=max_streams_per_client,
-    )
+    limits = {"max_body_bytes": max_body_bytes, "max_streams_per_client": max_streams_per_client}
+    bound = {}
+    for entry in model_deployments(cfg):
+        name = entry.pop("name")
+        role = ROLE_OF_DEPLOYMENT[name]
+        bound[role] = serve.deployment(
+            ModelServer, name=name, health_check_period_s=5, **entry
+        ).bind(plain, engine_module, role)
+    if "mixed" in bound:
+        return ingress.bind(bound["mixed"], plain, **limits)
+    return ingress.bind(bound["decode"], plain, prefill=bound["prefill"], **limits)

@@ -12,6 +12,9 @@ engine, autoscaling and HTTP, and the Ray Serve config derived from it.
                   upscale_delay_s: 30, downscale_delay_s: 300, queue_depth_high: 8,
                   kv_utilisation_high: 0.9, ttft_high_s: 2.0}
     http:        {host: 127.0.0.1, port: 8000, api_key_env: MOE_API_KEY}
+    routing:     {policy: prefix_aware | power_of_two | round_robin, imbalance_tolerance: 4}
+    disaggregation: {enabled: false, prefill: {replicas: 1, layout: single, num_cpus: 1},
+                     decode: {replicas: 1, layout: single, num_cpus: 1}, handoff_retries: 1}
 
 `load_serve_config(path)` validates the file once and raises `InputError` with one line naming
 the field (`serve.yaml: engine.block_size: ...`); `to_serve_config(cfg)` returns the dict that
@@ -31,6 +34,18 @@ APP_IMPORT_PATH = "deploy.app:build_app"
 POLICY_IMPORT_PATH = "deploy.autoscaling:EngineSignalPolicy"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 MODEL_DEPLOYMENT = "ModelServer"
+PREFILL_DEPLOYMENT = "PrefillServer"
+DECODE_DEPLOYMENT = "DecodeServer"
+ROLE_OF_DEPLOYMENT = {
+    MODEL_DEPLOYMENT: "mixed",
+    PREFILL_DEPLOYMENT: "prefill",
+    DECODE_DEPLOYMENT: "decode",
+}
+ROUTER_IMPORT_PATHS = {
+    "prefix_aware": "deploy.routing:PrefixAwareRouter",
+    "round_robin": "deploy.routing:RoundRobinRouter",
+}
+"""Serve request routers by `routing.policy` (power_of_two is Serve's default router)."""
 INGRESS_MAX_ONGOING = 1024
 DEMO_MODEL = "demo"
 """`model.path: demo` means the tiny demo checkpoint made (or reused) under ~/.cache."""
@@ -239,6 +254,59 @@ class HttpSection(_Strict):
         return v
 
 
+class RoutingSection(_Strict):
+    """How the ingress picks a model replica (a Ray Serve request router, deploy/routing.py)."""
+
+    policy: Literal["prefix_aware", "power_of_two", "round_robin"] = "power_of_two"
+    """`prefix_aware`: the replica holding the longest prefix of the prompt, unless its queue is
+    `imbalance_tolerance` requests longer than the shortest; `power_of_two`: Serve's default
+    (least loaded of two random replicas); `round_robin`: in turn (a baseline)."""
+    imbalance_tolerance: int = Field(default=4, ge=0)
+    """Queued requests a prefix match may cost before load wins (prefix_aware)."""
+
+
+class PoolSection(_Strict):
+    """One pool of a disaggregated deployment (prefill or decode replicas)."""
+
+    replicas: int = Field(default=1, ge=1)
+    layout: str | None = None
+    """The pool's own parallel layout (shorthand, as plan.layout); default: plan's."""
+    num_cpus: float = Field(default=1.0, ge=0)
+    resources: dict[str, float] = {}
+    """Ray custom resources each replica asks for (the Helm chart gives each role's worker
+    group a resource `moe.io/<role>`, so a pool lands on its own group)."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    """The pool's step token budget; default: engine.max_num_batched_tokens."""
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, v: str | None) -> str | None:
+        if v is not None:
+            from placement.parallel_dims import parse_layout
+
+            try:
+                parse_layout(v)
+            except InputError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    def dims(self, default):
+        from placement.parallel_dims import parse_layout
+
+        return default if self.layout is None else parse_layout(self.layout)
+
+
+class DisaggregationSection(_Strict):
+    """Prefill/decode disaggregation: prefill replicas run prompts and write their KV blocks to
+    the shared tiers, decode replicas load them and stream the tokens (deploy/disagg.py)."""
+
+    enabled: bool = False
+    prefill: PoolSection = PoolSection()
+    decode: PoolSection = PoolSection()
+    handoff_retries: int = Field(default=1, ge=0)
+    """Other replicas tried when a prefill or decode replica is lost mid-request."""
+
+
 class ServeConfig(_Strict):
     """The whole serve YAML."""
 
@@ -250,6 +318,17 @@ class ServeConfig(_Strict):
     engine: EngineSection = EngineSection()
     autoscaling: AutoscalingSection = AutoscalingSection()
     http: HttpSection = HttpSection()
+    routing: RoutingSection = RoutingSection()
+    disaggregation: DisaggregationSection = DisaggregationSection()
+
+    @model_validator(mode="after")
+    def _handoff_tier(self) -> ServeConfig:
+        if self.disaggregation.enabled and not self.cache.tiers:
+            raise ValueError(
+                "disaggregation.enabled needs cache.tiers: the KV blocks travel from prefill "
+                "to decode replicas through them (host:// on one node, redis:// across nodes)"
+            )
+        return self
 
 
 def _one_line(exc: ValidationError, origin: str) -> str:
@@ -308,11 +387,63 @@ def autoscaling_config(cfg: ServeConfig) -> dict[str, Any]:
     return out
 
 
+ROUTING_STATS_PERIOD_S = 1.0
+"""How often Serve asks each replica for its routing stats (the prefixes it holds)."""
+
+
+def request_router_config(cfg: ServeConfig) -> dict[str, Any] | None:
+    """The model deployment's Serve `request_router_config`, None for Serve's default router."""
+    path = ROUTER_IMPORT_PATHS.get(cfg.routing.policy)
+    if path is None:
+        return None
+    return {
+        "request_router_class": path,
+        "request_router_kwargs": {
+            "imbalance_tolerance": cfg.routing.imbalance_tolerance,
+            "block_size": cfg.engine.block_size,
+        },
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
+
+
+def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
+    """The Serve deployment entries of the model: one autoscaled `ModelServer`, or, with
+    disaggregation, a `PrefillServer` and a `DecodeServer` pool of fixed sizes."""
+    router = request_router_config(cfg)
+    routing = {} if router is None else {"request_router_config": router}
+    if not cfg.disaggregation.enabled:
+        return [
+            {
+                "name": MODEL_DEPLOYMENT,
+                "autoscaling_config": autoscaling_config(cfg),
+                "max_ongoing_requests": cfg.engine.max_ongoing_requests,
+                "ray_actor_options": {"num_cpus": cfg.engine.num_cpus},
+                **routing,
+            }
+        ]
+    out = []
+    for role, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
+        pool = getattr(cfg.disaggregation, role)
+        options: dict[str, Any] = {"num_cpus": pool.num_cpus}
+        if pool.resources:
+            options["resources"] = dict(pool.resources)
+        out.append(
+            {
+                "name": name,
+                "num_replicas": pool.replicas,
+                "max_ongoing_requests": cfg.engine.max_ongoing_requests,
+                "ray_actor_options": options,
+                **routing,
+            }
+        )
+    return out
+
+
 def to_serve_config(cfg: ServeConfig) -> dict[str, Any]:
     """A Ray Serve config (ServeDeploySchema) for `serve deploy` and Helm's `serveConfigV2`.
 
     One application: the ingress (a single replica, it only parses and streams) and the model
-    deployment with the autoscaling settings; `args` is the serve YAML itself, so `build_app`
+    deployment with the autoscaling settings (or the prefill and decode pools); `args` is the serve YAML itself, so `build_app`
     sees the same validated config on every cluster.
     """
     return {
@@ -330,12 +461,7 @@ def to_serve_config(cfg: ServeConfig) -> dict[str, Any]:
                         "num_replicas": 1,
                         "max_ongoing_requests": INGRESS_MAX_ONGOING,
                     },
-                    {
-                        "name": MODEL_DEPLOYMENT,
-                        "autoscaling_config": autoscaling_config(cfg),
-                        "max_ongoing_requests": cfg.engine.max_ongoing_requests,
-                        "ray_actor_options": {"num_cpus": cfg.engine.num_cpus},
-                    },
+                    *model_deployments(cfg),
                 ],
             }
         ],

@@ -170,13 +170,22 @@ def max_token_bytes(tokenizer: Any) -> int:
 
 
 def unavailable(exc: BaseException) -> RetryableError | None:
-    """The 503 for a replica that could not resume a request after a worker fault, else None.
+    """The 503 for a replica that could not resume a request after a worker fault (or a
+    disaggregated request no replica could carry on), else None.
 
     Serve re-raises a replica's exception as a RayTaskError that is also an instance of the
     original class, so `isinstance` sees through it.
     """
     from actors.recovery import ReplicaUnavailable
+    from deploy.disagg import HandoffFailed
 
+    if isinstance(exc, HandoffFailed):
+        return RetryableError(
+            503,
+            f"no replica could carry the request on ({exc}); retry the request",
+            retry_after_s=exc.retry_after_s,
+            code="engine_unavailable",
+        )
     if not isinstance(exc, ReplicaUnavailable):
         return None
     return RetryableError(

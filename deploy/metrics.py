@@ -153,14 +153,36 @@ class EngineMetrics:
 
 class IngressMetrics:
     def __init__(self) -> None:
-        from ray.util.metrics import Counter
+        from ray.util.metrics import Counter, Histogram
 
         self.requests = Counter(
             "moe_requests_total", "Requests answered.", tag_keys=("model", "route", "status")
         )
+        self.handoff_latency = Histogram(
+            "moe_handoff_seconds",
+            "Prefill/decode handoff: the prefill's handoff to the decode's first token.",
+            boundaries=list(LATENCY_BUCKETS_S),
+            tag_keys=("model",),
+        )
+        self.handoff_bytes = Counter(
+            "moe_handoff_bytes_total", "KV bytes prefill replicas wrote for handoffs.",
+            tag_keys=("model",),
+        )  # fmt: skip
+        self.handoff_retries = Counter(
+            "moe_handoff_retries_total", "Requests moved to another replica after a loss.",
+            tag_keys=("model",),
+        )  # fmt: skip
 
     def count(self, model: str, route: str, status: int) -> None:
         self.requests.inc(tags={"model": model or "-", "route": route, "status": str(status)})
+
+    def observe_handoff(self, model: str, stats: dict) -> None:
+        tags = {"model": model or "-"}
+        self.handoff_latency.observe(max(0.0, stats.get("handoff_s", 0.0)), tags=tags)
+        if stats.get("bytes_written"):
+            self.handoff_bytes.inc(stats["bytes_written"], tags=tags)
+        if stats.get("retries"):
+            self.handoff_retries.inc(stats["retries"], tags=tags)
 
 
 def node_export_urls() -> list[str]:

@@ -7,6 +7,7 @@ generator's `finally`, so its KV blocks return to the free pool.
 """
 
 import asyncio
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -33,13 +34,17 @@ def resolve_model_path(cfg: ServeConfig) -> Path:
     return Path(cfg.model.path).expanduser()
 
 
-def engine_kwargs(cfg: ServeConfig, model_path: Path) -> dict[str, Any]:
+def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> dict[str, Any]:
     """Keyword arguments of Engine.from_checkpoint from the serve YAML.
 
     `kv_memory` becomes a block count: bytes // (block_size x KV bytes per token of the model,
-    placement's ModelSpec, at the compute dtype).
+    placement's ModelSpec, at the compute dtype). A prefill or decode replica takes its pool's
+    step budget when `disaggregation.<role>.max_num_batched_tokens` is set.
     """
     e = cfg.engine
+    budget = e.max_num_batched_tokens
+    if role != "mixed":
+        budget = getattr(cfg.disaggregation, role).max_num_batched_tokens or budget
     num_blocks = e.num_blocks
     if num_blocks is None and e.kv_memory is not None:
         from placement.model_spec import load_model_spec
@@ -51,7 +56,8 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path) -> dict[str, Any]:
         "block_size": e.block_size,
         "num_blocks": num_blocks if num_blocks is not None else DEFAULT_NUM_BLOCKS,
         "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "max_num_batched_tokens": budget,
+        "role": role,
     }
 
 
@@ -95,8 +101,12 @@ class ModelServer:
     or one entry per new token (see `_logprob_entries`).
     """
 
-    def __init__(self, args: dict[str, Any], engine_module: str = "actors.engine") -> None:
-        """`engine_module` names the module providing Engine, AsyncEngine and SamplingParams."""
+    def __init__(
+        self, args: dict[str, Any], engine_module: str = "actors.engine", role: str = "mixed"
+    ) -> None:
+        """`engine_module` names the module providing Engine, AsyncEngine and SamplingParams;
+        `role` is the engine role (`mixed`, or `prefill` / `decode` in a disaggregated
+        deployment, whose pool settings come from `disaggregation.<role>`)."""
         import importlib
 
         from transformers import AutoConfig, AutoTokenizer
@@ -112,7 +122,8 @@ class ModelServer:
         hf_config = AutoConfig.from_pretrained(path)
         self.max_model_len = self.cfg.engine.max_model_len or int(hf_config.max_position_embeddings)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
-        kw = engine_kwargs(self.cfg, path)
+        kw = engine_kwargs(self.cfg, path, role)
+        self.role = role
         self.cache_client = None
         if self.cfg.cache.tiers:
             # The tiers run behind the gRPC cache server `moectl serve` starts (cache.listen);
@@ -122,6 +133,8 @@ class ModelServer:
             self.cache_client = CacheClient(self.cfg.cache.listen)
             kw["cache"] = self.cache_client
         self.layout = self.cfg.plan.dims()
+        if role != "mixed":
+            self.layout = getattr(self.cfg.disaggregation, role).dims(self.layout)
         self.engine = AsyncEngine(self._build_engine(Engine, path, kw))
         self.metrics = EngineMetrics(self.cfg.model.served_name)
         self.chat_stop_ids = tuple(
@@ -179,6 +192,8 @@ class ModelServer:
     # -- requests -------------------------------------------------------------------------------
 
     def _prompt_ids(self, job: dict[str, Any]) -> list[int]:
+        if job.get("prompt_ids") is not None:  # a handoff: the prefill replica's tokenisation
+            return [int(t) for t in job["prompt_ids"]]
         if job.get("messages") is not None:
             ids = self.tokenizer.apply_chat_template(
                 job["messages"], add_generation_prompt=True, tokenize=True
@@ -228,29 +243,37 @@ class ModelServer:
             yield {"type": "error", "status": exc.status, "body": exc.body()}
             return
         self._observe("tokenize", time.perf_counter() - t0)
-        yield {"type": "start", "prompt_tokens": len(ids)}
+        yield {"type": "start", "prompt_tokens": len(ids), "pid": os.getpid()}
         request_id = job["request_id"]
         finished, ttft, completion, cached = False, None, 0, 0
         admitted = time.perf_counter()
         try:
-            async for out in self.engine.generate(request_id, ids, params):
+            resume = job.get("resume")
+            async for out in self.engine.generate(request_id, ids, params, resume=resume):
                 if ttft is None and out.new_token_ids:
                     ttft = time.perf_counter() - admitted
-                    self._ttfts.append((time.monotonic(), ttft))
-                    self._observe("prefill", ttft)
+                    if resume is None:
+                        self._ttfts.append((time.monotonic(), ttft))
+                        self._observe("prefill", ttft)
+                    else:  # a taken-over request: its client had its first token already
+                        self._observe("resume", ttft)
                 completion, cached = out.completion_tokens, out.cached_tokens
                 finished = out.finished
+                handoff = out.handoff
                 yield {
                     "type": "delta",
                     "text": out.text_delta,
                     "token_ids": list(out.new_token_ids),
-                    "finished": out.finished,
-                    "finish_reason": out.finish_reason,
+                    "finished": out.finished and handoff is None,
+                    "finish_reason": None if handoff is not None else out.finish_reason,
                     "prompt_tokens": out.prompt_tokens,
                     "completion_tokens": out.completion_tokens,
                     "cached_tokens": out.cached_tokens,
                     "logprobs": self._logprob_entries(out.logprobs),
                 }
+                if handoff is not None:
+                    self._observe("handoff_write", handoff.write_s)
+                    yield {"type": "handoff", "handoff": handoff.to_dict()}
         finally:
             if ttft is not None and completion > 1:
                 decode = time.perf_counter() - admitted - ttft
@@ -258,12 +281,15 @@ class ModelServer:
             if not finished:
                 self.engine.abort(request_id)
                 self.metrics.aborted.inc(tags=self.metrics.tags)
+            # A taken-over request counts only its new tokens here (its prompt, cached tokens
+            # and first token were counted by the replica that handed it over).
+            taken = len(job["resume"]["output_token_ids"]) if job.get("resume") else 0
             self.metrics.observe_request(
-                ttft_s=ttft,
+                ttft_s=ttft if not taken else None,
                 e2e_s=time.perf_counter() - admitted,
-                completion_tokens=completion,
-                prompt_tokens=len(ids),
-                cached_tokens=cached,
+                completion_tokens=max(0, completion - taken),
+                prompt_tokens=0 if taken else len(ids),
+                cached_tokens=0 if taken else cached,
             )
 
     def _logprob_entries(self, logprobs) -> list[dict[str, Any]] | None:
@@ -339,6 +365,7 @@ class ModelServer:
         s["ttft_recent_s"] = self._recent_ttft()
         s["max_model_len"] = self.max_model_len
         s["layout"] = "single" if self.layout is None else self.layout.shorthand
+        s["role"] = self.role
         s["runner"] = type(self.engine.engine.runner).__name__
         s["phase_latency_s"] = {k: total / n for k, (n, total) in self._stages.items() if n}
         s.setdefault("stage_latency_s", {})

@@ -91,7 +91,13 @@ def ray_session():
     import ray
     from ray.cluster_utils import Cluster
 
-    env = {"RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        # Serve replicas that share cache tiers key blocks with one deployment secret.
+        "MOE_CACHE_SECRET": "moe-test-session-secret",
+    }
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
