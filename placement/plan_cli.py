@@ -3,6 +3,8 @@
     moectl plan --model CONFIG [--topology TOPO.yaml] [--context N] [--isl N --osl N]
                 [--concurrency N] [--objective latency|throughput] [--explain] [--json | -o plan.yaml]
     moectl plan --rebalance TRACE.json --ep N [--nodes M] [--groups G] [--redundant R] [--json]
+    moectl plan --disagg --model CONFIG [--topology T] --isl N --osl N --rate R --ttft-ms X
+                --tpot-ms Y [--kv-GBps B] [--json]          (placement/disagg_cli.py)
 
 Without --topology the local machine is discovered. Bad input is one line on stderr, exit 2.
 """
@@ -47,10 +49,34 @@ def plan_command(
     nodes: int = typer.Option(1, "--nodes", help="Nodes the EP ranks span (with --rebalance)."),
     groups: int = typer.Option(1, "--groups", help="Router expert groups (with --rebalance)."),
     redundant: int = typer.Option(0, "--redundant", help="Extra expert slots per layer."),
+    disagg: bool = typer.Option(
+        False, "--disagg", help="Size prefill and decode pools against mixed replicas."
+    ),
+    rate: float = typer.Option(None, "--rate", help="Requests per second (with --disagg)."),
+    ttft_ms: float = typer.Option(None, "--ttft-ms", help="Mean TTFT target (with --disagg)."),
+    tpot_ms: float = typer.Option(None, "--tpot-ms", help="p99 TPOT target (with --disagg)."),
+    kv_gbps: float = typer.Option(
+        None, "--kv-GBps", help="KV handoff bandwidth per GPU; default: the topology's."
+    ),
 ) -> None:
     """Choose tp x pp x ep x dp for a model on a topology, or rebalance experts (--rebalance)."""
     if as_json and output is not None:
         raise InputError("--json and -o are exclusive: print JSON or write YAML, not both")
+    if disagg:
+        if rebalance_trace is not None or ep is not None or output is not None or explain:
+            raise InputError(
+                "--disagg prints pools (table or --json): drop --rebalance/--ep/-o/--explain"
+            )
+        from placement.disagg_cli import run_disagg
+
+        run_disagg(
+            model=model, load_topology=lambda: _load_topology(topology), isl=isl, osl=osl,
+            rate=rate, ttft_ms=ttft_ms, tpot_ms=tpot_ms, kv_dtype=kv_dtype, kv_GBps=kv_gbps,
+            as_json=as_json,
+        )  # fmt: skip
+        return
+    if any(v is not None for v in (rate, ttft_ms, tpot_ms, kv_gbps)):
+        raise InputError("--rate, --ttft-ms, --tpot-ms and --kv-GBps belong to --disagg")
     if rebalance_trace is not None:
         if model is not None or topology is not None:
             raise InputError(
