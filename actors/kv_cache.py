@@ -163,6 +163,45 @@ class KVCache:
             )
         return out.to("cpu")
 
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Blocks `block_ids` of every layer, [n, *layout.block_shape], on the cache's device
+        (one gather per layer and K/V; KVTiers.store_many takes it as it is)."""
+        layers = sorted(self.k)
+        first = self.k[layers[0]]
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64).to(first.device)
+        out = torch.empty(
+            (len(ids), *self.layout.block_shape), dtype=first.dtype, device=first.device
+        )
+        for j, i in enumerate(layers):
+            if self.layout.mla:
+                out[:, j] = self.k[i].index_select(0, ids)
+            else:
+                out[:, j, 0] = self.k[i].index_select(0, ids)
+                out[:, j, 1] = self.v[i].index_select(0, ids)
+        return out
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Fill blocks `block_ids` of every layer from `data` [n, *layout.block_shape] (any
+        device); refreshes their summaries."""
+        if tuple(data.shape) != (len(block_ids), *self.layout.block_shape):
+            raise InputError(
+                f"KV blocks of shape {tuple(data.shape)}; expected "
+                f"{(len(block_ids), *self.layout.block_shape)}"
+            )
+        if not block_ids:
+            return
+        layers = sorted(self.k)
+        first = self.k[layers[0]]
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64).to(first.device)
+        data = data.to(first.device, first.dtype)
+        for j, i in enumerate(layers):
+            if self.layout.mla:
+                self.k[i].index_copy_(0, ids, data[:, j])
+            else:
+                self.k[i].index_copy_(0, ids, data[:, j, 0])
+                self.v[i].index_copy_(0, ids, data[:, j, 1])
+        self.update_summaries(block_ids)
+
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Fill one block of every layer from `data` (`layout.block_shape`); refreshes its summaries."""
         if tuple(data.shape) != self.layout.block_shape:

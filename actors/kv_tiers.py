@@ -16,18 +16,53 @@ those are then credited in tier order). Blocks the counters do not explain are c
 This is the cache boundary for the engine (STYLE.md rule 10): a miss is a value, a block that
 fails verification or a cache that raises is turned into a miss here and counted (`corrupt`,
 `faults`).
+
+Batched offload (`store_many` / `load_many`, raw codec, no compression): many blocks move in a few
+large copies instead of one small copy per layer and block.
+- store: the blocks [n, *block_shape] (on the GPU) are copied a chunk at a time into pinned rows
+  `[HEADER_BYTES | payload]` (one async device->host copy per chunk, through a device staging
+  buffer that leaves each row's header gap); as each chunk lands, worker threads write its
+  headers and checksums in place (`codec.encode_rows`) while the next chunk is still copying,
+  then the chunk is put. A cache whose top tier adopts buffers (the host tier with CUDA) keeps
+  the pinned rows themselves (fresh rows each call); any other cache gets immutable copies and
+  the pinned rows are reused by the next call.
+- load: worker threads fetch the keys a chunk at a time, verify every block (header, key,
+  XXH3-128 checksum: on every read, whatever the cache did) and copy each verified chunk to a
+  device staging buffer at once (adjacent rows of one pinned buffer in one async copy), so the
+  checksums overlap the host->device copies; the leading verified blocks are then cut out of the
+  staging rows.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any, Protocol
 
 import torch
 
 from cache_service.block_key import BlockKey
-from cache_service.codec import decode_block, encode_block
+from cache_service.codec import (
+    HEADER_BYTES,
+    decode_block,
+    encode_block,
+    encode_rows,
+    freeze,
+    is_buffer_block,
+    row_bytes,
+    verify_block,
+)
 from cache_service.errors import CacheError
+
+STORE_CHUNK_BYTES = 1 << 24
+"""Rows per device->host copy: ~16 MiB (a chunk's pinned rows fit a power of two, which is what
+torch's caching host allocator rounds a request up to)."""
+LOAD_CHUNK_BYTES = 1 << 23
+"""Blocks fetched and verified per worker task on the way back (~8 MiB: the first copy starts
+after one chunk's checksums)."""
 
 
 class BlockCache(Protocol):
@@ -61,6 +96,13 @@ class KVTiers:
         }
         self.tier_hits: dict[str, int] = {}
         """Blocks loaded, per tier that served them (see the module docstring)."""
+        self.workers = max(1, min(8, os.cpu_count() or 1))
+        """Threads that checksum (store_many, load_many); xxhash releases the GIL."""
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._spare_rows: dict[int, list[torch.Tensor]] = {}
+        """Pinned row chunks by row width, reused when the cache copies what it is given."""
+        self._stream: Any = None
 
     def available(self, keys: Sequence[BlockKey]) -> int:
         """How many leading `keys` some tier holds (0 when the cache faults)."""
@@ -137,6 +179,206 @@ class KVTiers:
         self.counts["stored"] += int(stored)
         return stored
 
+    # -- batched offload (module docstring) ---------------------------------------------------
+
+    def store_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> list[bool]:
+        """Encode and put blocks [n, *block_shape] (any device) under `keys`; one flag per key
+        (False: the tier already had it, or the cache faulted)."""
+        n = len(keys)
+        if blocks.shape[0] != n:
+            raise ValueError(f"store_many: {n} keys for {blocks.shape[0]} blocks")
+        if not n:
+            return []
+        shape = tuple(blocks.shape[1:])
+        if self.block_shape is not None and shape != self.block_shape:
+            raise ValueError(
+                f"store_many: blocks of shape {shape}; this stage stores {self.block_shape}"
+            )
+        if self.codec != "raw" or self.compression not in (None, "none"):
+            return [self.store(k, b) for k, b in zip(keys, blocks, strict=True)]
+        src = blocks.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
+        width = row_bytes(src.shape[1])
+        per = max(1, STORE_CHUNK_BYTES // width)
+        spans = [(a, min(n, a + per)) for a in range(0, n, per)]
+        adopt = _adopts_buffers(self.cache)
+        cuda = src.device.type == "cuda"
+        rows = self._rows([b - a for a, b in spans], width, pinned=cuda, fresh=adopt)
+        # Step 1: every chunk's device->host copy is queued at once (one side stream, in order).
+        landed: list[Any] = []
+        if cuda:
+            stream = self._side_stream(src.device)
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            staging = torch.empty((per if len(spans) > 1 else n, width), dtype=torch.uint8,
+                                  device=src.device)  # fmt: skip
+            with torch.cuda.stream(stream):
+                for (a, b), host in zip(spans, rows, strict=True):
+                    staging[: b - a, HEADER_BYTES:].copy_(src[a:b])
+                    host.copy_(staging[: b - a], non_blocking=True)
+                    landed.append(torch.cuda.Event())
+                    landed[-1].record(stream)
+        else:
+            for (a, b), host in zip(spans, rows, strict=True):
+                host[:, HEADER_BYTES:].copy_(src[a:b])
+        # Steps 2-3: as each chunk lands, headers and checksums in place, then one put.
+        out: list[bool] = []
+        for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
+            if landed:
+                landed[c].synchronize()
+            encoded = self._encode(host, keys[a:b], blocks.dtype, shape)
+            items = [
+                (k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)
+            ]
+            try:
+                flags = [bool(f) for f in _put_many(self.cache, items)]
+            except Exception:  # the cache boundary: a fault is a counted miss
+                self.counts["faults"] += 1
+                flags = [False] * len(items)
+            self.counts["stored"] += sum(flags)
+            out += flags
+        if not adopt:
+            self._spare_rows.setdefault(width, []).extend(rows)
+        return out
+
+    def load_many(
+        self,
+        keys: Sequence[BlockKey],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """The leading blocks of `keys` the tiers hold, [m, *block_shape] of `dtype` on `device`,
+        stopping at the first one that is missing, corrupt or of another shape/dtype/codec."""
+        if self.block_shape is None:
+            raise ValueError("load_many needs the KVTiers' block_shape")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        shape = self.block_shape
+        n = len(keys)
+        if not n:
+            return torch.empty((0, *shape), dtype=dtype, device=device)
+        if self.codec != "raw" or self.compression not in (None, "none"):
+            got = self.load(keys)
+            if not got:
+                return torch.empty((0, *shape), dtype=dtype, device=device)
+            return torch.stack(got).to(device, dtype)
+        payload = dtype.itemsize
+        for dim in shape:
+            payload *= dim
+        width = row_bytes(payload)
+        per = max(1, LOAD_CHUNK_BYTES // width)
+        spans = [(a, min(n, a + per)) for a in range(0, n, per)]
+        staging = torch.empty((n, width), dtype=torch.uint8, device=device)
+        flat = staging.view(-1)
+        stream = None
+        if device.type == "cuda":
+            stream = self._side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        before = self._tier_counters()
+
+        # Step 1: per chunk (worker threads): get, verify, copy the verified rows.
+        def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
+            a, b = span
+            try:
+                datas = _get_many(self.cache, keys[a:b])
+            except Exception:  # the cache boundary: a fault is a counted miss
+                return 0, "faults", []
+            ok, why, runs = 0, None, []
+            for i, data in enumerate(datas):
+                if data is None:
+                    why = "misses"
+                    break
+                try:
+                    head = verify_block(data, expected_key=keys[a + i])
+                except CacheError:
+                    why = "corrupt"
+                    break
+                if (head.codec, head.compression, head.shape, head.dtype) != (
+                    "raw", None, shape, dtype
+                ):  # fmt: skip
+                    why = "corrupt"
+                    break
+                ok += 1
+                if is_buffer_block(data) and data.owner is not None:
+                    last = runs[-1] if runs else None
+                    if last and last[0] is data.owner and last[2] == data.offset:
+                        last[2] += width
+                    else:
+                        runs.append([data.owner, data.offset, data.offset + width, a + i])
+                else:
+                    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    runs.append([raw, 0, width, a + i])
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for owner, start, stop, row in runs:
+                    dst = flat[row * width : row * width + stop - start]
+                    dst.copy_(owner[start:stop], non_blocking=True)
+            return ok, why, [datas, runs]
+
+        results = list(self._workers().map(fetch, spans))
+        # Step 2: the verified prefix, cut out of the staging rows.
+        m = 0
+        for (a, b), (ok, why, _) in zip(spans, results, strict=True):
+            m += ok
+            if why is not None or ok < b - a:
+                self.counts[why or "misses"] += 1
+                break
+        self.counts["hits"] += m
+        self._credit(before, self._tier_counters(), m)
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
+        out = staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
+        if stream is not None:
+            stream.synchronize()  # the host rows may be evicted once we return
+        return out
+
+    def _encode(self, host: torch.Tensor, keys: Sequence[BlockKey], dtype, shape) -> list:
+        """Headers and checksums of one chunk of rows, split over the worker threads."""
+        n = len(keys)
+        parts = min(self.workers, n) if host.numel() >= (1 << 20) else 1
+        if parts <= 1:
+            return encode_rows(host, keys, dtype=dtype, shape=shape)
+        step = -(-n // parts)
+        cuts = [(a, min(n, a + step)) for a in range(0, n, step)]
+
+        def one(cut: tuple[int, int]) -> list:
+            return encode_rows(host, keys[cut[0] : cut[1]], dtype=dtype, shape=shape, first=cut[0])
+
+        return [e for part in self._workers().map(one, cuts) for e in part]
+
+    def _rows(self, counts: list[int], width: int, *, pinned: bool, fresh: bool) -> list:
+        """One uint8 [count, width] host tensor per chunk: fresh (the cache keeps them) or
+        reused from an earlier call of the same width."""
+        pinned = pinned and torch.cuda.is_available()
+        spare = [] if fresh else self._spare_rows.pop(width, [])
+        out = []
+        for count in counts:
+            fit = next((i for i, t in enumerate(spare) if t.shape[0] == count), None)
+            if fit is not None:
+                out.append(spare.pop(fit))
+            else:
+                out.append(torch.empty((count, width), dtype=torch.uint8, pin_memory=pinned))
+        if spare:
+            self._spare_rows[width] = spare
+        return out
+
+    def _workers(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kv-tiers")
+            return self._pool
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def close(self) -> None:
+        """Stop the worker threads (they also stop with the process)."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
     def stats(self) -> dict:
         out: dict = dict(self.counts)
         out["tier_hits"] = dict(self.tier_hits)
@@ -147,3 +389,19 @@ class KVTiers:
             except Exception:  # stats are best effort at the boundary
                 self.counts["faults"] += 1
         return out
+
+
+def _adopts_buffers(cache: Any) -> bool:
+    """True when the cache's top tier keeps pinned `BufferBlock`s as they are (host tier, CUDA)."""
+    tiers = getattr(cache, "tiers", None)
+    return bool(tiers) and bool(getattr(tiers[0], "adopts_buffers", False))
+
+
+def _get_many(cache: Any, keys: Sequence[BlockKey]) -> list:
+    many = getattr(cache, "get_many", None)
+    return list(many(list(keys))) if callable(many) else [cache.get(k) for k in keys]
+
+
+def _put_many(cache: Any, items: list) -> list:
+    many = getattr(cache, "put_many", None)
+    return list(many(items)) if callable(many) else [cache.put(k, d) for k, d in items]

@@ -29,6 +29,13 @@ module constructs. Its bytes were produced here, checksummed here and cannot cha
 re-hashing it. Bytes of any other origin (Redis, disk, the network, a caller's buffer) go
 through `verify_block`, checksum included.
 
+Blocks in place ("rows"): `encode_rows` writes the header and checksum of raw blocks whose
+payloads a caller already copied into rows `[n, HEADER_BYTES + payload]` of one uint8 buffer
+(KVTiers' batched offload: one device->pinned copy for many blocks, no byte copied afterwards).
+Each row comes back as a `BufferBlock`, trusted like an `EncodedBlock` (made and checksummed here;
+only code of this process can write that memory). The host tier keeps such rows as they are and
+verifies them on every read, since the buffer is mutable.
+
 Quantisation is symmetric with one scale per slice along dim 0 ("per-block scales": for the
 paged layout [layers, 2, block_size, kv_heads, head_dim] one scale per layer; a 1-D tensor has
 one scale). Stated error bounds, per slice with absmax A:
@@ -39,8 +46,10 @@ one scale). Stated error bounds, per slice with absmax A:
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -93,6 +102,22 @@ class EncodedBlock(bytes):
         if token is not _TRUST:
             raise TypeError("EncodedBlock is made only by codec.encode_block")
         return super().__new__(cls, data)
+
+
+class BufferBlock(np.ndarray):
+    """One encoded block in a row of a caller's uint8 buffer (header + payload), `encode_rows` made.
+
+    A 1-D uint8 numpy view (buffer protocol, `len` = bytes): the store, the tiers and
+    `verify_block`/`decode_block` read it like bytes. `owner` is the flat torch uint8 tensor whose
+    memory it views and `offset` its first byte there (KVTiers copies adjacent rows of one owner
+    in one device copy). Views derived from it (slices) are not trusted.
+    """
+
+    owner: torch.Tensor | None
+    offset: int
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.owner, self.offset, self._token = None, 0, None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +189,73 @@ def encode_block(
     )
     checksum = _checksum(header[:_CHECKSUM_OFFSET], scales, payload)
     return EncodedBlock(header[:_CHECKSUM_OFFSET] + checksum + scales + payload, token=_TRUST)
+
+
+def row_bytes(tensor_bytes: int) -> int:
+    """Bytes of one encoded raw block (a row for `encode_rows`) of `tensor_bytes` payload."""
+    return HEADER_BYTES + tensor_bytes
+
+
+def encode_rows(
+    rows: torch.Tensor,
+    keys: Sequence[BlockKey],
+    *,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    first: int = 0,
+) -> list[BufferBlock]:
+    """Encode raw blocks in place: rows `first .. first + len(keys)` of `rows`.
+
+    rows: [n, HEADER_BYTES + payload] uint8, CPU (pinned or not), contiguous; row i's bytes
+    [HEADER_BYTES:] already hold block i's payload (a `shape` tensor of `dtype`, raw bytes).
+    Writes each row's header (codec raw, no compression, `keys[i]`) and its XXH3-128 checksum;
+    returns one `BufferBlock` per key, in order. The payload is read once (the checksum) and never
+    copied. Safe to call from several threads on disjoint rows (xxhash releases the GIL).
+    """
+    if dtype not in _DTYPE_IDS:
+        raise CacheConfigError(f"dtype {dtype} cannot be stored in a KV block")
+    if len(shape) > MAX_DIMS:
+        raise CacheConfigError(f"a block has at most {MAX_DIMS} dims, got {len(shape)}")
+    payload = dtype.itemsize
+    for dim in shape:
+        payload *= int(dim)
+    width = row_bytes(payload)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != width:
+        raise CacheConfigError(
+            f"rows of shape {tuple(rows.shape)} {rows.dtype}; expected [n, {width}] uint8"
+        )
+    if rows.device.type != "cpu" or not rows.is_contiguous():
+        raise CacheConfigError("rows must be a contiguous CPU tensor")
+    if payload > MAX_RAW_BYTES:
+        raise CacheConfigError(f"block payload {payload} bytes exceeds {MAX_RAW_BYTES}")
+    if first < 0 or first + len(keys) > rows.shape[0]:
+        raise CacheConfigError(f"rows {first}..{first + len(keys)} outside [0, {rows.shape[0]})")
+    dims = [int(d) for d in shape] + [0] * (MAX_DIMS - len(shape))
+    flat = rows.view(-1)
+    table = rows.numpy()
+    out: list[BufferBlock] = []
+    for i, key in enumerate(keys):
+        row = table[first + i]
+        view = memoryview(row)
+        _HEADER.pack_into(
+            view, 0, MAGIC, VERSION, 0, 0, _DTYPE_IDS[dtype], len(shape), *dims, key.digest,
+            0, payload, payload, b"\x00" * DIGEST_BYTES,
+        )  # fmt: skip
+        view[_CHECKSUM_OFFSET:HEADER_BYTES] = _checksum(
+            view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]
+        )
+        block = row.view(BufferBlock)
+        block.owner, block.offset, block._token = flat, (first + i) * width, _TRUST
+        out.append(block)
+    return out
+
+
+def freeze(block: BufferBlock) -> bytes:
+    """An immutable copy of a row `encode_rows` encoded, still trusted (an `EncodedBlock`): for a
+    cache that keeps what it is given while the rows are reused."""
+    if not is_buffer_block(block):
+        raise TypeError("freeze takes a row encode_rows encoded")
+    return EncodedBlock(memoryview(block).tobytes(), token=_TRUST)
 
 
 def read_header(data: bytes | memoryview) -> KVBlockHeader:
@@ -244,8 +336,14 @@ def check_header(data: bytes, *, expected_key: BlockKey) -> None:
 
 
 def is_trusted(data: object) -> bool:
-    """True for bytes `encode_block` produced in this process (see the module docstring)."""
-    return type(data) is EncodedBlock
+    """True for bytes `encode_block` produced in this process and rows `encode_rows` encoded
+    (see the module docstring)."""
+    return type(data) is EncodedBlock or is_buffer_block(data)
+
+
+def is_buffer_block(data: object) -> bool:
+    """True for a row `encode_rows` encoded (not a slice or other view of one)."""
+    return type(data) is BufferBlock and data._token is _TRUST
 
 
 def decode_block(data: bytes | memoryview, *, expected_key: BlockKey) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""KVTiers' batched offload (store_many / load_many) over the real TieredCache: round trips are
+exact across chunk boundaries, a corrupt, missing or misshapen block ends the loaded prefix, the
+blocks are interchangeable with the one-block path, and the pinned host tier's zero-copy mode
+(simulated on the CPU: what `host://` does with CUDA) keeps the rows it is given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors import kv_tiers
+from actors.kv_cache import KVCache, KVLayout
+from actors.kv_tiers import KVTiers
+from cache_service.codec import HEADER_BYTES, BufferBlock, encode_block, is_buffer_block
+from cache_service.store import TieredCache
+from tests.cache_service.kv_blocks import SHAPE, keys_for, namespace, tensor_for
+
+
+def host_cache(*, adopt: bool, capacity: int = 1 << 24) -> TieredCache:
+    cache = TieredCache.from_urls(["host://"], capacities=[capacity], namespace=namespace("kvb"))
+    if adopt:
+        # What the host tier does on a CUDA machine (pinned buffers): keep encode_rows' rows as
+        # they are, and verify every read (the rows are mutable).
+        tier = cache.tiers[0]
+        tier.adopts_buffers, tier.holds_verified = True, False
+    return cache
+
+
+def blocks(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.stack([tensor_for(i, seed) for i in range(n)])
+
+
+class UncheckedCache:
+    """A cache that hands back whatever bytes it holds, unverified (as a remote cache may)."""
+
+    def __init__(self) -> None:
+        self.data: dict = {}
+
+    def get(self, key):
+        return self.data.get(key)
+
+    def put(self, key, block):
+        if key in self.data:
+            return False
+        self.data[key] = bytes(memoryview(block))
+        return True
+
+    def longest_prefix(self, keys):
+        return next((i for i, k in enumerate(keys) if k not in self.data), len(keys))
+
+
+@pytest.fixture(params=[False, True], ids=["copying", "adopting"])
+def adopt(request):
+    return request.param
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Three blocks per store chunk, two per load chunk: every path crosses chunk boundaries."""
+    width = HEADER_BYTES + tensor_for(0).numel() * 2
+    monkeypatch.setattr(kv_tiers, "STORE_CHUNK_BYTES", 3 * width)
+    monkeypatch.setattr(kv_tiers, "LOAD_CHUNK_BYTES", 2 * width)
+
+
+def test_round_trip_is_exact_across_chunks(adopt, small_chunks):
+    cache = host_cache(adopt=adopt)
+    tiers = KVTiers(cache, block_shape=SHAPE)
+    keys, data = keys_for(11, seed=1), blocks(11, seed=1)
+    assert tiers.store_many(keys, data) == [True] * 11
+    assert tiers.store_many(keys[:2], data[:2]) == [False, False]
+    got = tiers.load_many(keys, dtype=torch.float16)
+    assert got.shape == (11, *SHAPE) and got.dtype == torch.float16
+    assert torch.equal(got, data)
+    assert tiers.counts["hits"] == 11 and tiers.counts["stored"] == 11
+    stored = [cache.tiers[0]._blocks[k][0] for k in keys]
+    if adopt:
+        # Zero copy: the tier holds the very rows KVTiers encoded, three per pinned chunk.
+        assert all(is_buffer_block(s) for s in stored)
+        assert stored[0].owner is stored[2].owner and stored[3].owner is not stored[0].owner
+    else:
+        assert all(isinstance(s, bytes) for s in stored)  # immutable copies
+    # The rows KVTiers reuses next time are not what the cache holds.
+    tiers.store_many(keys_for(3, seed=2), blocks(3, seed=2))
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+
+
+def test_one_block_and_batched_paths_read_each_other(adopt):
+    cache = host_cache(adopt=adopt)
+    tiers = KVTiers(cache, block_shape=SHAPE)
+    keys, data = keys_for(6, seed=3), blocks(6, seed=3)
+    for k, b in zip(keys[:3], data[:3], strict=True):
+        assert tiers.store(k, b)
+    assert tiers.store_many(keys[3:], data[3:]) == [True] * 3
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+    assert torch.equal(torch.stack(tiers.load(keys)), data)
+
+
+def test_a_corrupt_block_ends_the_prefix_and_is_dropped(small_chunks):
+    cache = host_cache(adopt=True)
+    tiers = KVTiers(cache, block_shape=SHAPE)
+    keys, data = keys_for(9, seed=4), blocks(9, seed=4)
+    tiers.store_many(keys, data)
+    row = cache.tiers[0]._blocks[keys[5]][0]
+    assert isinstance(row, BufferBlock)
+    row[HEADER_BYTES + 100] ^= 0x40  # one bit of block 5's payload, in host memory
+    got = tiers.load_many(keys, dtype=torch.float16)
+    assert torch.equal(got, data[:5])
+    assert cache.stats()["tiers"][0]["corrupt"] == 1  # the store caught it and deleted it
+    assert cache.contains([keys[5]]) == [False] and tiers.counts["misses"] == 1
+
+
+def test_kvtiers_verifies_what_an_unchecking_cache_returns(small_chunks):
+    cache = UncheckedCache()
+    tiers = KVTiers(cache, block_shape=SHAPE)
+    keys, data = keys_for(7, seed=5), blocks(7, seed=5)
+    assert tiers.store_many(keys, data) == [True] * 7
+    bad = bytearray(cache.data[keys[4]])
+    bad[-1] ^= 1
+    cache.data[keys[4]] = bytes(bad)
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:4])
+    assert tiers.counts["corrupt"] == 1
+    # A block of another dtype under the right key (valid header and checksum) is refused too.
+    cache.data[keys[4]] = encode_block(data[4].float(), key=keys[4])
+    assert tiers.load_many(keys, dtype=torch.float16).shape[0] == 4
+    assert tiers.counts["corrupt"] == 2
+    # A missing block ends the prefix as a miss.
+    del cache.data[keys[2]]
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:2])
+    assert tiers.counts["misses"] == 1
+
+
+def test_a_faulting_cache_is_a_counted_miss():
+    class Broken(UncheckedCache):
+        def get(self, key):
+            raise ConnectionError("down")
+
+        def put(self, key, block):
+            raise ConnectionError("down")
+
+    tiers = KVTiers(Broken(), block_shape=SHAPE)
+    keys = keys_for(3, seed=6)
+    assert tiers.store_many(keys, blocks(3)) == [False] * 3
+    assert tiers.load_many(keys, dtype=torch.float16).shape == (0, *SHAPE)
+    assert tiers.counts["faults"] == 2 and tiers.counts["stored"] == 0
+
+
+def test_store_many_refuses_a_wrong_shape():
+    tiers = KVTiers(host_cache(adopt=False), block_shape=SHAPE)
+    with pytest.raises(ValueError, match="shape"):
+        tiers.store_many(keys_for(2), torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="2 keys for 3 blocks"):
+        tiers.store_many(keys_for(2), blocks(3))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_kv_cache_reads_and_writes_many_blocks(mla):
+    if mla:
+        layout = KVLayout(mla=True, block_size=4, layer_range=(2, 5), kv_head_range=(0, 1),
+                          latent_dim=6)  # fmt: skip
+    else:
+        layout = KVLayout(mla=False, block_size=4, layer_range=(2, 5), kv_head_range=(0, 2),
+                          head_dim=3)  # fmt: skip
+    cache = KVCache(layout, 10)
+    data = torch.randn(4, *layout.block_shape)
+    cache.write_blocks([7, 1, 4, 9], data)
+    for i, b in enumerate([7, 1, 4, 9]):
+        assert torch.equal(cache.read_block(b), data[i])
+    assert torch.equal(cache.read_blocks([9, 7]), data[[3, 0]])
+    assert torch.equal(
+        cache.key_max[3][1], data[1, 1, 0].amax(0) if not mla else data[1, 1].amax(0)
+    )
+    with pytest.raises(Exception, match="shape"):
+        cache.write_blocks([1], data)
+
+
+def test_chunks_of_a_mebibyte_and_more_are_checksummed_on_worker_threads(adopt):
+    cache = host_cache(adopt=adopt, capacity=1 << 26)
+    tiers = KVTiers(cache, block_shape=SHAPE)
+    tiers.workers = 3
+    keys, data = keys_for(300, seed=7), blocks(300, seed=7)  # 1.2 MiB: one chunk, 3 parts
+    assert tiers.store_many(keys, data) == [True] * 300
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+    assert torch.equal(torch.stack(tiers.load(keys[-2:])), data[-2:])
+    tiers.close()
