@@ -10,6 +10,8 @@ K experts per token, R = T * K routed rows):
 - `qk_norm_rope_write(...)`: one kernel per decode step and layer: q/k per-head RMSNorm, rotary
   (halves convention), the new K/V written at their slots, and the min/max key summary of the
   block each token landed in (over the whole block, the new row included).
+- `qk_norm_rope(q, k, ...)`: the same q/k RMSNorm + rotary for many tokens (a prompt), one
+  kernel instead of two norms and ~14 element-wise passes over strided halves; no cache write.
 - `router_softmax_topk(x, w, k, norm)`: router logits in float32 (bf16 products summed in float32),
   softmax, top-k, renormalisation: two kernels.
 - `dispatch_plan(ids, k, E, routed_counts)`: one single-program kernel: per-expert counts (added to
@@ -115,6 +117,21 @@ if triton_available():
         keys = tl.where((t == off)[:, None, None], k[None, :, :], keys)
         tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0), mask=gm)
         tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0), mask=gm)
+
+    @triton.jit
+    def _qk_rope(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, eps,
+                 H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
+                 D: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, D)
+        hq = tl.arange(0, H_PAD)
+        q = _norm_rope(q_ptr, qw_ptr, cos_ptr, sin_ptr, b, eps, H, H_PAD, D, HAS_NORM)
+        tl.store(qo_ptr + b * H * D + hq[:, None] * D + d[None, :], q.to(qo_ptr.dtype.element_ty),
+                 mask=(hq < H)[:, None])  # fmt: skip
+        g = tl.arange(0, KV_PAD)
+        k = _norm_rope(k_ptr, kw_ptr, cos_ptr, sin_ptr, b, eps, KV, KV_PAD, D, HAS_NORM)
+        tl.store(ko_ptr + b * KV * D + g[:, None] * D + d[None, :], k.to(ko_ptr.dtype.element_ty),
+                 mask=(g < KV)[:, None])  # fmt: skip
 
     @triton.jit
     def _router_logits(
@@ -259,6 +276,37 @@ def qk_norm_rope_write(
         H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv), D=d, BS=bs, HAS_NORM=has_norm,
     )  # fmt: skip
     return q_out
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any number of tokens. q [T, H, D], k [T, KV, D], cos/sin [T, D/2] -> (q, k) normed per
+    head (when weights are given) and rotated (halves convention), as apply_rotary(norm(x))."""
+    t, h, d = q.shape
+    kv = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    has_norm = q_weight is not None
+    _qk_rope[(t,)](
+        q.contiguous(), k.contiguous(), q_weight if has_norm else q, k_weight if has_norm else q,
+        cos.contiguous(), sin.contiguous(), q_out, k_out, eps,
+        H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv), D=d, HAS_NORM=has_norm,
+        num_warps=8 if h * d >= 4096 else 4,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def qk_rope_suits(q: torch.Tensor, cos: torch.Tensor) -> bool:
+    """`qk_norm_rope` serves this: Triton on, full-width rotary, power-of-two head size."""
+    d = q.shape[-1]
+    return use_triton(q) and d >= 2 and d & (d - 1) == 0 and cos.shape[-1] * 2 == d
 
 
 def fused_rope_suits(k_cache: torch.Tensor, head_dim: int) -> bool:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.arch import ArchConfig
+from actors.kernels import fused as fused_kernels
 from actors.kernels.decode_step import DecodeView
 from actors.layers.norm import RMSNorm
 from actors.layers.rope import apply_rotary
@@ -80,20 +81,28 @@ def paged_attend(
     *,
     scale: float,
     window: int | None = None,
+    written: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context (the new tokens included).
 
     q [T, h, d] (sequence i contributes paged.query_lens[i] rows, the last ones of its
     paged.context_lens[i] tokens); `expand(cached_k, cached_v)` turns what the cache holds for
     one sequence into k [L, h, d], v [L, h, dv] (GQA: repeat KV heads; MLA: kv_b of the latent).
+    `written`: what this step just wrote to the cache for its T tokens (GQA (k, v), MLA
+    (latent, None)); on the GPU a fresh prompt (no cached prefix) reads its context from there
+    instead of gathering it back (no block-table upload, which waits for the device, per layer).
     Returns [T, h, dv].
     """
     outs = []
     start = 0
     for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
-        k, v = expand(*paged.gather(seq))
+        fresh = q.is_cuda and ctx == n and window is None
+        if fresh and written is not None and _same_dtype(written, paged):
+            k, v = expand(*(w[start : start + n] if w is not None else None for w in written))
+        else:
+            k, v = expand(*paged.gather(seq))
         qs = q[start : start + n].transpose(0, 1)
-        if q.is_cuda and ctx == n and window is None:
+        if fresh:
             outs.append(_fresh_causal(qs, k, v, scale))
             start += n
             continue
@@ -108,6 +117,11 @@ def paged_attend(
         outs.append(o.transpose(0, 1))
         start += n
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
+
+
+def _same_dtype(written: tuple[torch.Tensor, torch.Tensor | None], paged: LayerKV) -> bool:
+    """The cache stores what was written without a cast (else read the cast values back)."""
+    return written[0].dtype == paged.context.cache.k[paged.index].dtype
 
 
 def q_full(q_nope: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
@@ -184,10 +198,15 @@ class GQAAttention(nn.Module):
             q = paged.prologue(q, k, v, norms, self.arch.rms_norm_eps, cos, sin)
             o = paged.gqa(q, self.arch.softmax_scale)
             return self._out(o)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin, interleave=False)
-        k = apply_rotary(k, cos, sin, interleave=False)
+        if fused_kernels.qk_rope_suits(q, cos):
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
+            qw, kw = norms if norms is not None else (None, None)
+            q, k = fused_kernels.qk_norm_rope(q, k, qw, kw, self.arch.rms_norm_eps, cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = apply_rotary(q, cos, sin, interleave=False)
+            k = apply_rotary(k, cos, sin, interleave=False)
         if paged is None:
             o = attend(
                 q, k, v, seq_lens, scale=self.arch.softmax_scale, window=self.arch.sliding_window
@@ -203,8 +222,9 @@ class GQAAttention(nn.Module):
                 return ck.repeat_interleave(rep, dim=1), cv.repeat_interleave(rep, dim=1)
 
             o = paged_attend(
-                q, paged, expand, scale=self.arch.softmax_scale, window=self.arch.sliding_window
-            )
+                q, paged, expand, scale=self.arch.softmax_scale, window=self.arch.sliding_window,
+                written=(k, v),
+            )  # fmt: skip
         return self._out(o)
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
@@ -303,8 +323,9 @@ class MLAttention(nn.Module):
         else:
             paged.write(cached, None)
             o = paged_attend(
-                q_full(q_nope, q_rot), paged, lambda c, _: self._expand(c), scale=a.softmax_scale
-            )
+                q_full(q_nope, q_rot), paged, lambda c, _: self._expand(c), scale=a.softmax_scale,
+                written=(cached, None),
+            )  # fmt: skip
         y = self.o_proj(o.reshape(t, h * dv))
         if self.reduce is not None:
             y = self.reduce(y)

@@ -67,6 +67,17 @@ kc2.view(-1, KV, D)[slots] = rk; vc2.view(-1, KV, D)[slots] = v
 blocks = slots // BS
 errs["q"] = float((qo - rq).abs().max()); errs["kc"] = float((kc - kc2).abs().max()); errs["vc"] = float((vc - vc2).abs().max())
 errs["kmin"] = float((kmin[blocks] - kc2[blocks].amin(1)).abs().max()); errs["kmax"] = float((kmax[blocks] - kc2[blocks].amax(1)).abs().max())
+# qk norm + rope over a prompt (no cache), with and without norms
+T = 7
+q = torch.randn(T, H, D); k = torch.randn(T, KV, D)
+freqs = torch.arange(T).float()[:, None] * torch.rand(D // 2)
+cos, sin = freqs.cos(), freqs.sin()
+qo, ko = fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)
+errs["pq"] = float((qo - apply_rotary(nrm(q, qw), cos, sin, interleave=False)).abs().max())
+errs["pk"] = float((ko - apply_rotary(nrm(k, kw), cos, sin, interleave=False)).abs().max())
+qo, ko = fused.qk_norm_rope(q, k, None, None, 1e-6, cos, sin)
+errs["pq0"] = float((qo - apply_rotary(q, cos, sin, interleave=False)).abs().max())
+errs["pk0"] = float((ko - apply_rotary(k, cos, sin, interleave=False)).abs().max())
 print(json.dumps(errs))
 """
 
@@ -122,7 +133,8 @@ def test_fused_kernels_match_torch_references():
     errs = _run(KERNELS)
     for name in ("ids", "src", "pos", "offs", "routed"):
         assert errs[name] == 0, (name, errs)
-    for name in ("rms", "rms_h", "logits", "wts", "combine", "q", "kc", "vc", "kmin", "kmax"):
+    for name in ("rms", "rms_h", "logits", "wts", "combine", "q", "kc", "vc", "kmin", "kmax",
+                 "pq", "pk", "pq0", "pk0"):  # fmt: skip
         assert errs[name] < 1e-5, (name, errs)
 
 
