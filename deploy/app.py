@@ -136,6 +136,13 @@ class OpenAIIngress:
         if env and not self.api_key:
             raise RuntimeError(f"http.api_key_env={env!r} names an unset environment variable")
         self.metrics = IngressMetrics()
+        self.tokenizer = None
+        if self.cfg.routing.policy == "prefix_aware":  # routing hashes need the prompt's ids
+            from transformers import AutoTokenizer
+
+            from deploy.model_server import resolve_model_path
+
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.cfg))
         self.max_body_bytes = max_body_bytes
         self.limiter = StreamLimiter(max_streams_per_client)
 
@@ -186,6 +193,7 @@ class OpenAIIngress:
                     seed = secrets.randbits(63)
                 jobs.append(
                     {
+                        "routing_hashes": self._routing_hashes(req, prompt),
                         "request_id": new_id("req"),
                         "prompt": prompt,
                         "messages": req.template_messages() if chat else None,
@@ -195,6 +203,24 @@ class OpenAIIngress:
                     }
                 )
         return jobs
+
+    def _routing_hashes(self, req, prompt) -> list[int]:
+        """The prompt's routing hashes for the prefix-aware router (deploy/prefix_affinity.py),
+        tokenised as the model replica will; [] when routing is not prefix-aware or the prompt
+        does not tokenise (the replica then answers the 4xx)."""
+        if self.tokenizer is None:
+            return []
+        from deploy.model_server import chat_prompt_ids, text_prompt_ids
+        from deploy.prefix_affinity import routing_hashes
+
+        try:
+            if isinstance(req, ChatCompletionRequest):
+                ids = chat_prompt_ids(self.tokenizer, req.template_messages())
+            else:
+                ids = text_prompt_ids(self.tokenizer, prompt)
+        except Exception:  # validation is the replica's; routing falls back to load
+            return []
+        return routing_hashes(ids, self.cfg.engine.block_size)
 
     async def _open(self, jobs: list[dict[str, Any]]) -> list[tuple[Any, dict]]:
         """Start every job; raise the first job's error (4xx) before any response is sent.

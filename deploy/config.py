@@ -396,12 +396,17 @@ def request_router_config(cfg: ServeConfig) -> dict[str, Any] | None:
     path = ROUTER_IMPORT_PATHS.get(cfg.routing.policy)
     if path is None:
         return None
-    return {
-        "request_router_class": path,
-        "request_router_kwargs": {
+    kwargs: dict[str, Any] = {}
+    if cfg.routing.policy == "prefix_aware":
+        kwargs = {
             "imbalance_tolerance": cfg.routing.imbalance_tolerance,
             "block_size": cfg.engine.block_size,
-        },
+        }
+        if cfg.engine.num_blocks is not None:
+            kwargs["capacity_blocks"] = cfg.engine.num_blocks
+    return {
+        "request_router_class": path,
+        "request_router_kwargs": kwargs,
         "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
     }
 

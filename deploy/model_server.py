@@ -61,6 +61,21 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
     }
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt token ids of a chat request (the checkpoint's chat template)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def text_prompt_ids(tokenizer: Any, prompt: str | list[int]) -> list[int]:
+    """The prompt token ids of a completion request (no special tokens added)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return list(prompt)
+
+
 def cache_hits(stats: dict[str, Any]) -> dict[str, int]:
     """Prefix blocks found per tier from engine.stats(): `device` (blocks still in the
     replica's KV pool), then each lower tier by name as the cache reported it (host, redis,
@@ -124,6 +139,10 @@ class ModelServer:
         self.max_token_bytes = max_token_bytes(self.tokenizer)
         kw = engine_kwargs(self.cfg, path, role)
         self.role = role
+        from deploy.prefix_affinity import ReplicaPrefixLog
+
+        self.prefix_log = ReplicaPrefixLog(kw["num_blocks"], self.cfg.engine.block_size)
+        """The prompts this replica served, for the prefix-aware router (`record_routing_stats`)."""
         self.cache_client = None
         if self.cfg.cache.tiers:
             # The tiers run behind the gRPC cache server `moectl serve` starts (cache.listen);
@@ -195,18 +214,13 @@ class ModelServer:
         if job.get("prompt_ids") is not None:  # a handoff: the prefill replica's tokenisation
             return [int(t) for t in job["prompt_ids"]]
         if job.get("messages") is not None:
-            ids = self.tokenizer.apply_chat_template(
-                job["messages"], add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return chat_prompt_ids(self.tokenizer, job["messages"])
         prompt = job["prompt"]
         too_long = prompt_too_long(prompt, self.max_model_len, self.max_token_bytes)
         if too_long is not None:
             raise too_long
         if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            ids = text_prompt_ids(self.tokenizer, prompt)
             if not ids:
                 raise ProtocolError(
                     400, f"the prompt {prompt[:40]!r} has no tokens", param="prompt"
@@ -243,6 +257,7 @@ class ModelServer:
             yield {"type": "error", "status": exc.status, "body": exc.body()}
             return
         self._observe("tokenize", time.perf_counter() - t0)
+        self.prefix_log.record(ids)
         yield {"type": "start", "prompt_tokens": len(ids), "pid": os.getpid()}
         request_id = job["request_id"]
         finished, ttft, completion, cached = False, None, 0, 0
@@ -382,6 +397,11 @@ class ModelServer:
 
     async def stats(self) -> dict[str, Any]:
         return self._engine_state()
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the prefix-aware router reads (deploy/routing.py): the prompt blocks this
+        replica served lately, as routing hashes, newest kept within its KV capacity."""
+        return self.prefix_log.snapshot()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Engine signals for deploy.autoscaling (Serve calls this every metrics interval)."""

@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve_command)
     app.command("demo")(demo_command)
     bench_group(app).command("serving")(bench_serving_command)
+    bench_group(app).command("pd")(bench_pd_command)
 
 
 def _say(line: str) -> None:
@@ -217,3 +218,38 @@ def bench_serving_command(
         _say(f"results written to {target}")
     if report["goal"]["measured"] and not report["goal"]["met"]:
         raise typer.Exit(1)
+
+
+def bench_pd_command(
+    quick: bool = typer.Option(False, "--quick", help="A few seconds of load (shape only)."),
+    duration: float = typer.Option(
+        40.0, "--duration", min=1.0, help="Seconds of load per deployment."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Where to write the JSON (default bench/results/pd_disagg.json)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+) -> None:
+    """Disaggregated prefill/decode vs mixed serving under one load; prefix-aware vs round-robin routing."""
+    import dataclasses
+    import datetime
+    import json
+
+    from deploy.demo_view import ConsoleUI
+    from deploy.pd_bench import PdOptions, quick_options, render_pd, run_pd_bench
+
+    opts = quick_options() if quick else dataclasses.replace(PdOptions(), duration_s=duration)
+    ui = ConsoleUI(as_json=as_json)
+    with ui.stdout_to_stderr():
+        report = run_pd_bench(opts, ui)
+    flags = ["--quick"] if quick else ([f"--duration {duration:g}"] if duration != 40.0 else [])
+    report["command"] = " ".join(["moectl bench pd", *flags])
+    report["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    target = out if out is not None else Path("bench/results/pd_disagg.json")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n")
+    if as_json:
+        ui.show(report)
+    else:
+        render_pd(report, ui.out)
+        _say(f"results written to {target}")
