@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cluster.errors import EnvironmentMissing
+
 SERVED = "moe-demo-pd"
 BLOCK = 16
 
@@ -184,7 +186,6 @@ class _Stack:
     """A local Ray, the cache server (host tier) and Serve on a free port."""
 
     def __init__(self, ckpt) -> None:
-        import ray
         from ray import serve
 
         from cache_service.block_key import weights_fingerprint
@@ -205,15 +206,25 @@ class _Stack:
         self.server = CacheServer(self.cache, ServerConfig(host="127.0.0.1", port=0))
         self.server.start()
         os.environ.pop("RAY_ADDRESS", None)
+        try:
+            self._ray_init(env)
+        except (RuntimeError, ConnectionError) as exc:
+            self.server.stop()
+            raise EnvironmentMissing(f"could not start a local Ray: {exc}") from None
+        with _socket() as s:
+            self.port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        self.ckpt = ckpt
+
+    @staticmethod
+    def _ray_init(env: dict[str, str]) -> None:
+        import ray
+
         ray.init(
             address="local",
             num_cpus=8, include_dashboard=False, log_to_driver=False,
             configure_logging=False, runtime_env={"env_vars": env},
         )  # fmt: skip
-        with _socket() as s:
-            self.port = s.getsockname()[1]
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        self.ckpt = ckpt
 
     def deploy(self, name: str, args: dict[str, Any]):
         import openai

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation through the real Serve app, asked with the official `openai`
-client: a disaggregated deployment (one prefill replica, two decode replicas, KV through the
-cache server's host tier) answers with the same greedy and seeded tokens as a mixed one on the
+client: a disaggregated deployment (one prefill replica over two expert-parallel ShardWorker
+actors, two single-rank decode replicas, KV through the cache server's host tier) answers with the same greedy and seeded tokens as a mixed one on the
 same checkpoint, the decode replicas really load the handed-over blocks, the handoffs are
 reported, and a decode replica killed mid-stream costs the client nothing.
 
@@ -70,7 +70,7 @@ def servers(ray_session, demo, cache_server):
         "cache": {"tiers": [{"url": "host://", "bytes": "64M"}], "listen": cache_server.address},
         "disaggregation": {
             "enabled": True,
-            "prefill": {"replicas": 1, "num_cpus": 0.25},
+            "prefill": {"replicas": 1, "num_cpus": 0.25, "layout": "ep2"},
             "decode": {"replicas": 2, "num_cpus": 0.25},
             "handoff_retries": 2,
         },
@@ -131,6 +131,7 @@ def test_disaggregated_answers_equal_mixed(servers, demo):
     assert first["handoff_s"] > 0 and first["retries"] == 0
     prefill = _get(f"{servers}{DISAGG}/admin/stats?role=prefill")
     assert prefill["role"] == "prefill" and prefill["handoffs"] >= 3
+    assert prefill["layout"] == "ep2" and prefill["runner"] == "Replica"
     loaded = 0
     for _ in range(10):  # two decode replicas: the stats come from either
         s = _get(f"{servers}{DISAGG}/admin/stats")
