@@ -1,21 +1,26 @@
 """Ray orchestration overhead per engine decode step (issue 7: goal under 1 ms per step).
 
-The same Engine drives the same tiny model two ways, side by side in one run:
+The same Engine drives the same tiny model four ways, side by side in one run:
 - `in-process`: `LocalRunner` (world size 1, no Ray);
 - `worker`: the ShardWorker (world size 1) called in this process through the same `ShardStep`
   (`WorkerRunner`): the worker's own bookkeeping, without Ray;
-- `ray`: a `Replica` of one ShardWorker Ray actor (world size 1): one `execute.remote` per step
-  and one `ray.get`, the step description pickled out and the sampled token ids back;
+- `ray`: a `Replica` of one ShardWorker Ray actor (world size 1): one `execute_packed.remote`
+  per step and one `ray.get`, the step out and the sampled token ids back as bytes
+  (`actors/step_wire.py`);
 - `compiled`: the same actor driven through a Ray compiled graph (`ray.dag`, shared-memory
-  channels instead of a task submission per step).
+  channels instead of a task submission per step), the same bytes.
 All run the same per-sequence forwards (batch-invariant mode), so the difference of their
-milliseconds per decode step is the orchestration cost: `ray - in-process` in all (the issue's
-figure), `ray - worker` the Ray call and (de)serialisation alone.
+milliseconds per decode step is the orchestration cost. Overhead (the issue's figure) = median
+ms per step through the Replica - median ms per step of the in-process runner; the paired
+figure is the median over steps of (Replica step k - in-process step k), the same step of the
+same requests. `ray - worker` is the Ray call and (de)serialisation alone.
 
-Step 1: B requests with 16-token prompts; the first step prefills them (not timed).
-Step 2: the next `steps` engine steps are pure decodes of B tokens; each is timed.
-Step 3: the contenders alternate pass by pass (`passes`), so drifts of the machine hit both; the
-figure per contender is the median step over all passes.
+Step 1: B requests with 16-token prompts on every engine; the first step prefills them (not
+timed).
+Step 2: the next `steps` engine steps are pure decodes of B tokens; step k runs on every engine
+(in a rotating order) before step k + 1 runs on any, and each is timed.
+Step 3: `passes` rounds of this with fresh requests; the figure per contender is the median step
+over all passes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -83,8 +89,9 @@ class WorkerRunner:
         return StepOutput(token_ids=out.token_ids, logprobs=out.logprobs)
 
 
-def decode_times(engine, batch: int, steps: int, seed: int) -> list[float]:
-    """Seconds of each of `steps` pure decode steps of `batch` requests (after the prefill)."""
+def start_requests(engine, batch: int, steps: int, seed: int) -> None:
+    """Add `batch` requests (random 16-token prompts, `steps` + 1 new tokens each) and run the
+    prefill step (16 tokens per request, one chunk; not timed)."""
     from actors.engine import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
@@ -93,15 +100,58 @@ def decode_times(engine, batch: int, steps: int, seed: int) -> list[float]:
         engine.add_request(
             f"{seed}-{i}", torch.randint(2, 90, (16,), generator=gen).tolist(), params
         )
-    engine.step()  # the prefill step (16 tokens per request, one chunk)
-    out = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        out.append(time.perf_counter() - start)
-    while engine.has_unfinished():
-        engine.step()
+    engine.step()
+
+
+def interleaved_decode_times(
+    engines: dict, batch: int, steps: int, seed: int
+) -> dict[str, list[float]]:
+    """Seconds of each of `steps` pure decode steps of `batch` requests, per engine.
+
+    Step 1: every engine gets the same requests and prefills them.
+    Step 2: decode step k runs on every engine before step k + 1 runs on any (the order of the
+    engines rotates each step), so a change of machine load hits every contender's step k alike
+    and `contender[k] - in_process[k]` pairs the same step of the same requests.
+    Step 3: the engines finish their requests (not timed).
+    """
+    names = list(engines)
+    for engine in engines.values():
+        start_requests(engine, batch, steps, seed)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(steps):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            start = time.perf_counter()
+            engines[name].step()
+            out[name].append(time.perf_counter() - start)
+    for engine in engines.values():
+        while engine.has_unfinished():
+            engine.step()
     return out
+
+
+def summarise(batch: int, times: dict[str, list[float]]) -> dict:
+    """One row of the table: median ms per step of each contender, the overheads (difference of
+    medians, the figure of the goal) and the paired medians (median over steps of contender minus
+    in-process on the same step)."""
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    base = times["in-process"]
+
+    def paired(name: str) -> float:
+        return 1e3 * statistics.median(a - b for a, b in zip(times[name], base, strict=True))
+
+    return {
+        "batch": batch,
+        "in_process_ms_per_step": round(ms["in-process"], 3),
+        "worker_ms_per_step": round(ms["worker"], 3),
+        "ray_ms_per_step": round(ms["ray"], 3),
+        "overhead_ms_per_step": round(ms["ray"] - ms["in-process"], 3),
+        "overhead_paired_ms_per_step": round(paired("ray"), 3),
+        "ray_call_ms_per_step": round(ms["ray"] - ms["worker"], 3),
+        "compiled_ms_per_step": round(ms["compiled"], 3),
+        "compiled_overhead_ms_per_step": round(ms["compiled"] - ms["in-process"], 3),
+        "compiled_overhead_paired_ms_per_step": round(paired("compiled"), 3),
+        "steps_timed": len(base),
+    }
 
 
 def run(
@@ -121,6 +171,7 @@ def run(
         configure_logging=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
+    load_before = os.getloadavg()
     try:
         local = Engine.from_checkpoint(model_dir, cache_key_secret=SECRET, **kw)
         worker = Engine(
@@ -146,27 +197,11 @@ def run(
         try:
             for batch in batches:
                 times: dict[str, list[float]] = {name: [] for name in engines}
-                for engine in engines.values():
-                    decode_times(engine, batch, 5, seed=999)  # warm-up
+                interleaved_decode_times(engines, batch, 5, seed=999)  # warm-up
                 for p in range(passes):
-                    for name, engine in engines.items():
-                        times[name] += decode_times(engine, batch, steps, seed=p)
-                ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-                rows.append(
-                    {
-                        "batch": batch,
-                        "in_process_ms_per_step": round(ms["in-process"], 3),
-                        "worker_ms_per_step": round(ms["worker"], 3),
-                        "ray_ms_per_step": round(ms["ray"], 3),
-                        "overhead_ms_per_step": round(ms["ray"] - ms["in-process"], 3),
-                        "ray_call_ms_per_step": round(ms["ray"] - ms["worker"], 3),
-                        "compiled_ms_per_step": round(ms["compiled"], 3),
-                        "compiled_overhead_ms_per_step": round(
-                            ms["compiled"] - ms["in-process"], 3
-                        ),
-                        "steps_timed": len(times["ray"]),
-                    }
-                )
+                    for name, t in interleaved_decode_times(engines, batch, steps, p).items():
+                        times[name] += t
+                rows.append(summarise(batch, times))
         finally:
             remote.runner.shutdown()
             compiled.runner.shutdown()
@@ -174,12 +209,13 @@ def run(
         ray.shutdown()
     return {
         "benchmark": "engine_overhead",
-        "date": dt.date.today().isoformat(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%MZ"),
         "model": "tiny Mixtral (4 layers, hidden 64, 4 experts)",
         "goal_ms_per_step": 1.0,
         "goal_met": all(r["overhead_ms_per_step"] < 1.0 for r in rows),
         "goal_met_compiled_graph": all(r["compiled_overhead_ms_per_step"] < 1.0 for r in rows),
         "torch_threads": torch.get_num_threads(),
+        "load_average_1m": {"before": round(load_before[0], 2), "after": os.getloadavg()[0]},
         "rows": rows,
     }
 
@@ -202,14 +238,22 @@ def main(argv: list[str]) -> int:
         result = run(
             model, batches=batches, steps=args.steps, passes=args.passes, num_cpus=args.num_cpus
         )
-    head = ("batch", "in-process ms", "worker ms", "ray ms", "overhead ms", "ray call ms")
-    head += ("compiled ms", "compiled ovh")
-    print(" ".join(f"{h:>13}" for h in head))
-    keys = ("batch", "in_process_ms_per_step", "worker_ms_per_step", "ray_ms_per_step")
-    keys += ("overhead_ms_per_step", "ray_call_ms_per_step")
-    keys += ("compiled_ms_per_step", "compiled_overhead_ms_per_step")
+    columns = (
+        ("batch", "batch"),
+        ("in-process ms", "in_process_ms_per_step"),
+        ("worker ms", "worker_ms_per_step"),
+        ("ray ms", "ray_ms_per_step"),
+        ("overhead ms", "overhead_ms_per_step"),
+        ("paired ovh", "overhead_paired_ms_per_step"),
+        ("compiled ms", "compiled_ms_per_step"),
+        ("compiled ovh", "compiled_overhead_ms_per_step"),
+        ("paired c-ovh", "compiled_overhead_paired_ms_per_step"),
+    )
+    print(" ".join(f"{h:>13}" for h, _ in columns))
     for r in result["rows"]:
-        print(" ".join(f"{r[k]:>13}" for k in keys))
+        print(" ".join(f"{r[k]:>13}" for _, k in columns))
+    load = result["load_average_1m"]
+    print(f"load average (1 min): {load['before']} before, {load['after']:.2f} after")
     print(f"goal < 1 ms per step, plain Ray calls: {'met' if result['goal_met'] else 'NOT met'}")
     met = result["goal_met_compiled_graph"]
     print(f"goal < 1 ms per step, compiled graph: {'met' if met else 'NOT met'}")

@@ -19,7 +19,9 @@ the collective wait per axis (`wait_<axis>` where the worker reports it); `timin
 them, `drain_stage_samples()` hands each step's per-stage figures to the metrics.
 
 `Replica` is also an engine runner (`actors/runner.py`): `allocate_kv`, `execute` (one Ray call
-per rank per step, issued together and gathered with one `ray.get`), `read_block` / `write_block`
+per rank per step, issued together and gathered with one `ray.get`, or one compiled-graph
+execute; the step and the answers travel as bytes in the layout of `actors/step_wire.py`),
+`read_block` / `write_block`
 (whole-model blocks assembled from / split into the ranks' parts), `kv_layout`, `arch`.
 """
 
@@ -35,7 +37,8 @@ from actors.comm.group import Rendezvous
 from actors.kv_cache import KVLayout
 from actors.rank_runner import run_ranks
 from actors.runner import StepInput, StepOutput
-from actors.worker import ShardStep, ShardStepOutput, StepBatch, StepResult
+from actors.step_wire import pack_step, unpack_output
+from actors.worker import StepBatch, StepResult
 from placement.parallel_dims import Layout
 
 EMA_WEIGHT = 0.2
@@ -269,34 +272,37 @@ class Replica:
         return self._kv_layout
 
     def execute(self, step: StepInput) -> StepOutput:
-        """One engine step on every rank (one fan-out, one gather); tokens in sampling-row order."""
+        """One engine step on every rank (one fan-out, one gather); tokens in sampling-row order.
+
+        The step goes out and each rank's answer comes back as one `bytes` in the fixed layout
+        of `actors/step_wire.py`, so Ray pickles no Python objects per step."""
         if self.placement is None:
             raise RuntimeError("allocate_kv has not been called")
         owners, copies = self.placement.assign(step)
-        shard = ShardStep(step=step, owners=owners, copies=copies)
+        blob = pack_step(step, owners, copies)
         if self.compiled_graph:
-            outs: list[ShardStepOutput] = self._ray.get(
-                self._compiled().execute(shard), timeout=self.timeout_s * 2
-            )
+            packed = self._ray.get(self._compiled().execute(blob), timeout=self.timeout_s * 2)
         else:
-            outs = self._ray.get(
-                [a.execute.remote(shard) for a in self.actors], timeout=self.timeout_s * 2
+            packed = self._ray.get(
+                [a.execute_packed.remote(blob) for a in self.actors], timeout=self.timeout_s * 2
             )
+        outs = [unpack_output(p) for p in packed]
         self._record_timings(outs)
         n = len(step.sample_seqs)
         tokens: list[int | None] = [None] * n
         logprobs: list = [None] * n
-        for out in outs:
-            for row, token, lp in zip(out.rows, out.token_ids, out.logprobs, strict=True):
+        for _, rows, token_ids, lps, _ in outs:
+            for row, token, lp in zip(rows, token_ids, lps, strict=True):
                 tokens[row], logprobs[row] = token, lp
         missing = [r for r, t in enumerate(tokens) if t is None]
         if missing:
             raise RuntimeError(f"no rank sampled rows {missing} of the step")
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
 
-    def _record_timings(self, outs: Sequence[ShardStepOutput]) -> None:
-        by_rank = sorted(outs, key=lambda o: o.rank)
-        self.last_timings = tuple(dict(o.timings_s) for o in by_rank)
+    def _record_timings(self, outs) -> None:
+        """`outs`: each rank's `unpack_output` (rank, rows, tokens, logprobs, timings_s)."""
+        by_rank = sorted(outs, key=lambda o: o[0])
+        self.last_timings = tuple(o[4] for o in by_rank)
         figures = stage_figures(self.layout.dims, self.last_timings)
         self._samples.append(figures)
         for group, values in figures.items():
@@ -325,12 +331,12 @@ class Replica:
         return out
 
     def _compiled(self):
-        """The Ray compiled graph fanning one ShardStep out to every rank's `execute`."""
+        """The Ray compiled graph fanning one packed step out to every rank's `execute_packed`."""
         if self._dag is None:
             from ray.dag import InputNode, MultiOutputNode
 
             with InputNode() as step:
-                dag = MultiOutputNode([a.execute.bind(step) for a in self.actors])
+                dag = MultiOutputNode([a.execute_packed.bind(step) for a in self.actors])
             self._dag = dag.experimental_compile()
         return self._dag
 

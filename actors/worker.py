@@ -268,23 +268,28 @@ class ShardWorker:
         return int(device.split(":")[1]) if ":" in device else 0
 
     def _install_timers(self) -> None:
-        """Forward hooks accumulating seconds per region (attention, moe, dense_mlp)."""
+        """Accumulate seconds per region (attention, moe, dense_mlp) around each layer's
+        attention and MLP. The module's `forward` is wrapped on the instance rather than given
+        forward hooks: a module with hooks takes torch's slow call path (~6 us more per call on
+        CPU, 64 calls per decode step of 8 sequences over 4 layers in per-sequence mode)."""
         for layer in self.model.layers.values():
             for module, region in (
                 (layer.self_attn, "attention"),
                 (layer.mlp, "moe" if isinstance(layer.mlp, MoE) else "dense_mlp"),
             ):
-                module.register_forward_pre_hook(self._start_timer)
-                module.register_forward_hook(self._stop_timer(region))
+                module.forward = self._timed(module.forward, region)
 
-    def _start_timer(self, module, args) -> None:
-        module._t0 = time.perf_counter()
+    def _timed(self, forward, region: str):
+        timings = self._timings
 
-    def _stop_timer(self, region: str):
-        def hook(module, args, output) -> None:
-            self._timings[region] += time.perf_counter() - module._t0
+        def timed_forward(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                timings[region] += time.perf_counter() - start
 
-        return hook
+        return timed_forward
 
     # ------------------------------------------------------------------ step
 
@@ -465,7 +470,12 @@ class ShardWorker:
         sampled = {seq: row for row, seq in enumerate(step.sample_seqs)}
         hidden = self.model.arch.hidden_size
 
-        def token_rows(seqs: list[int]) -> torch.Tensor:
+        def token_rows(seqs: list[int]) -> slice | torch.Tensor:
+            """The step's token rows of `seqs`: a slice (a view) when they are one run."""
+            if not seqs:
+                return slice(0, 0)
+            if seqs[-1] - seqs[0] == len(seqs) - 1:
+                return slice(starts[seqs[0]], starts[seqs[-1] + 1])
             return torch.tensor(
                 [t for i in seqs for t in range(starts[i], starts[i + 1])], dtype=torch.int64
             )
@@ -479,9 +489,13 @@ class ShardWorker:
             positions = step.positions[rows].to(self.device)
             logits_rows = None
             if self.pp.is_last:
-                ends = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
-                picked = [j for j, i in enumerate(seqs) if i in sampled]
-                logits_rows = ends[picked].to(self.device)
+                # The last new token of each sampled sequence of the micro-batch.
+                ends, end = [], -1
+                for i in seqs:
+                    end += step.query_lens[i]
+                    if i in sampled:
+                        ends.append(end)
+                logits_rows = torch.tensor(ends, dtype=torch.int64).to(self.device)
             t0 = time.perf_counter()
             if not seqs:
                 out = self.model(x, positions, lens, logits_rows=logits_rows)

@@ -1,6 +1,6 @@
 """The Ray actor shell around `ShardWorker`: places, starts, steps, aborts. Imported lazily.
 
-Two concurrency groups: steps (prefill `step`, engine `execute`) and KV block reads/writes run
+Two concurrency groups: steps (prefill `step`, engine `execute` / `execute_packed`) and KV block reads/writes run
 one at a time in the default group, and the "control" group keeps its own thread so `abort` and
 `health` are served while a step blocks on a collective.
 """
@@ -48,6 +48,16 @@ def shard_worker_actor():
         def execute(self, shard_step):
             """One engine step (`ShardStep`) over the paged cache -> `ShardStepOutput`."""
             return self.worker.execute(shard_step)
+
+        def execute_packed(self, blob: bytes) -> bytes:
+            """One engine step in the fixed binary layout of `actors/step_wire.py` (what the
+            Replica sends: no Python objects to pickle either way) -> this rank's packed output."""
+            from actors.step_wire import pack_output, unpack_step
+            from actors.worker import ShardStep
+
+            step, owners, copies = unpack_step(blob)
+            out = self.worker.execute(ShardStep(step=step, owners=owners, copies=copies))
+            return pack_output(out.rank, out.rows, out.token_ids, out.logprobs, out.timings_s)
 
         def allocate_kv(self, num_blocks: int, block_size: int):
             return self.worker.allocate_kv(num_blocks, block_size)
