@@ -91,6 +91,10 @@ def test_layout_shorthand_and_degrees():
         ({"http": {"port": 70000}}, "http.port"),
         ({"http": {"hostt": "0.0.0.0"}}, "http.hostt"),
         ({"topology": {"file": "a.yaml", "discover": True}}, "topology"),
+        ({"disaggregation": {"enabled": True}}, "disaggregation.enabled needs cache.tiers"),
+        ({"disaggregation": {"prefill": {"layout": "ep2xqq"}}}, "disaggregation.prefill.layout"),
+        ({"disaggregation": {"decode": {"replicas": 0}}}, "disaggregation.decode.replicas"),
+        ({"routing": {"policy": "random"}}, "routing.policy"),
     ],
 )
 def test_bad_fields_fail_with_one_line_naming_them(sections, needle):
@@ -144,3 +148,35 @@ def test_moectl_serve_bad_input_is_one_line_exit_2(moectl, tmp_path):
     bad.write_text("model: {path: demo}\nengine: {block_size: -4}\n")
     code, _, err = moectl("serve", "-c", bad, "--print-serve-config")
     assert code == 2 and "engine.block_size" in err
+
+
+def test_disaggregated_example_yields_two_pools_with_their_router():
+    """Two model deployments of fixed sizes (no autoscaled ModelServer), each with the
+    prefix-aware router and its own resources; Ray's own schema accepts the config."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from deploy.config import (
+        DECODE_DEPLOYMENT,
+        PREFILL_DEPLOYMENT,
+        ROUTER_IMPORT_PATHS,
+        model_deployments,
+    )
+
+    cfg = load_serve_config(EXAMPLE.with_name("serve-disagg.yaml"))
+    assert cfg.disaggregation.enabled and cfg.disaggregation.prefill.layout == "ep2"
+    app = ServeDeploySchema.model_validate(to_serve_config(cfg)).applications[0]
+    names = [d.name for d in app.deployments]
+    assert MODEL_DEPLOYMENT not in names
+    pools = {d["name"]: d for d in model_deployments(cfg)}
+    assert set(pools) == {PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT}
+    assert pools[PREFILL_DEPLOYMENT]["num_replicas"] == 1
+    assert pools[DECODE_DEPLOYMENT]["num_replicas"] == 2
+    for pool in pools.values():
+        router = pool["request_router_config"]
+        assert router["request_router_class"] == ROUTER_IMPORT_PATHS["prefix_aware"]
+        assert router["request_router_kwargs"]["capacity_blocks"] == 256
+    assert parse_serve_config(app.args) == cfg
+    # Without routing or disaggregation: the one autoscaled deployment, Serve's router.
+    plain = model_deployments(parse_serve_config(_base()))
+    assert [d["name"] for d in plain] == [MODEL_DEPLOYMENT]
+    assert "request_router_config" not in plain[0]
