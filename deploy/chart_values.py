@@ -13,7 +13,8 @@ and the values that make the chart's GPU requests equal a placement Plan's.
 `serve` embeds deploy's own model, so the schema of the chart and the serve YAML cannot drift:
 `schema()` regenerates values.schema.json and a test fails on any difference with the file.
 `values_from_plan(plan, base)` returns `base` with worker groups whose GPUs sum to the plan's
-(replicas x GPUs per replica) and a serve section asking for the plan's degrees.
+(replicas x GPUs per replica) and a serve section asking for the plan's degrees; a disaggregated
+serve section gets one worker group per role instead (deploy/chart_roles.py).
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ class WorkerGroup(PodPlacement):
     """Size of the memory-backed /dev/shm (NCCL and Ray's object store use it)."""
     rayStartParams: dict[str, str] = {}
     idleTimeoutSeconds: int | None = Field(default=None, ge=0)
+    role: Literal["any", "prefill", "decode"] = "any"
+    """`prefill` / `decode`: the pods advertise the Ray resource `moe.io/<role>` and only that
+    pool of a disaggregated deployment asks for it (deploy/chart_roles.py); `any`: no role."""
 
     @model_validator(mode="after")
     def _bounds(self) -> WorkerGroup:
@@ -324,6 +328,9 @@ class ChartValues(_Strict):
         names = [g.name for g in self.workerGroups]
         if len(set(names)) != len(names):
             raise ValueError(f"workerGroups names repeat: {names}")
+        from deploy.chart_roles import check_roles
+
+        check_roles(self)
         return self
 
     @property
@@ -415,7 +422,9 @@ def worker_shapes(plan) -> list[tuple[int, int]]:
     return sorted(((gpus, n * plan.replicas) for gpus, n in shapes.items()), reverse=True)
 
 
-def values_from_plan(plan, base_values: dict[str, Any]) -> dict[str, Any]:
+def values_from_plan(
+    plan, base_values: dict[str, Any], *, node_gpus: int | None = None
+) -> dict[str, Any]:
     """`base_values` with worker groups and serve degrees taken from `plan` (a placement Plan).
 
     Step 1: one worker group per pod shape (GPUs per node of a replica), cloned from the base's
@@ -423,8 +432,15 @@ def values_from_plan(plan, base_values: dict[str, Any]) -> dict[str, Any]:
     the GPUs requested are exactly plan.num_gpus x plan.replicas.
     Step 2: serve.plan asks for the plan's tp/pp/dp; Serve's model replicas are capped at the
     plan's replica count.
+    With serve.disaggregation.enabled, step 1 is instead one group per role sized from that
+    pool's layout and replicas (`chart_roles.size_role_groups`; plan.replicas is not used).
     """
     out = copy.deepcopy(base_values)
+    if ((out.get("serve") or {}).get("disaggregation") or {}).get("enabled"):
+        from deploy.chart_roles import size_role_groups
+
+        out["serve"] = _serve_from_plan(plan, out["serve"])
+        return size_role_groups(out, plan=plan, node_gpus=node_gpus)
     groups = out.get("workerGroups") or []
     template = dict(groups[0]) if groups else {"name": "gpu"}
     shapes = worker_shapes(plan)
@@ -436,7 +452,13 @@ def values_from_plan(plan, base_values: dict[str, Any]) -> dict[str, Any]:
         group.update(replicas=pods, minReplicas=pods, maxReplicas=pods, gpusPerPod=gpus)
         new_groups.append(group)
     out["workerGroups"] = new_groups
-    serve = out.setdefault("serve", {})
+    out["serve"] = _serve_from_plan(plan, out.get("serve") or {})
+    return out
+
+
+def _serve_from_plan(plan, serve: dict[str, Any]) -> dict[str, Any]:
+    """The serve section asking for the plan's degrees, model replicas capped at its replicas."""
+    serve = copy.deepcopy(serve)
     d = plan.dims
     serve["plan"] = {"tp": d.tp, "pp": d.pp, "dp": d.dp}
     scaling = dict(serve.get("autoscaling") or {})
@@ -445,4 +467,4 @@ def values_from_plan(plan, base_values: dict[str, Any]) -> dict[str, Any]:
     if scaling.get("initial_replicas") is not None:
         scaling["initial_replicas"] = min(int(scaling["initial_replicas"]), plan.replicas)
     serve["autoscaling"] = scaling
-    return out
+    return serve

@@ -7,7 +7,9 @@
 `render` coalesces the chart's values.yaml with `-f` (as Helm does), replaces the worker groups and
 serve.plan with the plan's (so the GPUs requested equal replicas x GPUs per replica), validates
 the result against the chart's values model and prints it (or, with `--manifests`, the chart
-rendered with it by a `helm` binary on PATH or else the embedded Helm SDK).
+rendered with it by a `helm` binary on PATH or else the embedded Helm SDK). A disaggregated serve
+section (serve.disaggregation.enabled) gets one worker group per role instead, sized from each
+pool's layout and replicas, plan or not (deploy/chart_roles.py).
 """
 
 from __future__ import annotations
@@ -42,8 +44,15 @@ def _load_plan(path: Path):
     return Plan.from_yaml(text, origin=str(path))
 
 
-def build_values(plan_path: Path | None, values_files: list[Path]) -> tuple[dict[str, Any], Any]:
-    """(values, plan or None): chart defaults <- each -f file <- the plan; validated once."""
+def build_values(
+    plan_path: Path | None, values_files: list[Path], *, node_gpus: int | None = None
+) -> tuple[dict[str, Any], Any]:
+    """(values, plan or None): chart defaults <- each -f file <- the plan; validated once.
+
+    With serve.disaggregation.enabled the worker groups become one group per role sized from
+    each pool's layout and replicas (with or without a plan), and each pool asks for its role's
+    Ray resource; the GPUs requested are then the pools' (replicas x world each)."""
+    from deploy.chart_roles import pool_gpus, size_role_groups
     from deploy.chart_values import (
         VALUES_FILE,
         load_values_file,
@@ -55,14 +64,23 @@ def build_values(plan_path: Path | None, values_files: list[Path]) -> tuple[dict
     values = load_values_file(VALUES_FILE)
     for path in values_files:
         values = merge(values, load_values_file(path))
+    origin = ", ".join(str(p) for p in values_files) or "values.yaml"
+    disaggregated = bool(((values.get("serve") or {}).get("disaggregation") or {}).get("enabled"))
     plan = None
     if plan_path is not None:
         plan = _load_plan(plan_path)
-        values = values_from_plan(plan, values)
-    origin = ", ".join(str(p) for p in values_files) or "values.yaml"
+        values = values_from_plan(plan, values, node_gpus=node_gpus)
+    elif disaggregated:
+        values = size_role_groups(values, node_gpus=node_gpus)
     parsed = parse_values(values, origin=origin)
-    if plan is not None and parsed.gpus != plan.num_gpus * plan.replicas:
-        raise AssertionError(f"worker groups ask {parsed.gpus} GPUs, plan has {plan.num_gpus}")
+    if disaggregated:
+        want = pool_gpus(parsed.serve)
+    elif plan is not None:
+        want = plan.num_gpus * plan.replicas
+    else:
+        return values, plan
+    if parsed.gpus != want:
+        raise AssertionError(f"worker groups ask {parsed.gpus} GPUs, the pools or plan {want}")
     return values, plan
 
 
@@ -95,7 +113,8 @@ def render_manifests(
     try:
         with helm_python.Chart.load(CHART_DIR) as chart:
             out = chart.render(values, name=name, namespace=namespace)
-    except helm_python.HelmValuesError as exc:
+    except (helm_python.HelmValuesError, helm_python.HelmRenderError) as exc:
+        # a schema violation, or a template's `fail` (e.g. role groups and pools that disagree)
         raise InputError(f"chart values: {' '.join(str(exc).split())}") from None
     docs = [
         f"---\n# Source: {path}\n{text.strip()}\n"
@@ -123,21 +142,35 @@ def render(
     namespace: Annotated[
         str, typer.Option("--namespace", "-n", help="Namespace (with --manifests).")
     ] = "default",
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node",
+            min=1,
+            help="GPUs of one node, for sizing disaggregated pools' pods (default: the largest "
+            "gpusPerPod of the worker groups, or the plan's most GPUs on a node if larger).",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Helm values whose worker groups request exactly the plan's GPUs."""
+    """Helm values whose worker groups request exactly the plan's (or the pools') GPUs."""
     import yaml
 
     from deploy.chart_values import worker_shapes
 
-    merged, the_plan = build_values(plan, values or [])
+    merged, the_plan = build_values(plan, values or [], node_gpus=gpus_per_node)
     text = (
         render_manifests(merged, name=name, namespace=namespace)
         if manifests
         else yaml.safe_dump(merged, sort_keys=False, width=100)
     )
     groups = [
-        {"name": g["name"], "replicas": g["replicas"], "gpus_per_pod": g["gpusPerPod"]}
+        {
+            "name": g["name"],
+            "role": g.get("role", "any"),
+            "replicas": g["replicas"],
+            "gpus_per_pod": g["gpusPerPod"],
+        }
         for g in merged["workerGroups"]
     ]
     gpus = sum(g["replicas"] * g["gpus_per_pod"] for g in groups)

@@ -2,6 +2,9 @@
 The Ray Serve config (ServeDeploySchema) of the RayService's serveConfigV2, built from
 .Values.serve exactly as deploy/config.py's to_serve_config() builds it from the same serve YAML
 (a test renders both and compares them). Keys absent from values take Serve's defaults.
+With serve.disaggregation.enabled the model is two fixed-size pools, PrefillServer and
+DecodeServer, in that order (deploy.config.model_deployments), instead of the autoscaled
+ModelServer.
 */}}
 {{- define "moe.serveConfig" -}}
 {{- $s := .Values.serve -}}
@@ -23,9 +26,56 @@ The Ray Serve config (ServeDeploySchema) of the RayService's serveConfigV2, buil
 {{- end -}}
 {{- $_ := set $scaling "policy" (dict "policy_function" "deploy.autoscaling:EngineSignalPolicy" "policy_kwargs" $kwargs) -}}
 {{- end -}}
-{{- $model := dict "name" "ModelServer" "autoscaling_config" $scaling "max_ongoing_requests" (default 64 $engine.max_ongoing_requests) "ray_actor_options" (dict "num_cpus" (kindIs "invalid" $engine.num_cpus | ternary 1.0 $engine.num_cpus)) -}}
+{{- $maxOngoing := default 64 $engine.max_ongoing_requests -}}
 {{- $ingress := dict "name" "OpenAIIngress" "num_replicas" 1 "max_ongoing_requests" 1024 -}}
-{{- $app := dict "name" (default "moe" $s.app_name) "route_prefix" (default "/" $http.route_prefix) "import_path" "deploy.app:build_app" "args" $s "deployments" (list $ingress $model) -}}
+{{- $deployments := list $ingress -}}
+{{- $router := include "moe.requestRouter" . | fromYaml -}}
+{{- $dis := default (dict) $s.disaggregation -}}
+{{- if $dis.enabled -}}
+{{- range $pair := list (list "prefill" "PrefillServer") (list "decode" "DecodeServer") -}}
+{{- $name := last $pair -}}
+{{- $pool := default (dict) (index $dis (first $pair)) -}}
+{{- $options := dict "num_cpus" (kindIs "invalid" $pool.num_cpus | ternary 1.0 $pool.num_cpus) -}}
+{{- if $pool.resources -}}
+{{- $_ := set $options "resources" $pool.resources -}}
+{{- end -}}
+{{- $d := dict "name" $name "num_replicas" (default 1 $pool.replicas) "max_ongoing_requests" $maxOngoing "ray_actor_options" $options -}}
+{{- if $router -}}
+{{- $_ := set $d "request_router_config" $router -}}
+{{- end -}}
+{{- $deployments = append $deployments $d -}}
+{{- end -}}
+{{- else -}}
+{{- $model := dict "name" "ModelServer" "autoscaling_config" $scaling "max_ongoing_requests" $maxOngoing "ray_actor_options" (dict "num_cpus" (kindIs "invalid" $engine.num_cpus | ternary 1.0 $engine.num_cpus)) -}}
+{{- if $router -}}
+{{- $_ := set $model "request_router_config" $router -}}
+{{- end -}}
+{{- $deployments = append $deployments $model -}}
+{{- end -}}
+{{- $app := dict "name" (default "moe" $s.app_name) "route_prefix" (default "/" $http.route_prefix) "import_path" "deploy.app:build_app" "args" $s "deployments" $deployments -}}
 {{- $config := dict "proxy_location" "HeadOnly" "http_options" (dict "host" (default "127.0.0.1" $http.host) "port" (default 8000 $http.port)) "applications" (list $app) -}}
 {{- toYaml $config -}}
+{{- end -}}
+
+{{/*
+The model deployments' request_router_config by serve.routing.policy (deploy.config's
+request_router_config and ROUTER_IMPORT_PATHS), as YAML; empty for power_of_two, Serve's own.
+Only prefix_aware takes kwargs (its tolerance, the block size and, with engine.num_blocks, the
+KV capacity in blocks).
+*/}}
+{{- define "moe.requestRouter" -}}
+{{- $r := default (dict) .Values.serve.routing -}}
+{{- $engine := default (dict) .Values.serve.engine -}}
+{{- $paths := dict "prefix_aware" "deploy.routing:PrefixAwareRouter" "round_robin" "deploy.routing:RoundRobinRouter" -}}
+{{- $path := index $paths (default "power_of_two" $r.policy) -}}
+{{- if $path -}}
+{{- $kwargs := dict -}}
+{{- if eq $r.policy "prefix_aware" -}}
+{{- $kwargs = dict "imbalance_tolerance" (kindIs "invalid" $r.imbalance_tolerance | ternary 4 $r.imbalance_tolerance) "block_size" (default 16 $engine.block_size) -}}
+{{- if not (kindIs "invalid" $engine.num_blocks) -}}
+{{- $_ := set $kwargs "capacity_blocks" $engine.num_blocks -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml (dict "request_router_class" $path "request_router_kwargs" $kwargs "request_routing_stats_period_s" 1.0) -}}
+{{- end -}}
 {{- end -}}

@@ -2,11 +2,13 @@
 One entry of RayService.spec.rayClusterConfig.workerGroupSpecs: a GPU worker group whose pods
 each run the Ray worker, the cache gRPC sidecar (one per node) and, when the checkpoint is
 downloaded, an init container copying it to a per-pod volume.
-Takes (dict "root" $ "group" oneOfValues.workerGroups).
+Takes (dict "root" $ "group" oneOfValues.workerGroups); keys a group leaves out take the
+defaults of deploy/chart_values.py's WorkerGroup (a -f file's workerGroups list replaces the
+chart's, so its groups carry no defaults from values.yaml).
 */}}
 {{- define "moe.workerGroup" -}}
 {{- $root := .root -}}
-{{- $g := .group -}}
+{{- $g := merge (dict) .group (dict "gpuResource" "nvidia.com/gpu" "cpu" "16" "memory" "128Gi" "sharedMemory" "64Gi") -}}
 {{- $v := $root.Values -}}
 {{- $ms := $v.modelStorage -}}
 - groupName: {{ $g.name }}
@@ -19,8 +21,14 @@ Takes (dict "root" $ "group" oneOfValues.workerGroups).
   {{- end }}
   rayStartParams:
     {{- include "moe.rayStartCommon" $root | nindent 4 }}
+    {{- $roleResources := include "moe.roleResources" $g }}
     {{- range $k, $val := $g.rayStartParams }}
+    {{- if not (and $roleResources (eq $k "resources")) }}
     {{ $k }}: {{ $val | quote }}
+    {{- end }}
+    {{- end }}
+    {{- with $roleResources }}
+    resources: {{ . | quote }}
     {{- end }}
   template:
     metadata:
@@ -28,6 +36,7 @@ Takes (dict "root" $ "group" oneOfValues.workerGroups).
         {{- include "moe.rayPodLabels" $root | nindent 8 }}
         app.kubernetes.io/component: ray-worker
         moe.io/worker-group: {{ $g.name }}
+        moe.io/role: {{ default "any" $g.role }}
     spec:
       {{- include "moe.podCommon" (dict "root" $root "place" $g) | nindent 6 }}
       {{- if eq $ms.source "download" }}
@@ -195,4 +204,57 @@ Takes (dict "root" $ "group" oneOfValues.workerGroups).
     {{- if $c.tlsSecret }}
     - {name: cache-tls, mountPath: /etc/moe/cache-tls, readOnly: true}
     {{- end }}
+{{- end -}}
+
+{{/*
+The `ray start --resources` value of a role group's pods in KubeRay's format ("{\"k\":v}"):
+the group's own rayStartParams.resources plus 1000 units of `moe.io/<role>`, which only that
+pool's deployment asks for (deploy/chart_roles.py); empty for role `any`. Takes a worker group.
+*/}}
+{{- define "moe.roleResources" -}}
+{{- $role := default "any" .role -}}
+{{- if ne $role "any" -}}
+{{- $res := dict -}}
+{{- with (index (default (dict) .rayStartParams) "resources") -}}
+{{- $res = . | trimPrefix "\"" | trimSuffix "\"" | replace "\\" "" | fromJson -}}
+{{- end -}}
+{{- $_ := set $res (printf "moe.io/%s" $role) 1000 -}}
+{{- printf "\"%s\"" (toJson $res | replace "\"" "\\\"") -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Role groups and pools agree (deploy/chart_roles.py check_roles holds the full rules, with the GPU
+counts; this guard stops `helm install` without `moectl deploy render` from placing a pool on
+the wrong groups, or nowhere).
+*/}}
+{{- define "moe.checkRoles" -}}
+{{- $dis := default (dict) .Values.serve.disaggregation -}}
+{{- $roles := dict -}}
+{{- range $g := .Values.workerGroups -}}
+{{- $_ := set $roles (default "any" $g.role) true -}}
+{{- end -}}
+{{- $hasRoles := or (hasKey $roles "prefill") (hasKey $roles "decode") -}}
+{{- if and $hasRoles (not $dis.enabled) -}}
+{{- fail "workerGroups[].role prefill/decode needs serve.disaggregation.enabled" -}}
+{{- end -}}
+{{- if $dis.enabled -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $key := printf "moe.io/%s" $role -}}
+{{- $asks := (default (dict) (index (default (dict) (index $dis $role)) "resources")) -}}
+{{- if and $hasRoles (not (hasKey $roles $role)) -}}
+{{- fail (printf "workerGroups: no group has role %s; with role groups each pool needs its own" $role) -}}
+{{- end -}}
+{{- if and $hasRoles (not (hasKey $asks $key)) -}}
+{{- fail (printf "serve.disaggregation.%s.resources must ask %s (moectl deploy render writes it)" $role $key) -}}
+{{- end -}}
+{{- $other := printf "moe.io/%s" (eq $role "prefill" | ternary "decode" "prefill") -}}
+{{- if hasKey $asks $other -}}
+{{- fail (printf "serve.disaggregation.%s.resources asks %s: %s replicas would land on the other pool's groups" $role $other $role) -}}
+{{- end -}}
+{{- if and (not $hasRoles) (hasKey $asks $key) -}}
+{{- fail (printf "serve.disaggregation.%s.resources asks %s but no worker group has role %s" $role $key $role) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
