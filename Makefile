@@ -16,7 +16,7 @@ export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test lint format venv clean bench
+.PHONY: run test lint format venv clean bench vllm-env
 
 venv: $(STAMP)
 
@@ -39,7 +39,13 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	@$(MAKE) --no-print-directory vllm-env || echo "make: no vLLM venv (reason above); the vLLM connector tests will skip"
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# vLLM's own venv, cached under ~/.cache/moe-orchestrator by the hash of deploy/requirements-vllm.txt
+# (see deploy/vllm_env.py); prints its python.
+vllm-env: $(STAMP)
+	$(PY) -m deploy.vllm_env ensure
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
