@@ -213,10 +213,12 @@ def layout_bundle_specs(
     cpus_per_rank: float,
     gpus_per_rank: float = 0.0,
     strategy: str = "PACK",
+    extra_resources: dict[str, float] | None = None,
 ):
     """Bundle specs of a layout without a topology (no Plan): one bundle per rank, in rank
-    order, with the worker's CPU/GPU request and no node constraint (Ray places the group;
-    PACK keeps it on as few nodes as fit). `dims`: placement.parallel_dims.ParallelDims."""
+    order, with the worker's CPU/GPU request (plus `extra_resources`, e.g. the Ray resource of
+    a disaggregated pool's worker group) and no node constraint (Ray places the group; PACK
+    keeps it on as few nodes as fit). `dims`: placement.parallel_dims.ParallelDims."""
     from placement.bundles import Bundle, BundleSpecs
 
     if cpus_per_rank < 0 or gpus_per_rank < 0 or cpus_per_rank + gpus_per_rank <= 0:
@@ -226,6 +228,7 @@ def layout_bundle_specs(
     resources = [("CPU", float(cpus_per_rank))]
     if gpus_per_rank:
         resources.append(("GPU", float(gpus_per_rank)))
+    resources += [(name, float(amount)) for name, amount in sorted((extra_resources or {}).items())]
     bundles = tuple(
         Bundle(rank=r, resources=tuple(resources), label_selector=(), device="")
         for r in range(dims.world)

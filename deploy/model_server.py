@@ -182,10 +182,13 @@ class ModelServer:
 
         from actors.replica_runner import build_engine, layout_bundle_specs
 
+        pool = None if self.role == "mixed" else getattr(self.cfg.disaggregation, self.role)
         specs = layout_bundle_specs(
             self.layout,
             name=f"moe-{self.layout.shorthand}-{uuid.uuid4().hex[:12]}",
             cpus_per_rank=WORKER_NUM_CPUS,
+            # a pool's ranks land on its role's worker group, as its replica does
+            extra_resources=dict(pool.resources) if pool is not None else None,
         )
         from actors.recovery import RecoveringEngine, ReplicaRebuilder
 

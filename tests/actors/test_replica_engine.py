@@ -267,6 +267,10 @@ def test_replica_in_placement_group_keeps_stage_timings(ray_session, ckpts):
     dims = parse_layout("ep2xpp2")
     specs = layout_bundle_specs(dims, name="moe-test-pg-ep2xpp2", cpus_per_rank=0.25)
     assert [dict(b.resources) for b in specs.bundles] == [{"CPU": 0.25}] * 4
+    pooled = layout_bundle_specs(
+        dims, name="x", cpus_per_rank=0.25, extra_resources={"moe.io/prefill": 1}
+    )  # a disaggregated pool's ranks ask for their role's worker-group resource too
+    assert [dict(b.resources) for b in pooled.bundles] == [{"CPU": 0.25, "moe.io/prefill": 1.0}] * 4
     # Pin stage 0 (ranks 0, 1) to fake-a and stage 1 (ranks 2, 3) to fake-b, as a Plan's
     # bundle specs would (PP across nodes), so bundle index == rank is visible.
     stage_nodes = ["fake-a", "fake-a", "fake-b", "fake-b"]
