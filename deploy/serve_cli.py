@@ -193,8 +193,6 @@ def bench_serving_command(
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Throughput and TTFT/TPOT at concurrency 1-32, and TTFT of a prefix hit vs a cold prefill."""
-    import datetime
-    import json
 
     from deploy.demo_view import ConsoleUI
     from deploy.serving_bench import BenchOptions, quick_options, render_bench, run_bench
@@ -206,16 +204,7 @@ def bench_serving_command(
     with ui.stdout_to_stderr():
         report = run_bench(opts, ui)
     flags = [f for f, on in (("--quick", quick), (f"--layout {layout}", layout != "ep2xpp2")) if on]
-    report["command"] = " ".join(["moectl bench serving", *flags])
-    report["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    target = out if out is not None else Path("bench/results/serving.json")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(report, indent=2) + "\n")
-    if as_json:
-        ui.show(report)
-    else:
-        render_bench(report, ui.out)
-        _say(f"results written to {target}")
+    _finish_report(report, "moectl bench serving", flags, out, "serving.json", ui, render_bench)
     if report["goal"]["measured"] and not report["goal"]["met"]:
         raise typer.Exit(1)
 
@@ -232,8 +221,6 @@ def bench_pd_command(
 ) -> None:
     """Disaggregated prefill/decode vs mixed serving under one load; prefix-aware vs round-robin routing."""
     import dataclasses
-    import datetime
-    import json
 
     from deploy.demo_view import ConsoleUI
     from deploy.pd_bench import PdOptions, quick_options, render_pd, run_pd_bench
@@ -243,13 +230,22 @@ def bench_pd_command(
     with ui.stdout_to_stderr():
         report = run_pd_bench(opts, ui)
     flags = ["--quick"] if quick else ([f"--duration {duration:g}"] if duration != 40.0 else [])
-    report["command"] = " ".join(["moectl bench pd", *flags])
+    _finish_report(report, "moectl bench pd", flags, out, "pd_disagg.json", ui, render_pd)
+
+
+def _finish_report(report, command, flags, out, default_name, ui, render) -> None:
+    """Stamp a bench report with its command and date, write its JSON (`out`, default
+    bench/results/<default_name>), then show it (table, or JSON with --json)."""
+    import datetime
+    import json
+
+    report["command"] = " ".join([command, *flags])
     report["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    target = out if out is not None else Path("bench/results/pd_disagg.json")
+    target = out if out is not None else Path("bench/results") / default_name
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(report, indent=2) + "\n")
-    if as_json:
+    if ui.as_json:
         ui.show(report)
     else:
-        render_pd(report, ui.out)
+        render(report, ui.out)
         _say(f"results written to {target}")
