@@ -368,7 +368,14 @@ class EngineBench:
 
 
 def run(
-    *, tiny: bool, budget_s: float = 540.0, skip_hf: bool = False, progress=None
+    *,
+    tiny: bool,
+    budget_s: float = 540.0,
+    skip_hf: bool = False,
+    progress=None,
+    models: list[str] | None = None,
+    shapes: list[tuple[int, int]] | None = None,
+    prefill: bool = True,
 ) -> dict[str, Any]:
     started = time.monotonic()
     cuda = torch.cuda.is_available() and not tiny
@@ -394,6 +401,11 @@ def run(
     flags["fused"] = fused.FUSED_ENABLED[0]
     result["fused_kernels_check"] = fused_note
     log(f"fused kernels: {fused_note}")
+    experts_ok, experts_note = parts.expert_check(device)
+    fused.EXPERTS_ENABLED[0] = fused.EXPERTS_ENABLED[0] and experts_ok and flags["fused"]
+    flags["fused_experts"] = fused.EXPERTS_ENABLED[0]
+    result["expert_kernels_check"] = experts_note
+    log(f"expert kernels: {experts_note}")
     try:
         result["correctness"] = correctness(device, dtype, flags=flags)
     except Exception as exc:  # recorded, then the run goes on without graphs
@@ -408,7 +420,9 @@ def run(
     }
     # Steps 3-4, per model.
     configs = parts.tiny_configs() if tiny else parts.full_configs()
-    shapes = TINY_DECODE_SHAPES if tiny else DECODE_SHAPES
+    if models:
+        configs = {k: v for k, v in configs.items() if k in models}
+    shapes = tuple(shapes) if shapes else TINY_DECODE_SHAPES if tiny else DECODE_SHAPES
     prefill_tokens = 96 if tiny else 8192
     warm, steps = (2, 3) if tiny else (3, 10)
     rows: list[Row] = []
@@ -417,7 +431,8 @@ def run(
     for name, cfg in configs.items():
         plan = parts.planner(cfg, capacity=capacity)
         model_rows = [Row(model=name, phase="decode", batch=b, context=c) for b, c in shapes]
-        model_rows.append(Row(model=name, phase="prefill", batch=1, context=prefill_tokens))
+        if prefill:
+            model_rows.append(Row(model=name, phase="prefill", batch=1, context=prefill_tokens))
         if "fits" in plan:
             big = (128, 8192) if not tiny else (128, 1024)
             fits, text = plan["fits"](*big)
@@ -570,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-grouped-mm", action="store_true", help="time the padded expert path")
     p.add_argument("--no-fused", action="store_true", help="time without actors/kernels/fused.py")
+    p.add_argument("--models", default=None, help="comma-separated model names (default all)")
+    p.add_argument("--shapes", default=None, help="decode rows as BxC,... (e.g. 1x1024,32x1024)")
+    p.add_argument("--no-prefill", action="store_true", help="leave the prefill row out")
     args = p.parse_args(argv)
     if args.no_grouped_mm:
         experts_mod.GROUPED_MM_ENABLED[0] = False
@@ -581,7 +599,14 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w") as fh:
                 fh.write(json.dumps(obj, indent=1) + "\n")
 
-    result = run(tiny=args.tiny, budget_s=args.budget_s, skip_hf=args.skip_hf, progress=write)
+    shapes = None
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    result = run(
+        tiny=args.tiny, budget_s=args.budget_s, skip_hf=args.skip_hf, progress=write,
+        models=args.models.split(",") if args.models else None, shapes=shapes,
+        prefill=not args.no_prefill,
+    )  # fmt: skip
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as fh:

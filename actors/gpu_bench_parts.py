@@ -394,3 +394,94 @@ def fused_check(device: torch.device) -> tuple[bool, str]:
     ints_ok = errs["ids"] == 0 and errs["plan"] == 0
     ok = ints_ok and max(v for key, v in errs.items() if key not in ("ids", "plan")) < 1e-2
     return ok, json.dumps({key: float(f"{v:.3g}") for key, v in errs.items()})
+
+
+EXPERT_CANDIDATES = {
+    "gate_up": ((16, 16, 128, 4, 4), (16, 32, 128, 4, 4), (16, 16, 256, 4, 3), (16, 32, 64, 4, 5)),
+    "down": ((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 32, 256, 4, 3), (16, 64, 64, 4, 5)),
+}
+
+
+def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048,
+                 inter: int = 768, k: int = 8) -> tuple[bool, dict[str, Any]]:  # fmt: skip
+    """The fused expert kernels (`fused.moe_experts`) at the Qwen3 expert shapes, bf16: error
+    against a float32 reference at batch 1 and 32 (fresh routings, distinct experts per token),
+    then each candidate tile timed (CUDA events, 4 rotating routings, median of 5 x 20 calls) and
+    the fastest kept in `fused.EXPERT_TILES` per size class; grouped GEMMs timed beside them."""
+    from actors.kernels import fused
+    from actors.layers.experts import grouped_swiglu
+
+    out: dict[str, Any] = {}
+    if not fused.use_triton(torch.empty(0, device=device)):
+        return False, {"note": "not used (no CUDA or no triton)"}
+    try:
+        g = torch.Generator(device=device).manual_seed(11)
+        wgu = (
+            torch.randn(experts, 2 * inter, hidden, device=device, generator=g) / hidden**0.5
+        ).to(torch.bfloat16)
+        wd = (torch.randn(experts, hidden, inter, device=device, generator=g) / inter**0.5).to(
+            torch.bfloat16
+        )
+
+        def plan(t: int):
+            ids = torch.stack(
+                [torch.randperm(experts, device=device, generator=g)[:k] for _ in range(t)]
+            )
+            routed = torch.zeros(experts, dtype=torch.int64, device=device)
+            x = torch.randn(t, hidden, device=device, generator=g).to(torch.bfloat16)
+            return (x, *fused.dispatch_plan(ids.reshape(-1), k, experts, routed))
+
+        ok = True
+        for t, cls in ((1, "small"), (32, "large")):
+            x, src, _pos, offs = plan(t)
+            got = fused.moe_experts(x, src, offs, wgu, wd).float()
+            xs = x[src].float()
+            e_of = torch.searchsorted(
+                offs.long(), torch.arange(src.numel(), device=device), right=True
+            )
+            gu = torch.einsum("rh,rnh->rn", xs, wgu[e_of].float())
+            gate, up = gu.chunk(2, -1)
+            ref = torch.einsum("ri,rhi->rh", torch.nn.functional.silu(gate) * up, wd[e_of].float())
+            err = float((got - ref).norm() / ref.norm())
+            ok = ok and err < 1e-2
+            out[f"rel_err_b{t}"] = float(f"{err:.3g}")
+            sets = [plan(t) for _ in range(4)]
+
+            def timed(fn, sets=sets) -> float:
+                for s in sets:
+                    fn(s)
+                times = []
+                for _ in range(5):
+                    a, b = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    a.record()
+                    for i in range(20):
+                        fn(sets[i % 4])
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) * 1e3 / 20)
+                return sorted(times)[2]
+
+            def ours(s):
+                return fused.moe_experts(s[0], s[1], s[3], wgu, wd)
+
+            out[f"grouped_mm_us_b{t}"] = round(
+                timed(lambda s: grouped_swiglu(s[0][s[1]], None, wgu, wd, offsets=s[3])), 1
+            )
+            tiles = fused.EXPERT_TILES[cls]
+            for kernel in ("gate_up", "down"):
+                best = None
+                for cand in EXPERT_CANDIDATES[kernel]:
+                    tiles[kernel] = cand
+                    us = timed(ours)
+                    out[f"{kernel}_{'x'.join(map(str, cand))}_us_b{t}"] = round(us, 1)
+                    if best is None or us < best[0]:
+                        best = (us, cand)
+                tiles[kernel] = best[1]
+            out[f"fused_us_b{t}"] = round(timed(ours), 1)
+            out[f"tiles_{cls}"] = {key: list(v) for key, v in tiles.items()}
+    except Exception as exc:  # a kernel that fails to build is switched off and reported
+        return False, {**out, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return ok, out

@@ -27,10 +27,15 @@ large copies instead of one small copy per layer and block.
   the pinned rows themselves (fresh rows each call); any other cache gets immutable copies and
   the pinned rows are reused by the next call.
 - load: worker threads fetch the keys a chunk at a time, verify every block (header, key,
-  XXH3-128 checksum: on every read, whatever the cache did) and copy each verified chunk to a
-  device staging buffer at once (adjacent rows of one pinned buffer in one async copy), so the
-  checksums overlap the host->device copies; the leading verified blocks are then cut out of the
-  staging rows.
+  XXH3-128 checksum) and copy each verified chunk to a device staging buffer at once (adjacent
+  rows of one pinned buffer in one async copy), so the checksums overlap the host->device copies;
+  the leading verified blocks are then cut out of the staging rows. Every block is hashed once
+  per read: a cache that states it verified what it returns (`verifies_reads` is True: the
+  in-process TieredCache, which verifies every read from a mutable or untrusted tier) gets the
+  header, key, length, shape and dtype checked here but not the checksum again; any other cache
+  (the gRPC CacheClient) gets the checksum verified here.
+- store: the checksums of a chunk are split into tasks of >= 1 MiB, each waiting on the worker
+  threads for its chunk's copy, so hashing runs on all workers and overlaps later copies.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ class KVTiers:
         }
         self.tier_hits: dict[str, int] = {}
         """Blocks loaded, per tier that served them (see the module docstring)."""
-        self.workers = max(1, min(8, os.cpu_count() or 1))
+        self.workers = max(1, min(16, os.cpu_count() or 1))
         """Threads that checksum (store_many, load_many); xxhash releases the GIL."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -219,12 +224,22 @@ class KVTiers:
         else:
             for (a, b), host in zip(spans, rows, strict=True):
                 host[:, HEADER_BYTES:].copy_(src[a:b])
-        # Steps 2-3: as each chunk lands, headers and checksums in place, then one put.
-        out: list[bool] = []
+        # Step 2: headers and checksums in place on the worker threads, every task waiting for
+        # its chunk's copy (hashing overlaps the later chunks' copies).
+        pool = self._workers()
+        per_task = max(1, (1 << 20) // width)
+        tasks = []
         for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
-            if landed:
-                landed[c].synchronize()
-            encoded = self._encode(host, keys[a:b], blocks.dtype, shape)
+            ready = landed[c] if landed else None
+            tasks.append([
+                pool.submit(_encode_part, host, keys[a:b], blocks.dtype, shape, lo,
+                            min(b - a, lo + per_task), ready)
+                for lo in range(0, b - a, per_task)
+            ])  # fmt: skip
+        # Step 3: one put per chunk, in order, as its tasks finish.
+        out: list[bool] = []
+        for c, ((a, b), _host) in enumerate(zip(spans, rows, strict=True)):
+            encoded = [e for task in tasks[c] for e in task.result()]
             items = [
                 (k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)
             ]
@@ -275,6 +290,7 @@ class KVTiers:
             stream = self._side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
         before = self._tier_counters()
+        hash_here = getattr(self.cache, "verifies_reads", False) is not True
 
         # Step 1: per chunk (worker threads): get, verify, copy the verified rows.
         def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
@@ -289,7 +305,7 @@ class KVTiers:
                     why = "misses"
                     break
                 try:
-                    head = verify_block(data, expected_key=keys[a + i])
+                    head = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
                 except CacheError:
                     why = "corrupt"
                     break
@@ -330,20 +346,6 @@ class KVTiers:
         if stream is not None:
             stream.synchronize()  # the host rows may be evicted once we return
         return out
-
-    def _encode(self, host: torch.Tensor, keys: Sequence[BlockKey], dtype, shape) -> list:
-        """Headers and checksums of one chunk of rows, split over the worker threads."""
-        n = len(keys)
-        parts = min(self.workers, n) if host.numel() >= (1 << 20) else 1
-        if parts <= 1:
-            return encode_rows(host, keys, dtype=dtype, shape=shape)
-        step = -(-n // parts)
-        cuts = [(a, min(n, a + step)) for a in range(0, n, step)]
-
-        def one(cut: tuple[int, int]) -> list:
-            return encode_rows(host, keys[cut[0] : cut[1]], dtype=dtype, shape=shape, first=cut[0])
-
-        return [e for part in self._workers().map(one, cuts) for e in part]
 
     def _rows(self, counts: list[int], width: int, *, pinned: bool, fresh: bool) -> list:
         """One uint8 [count, width] host tensor per chunk: fresh (the cache keeps them) or
@@ -405,3 +407,10 @@ def _get_many(cache: Any, keys: Sequence[BlockKey]) -> list:
 def _put_many(cache: Any, items: list) -> list:
     many = getattr(cache, "put_many", None)
     return list(many(items)) if callable(many) else [cache.put(k, d) for k, d in items]
+
+
+def _encode_part(host, keys, dtype, shape, lo: int, hi: int, ready) -> list:
+    """Headers and checksums of rows lo..hi of one chunk, once its copy (event `ready`) landed."""
+    if ready is not None:
+        ready.synchronize()
+    return encode_rows(host, keys[lo:hi], dtype=dtype, shape=shape, first=lo)

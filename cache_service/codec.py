@@ -299,13 +299,20 @@ def read_header(data: bytes | memoryview) -> KVBlockHeader:
     return header
 
 
-def verify_block(data: bytes | memoryview, *, expected_key: BlockKey) -> KVBlockHeader:
-    """Check header, length, key and checksum without decoding; raises CorruptBlock."""
+def verify_block(
+    data: bytes | memoryview, *, expected_key: BlockKey, checksum: bool = True
+) -> KVBlockHeader:
+    """Check header, length, key and checksum without decoding; raises CorruptBlock.
+
+    checksum=False skips the checksum: only for bytes a reader in this process already verified
+    (a TieredCache's reads, see `TieredCache.verifies_reads`)."""
     header = read_header(data)
     if header.key != expected_key.digest:
         raise CorruptBlock(
             "key_mismatch", f"block holds key {header.key.hex()}, expected {expected_key.hex}"
         )
+    if not checksum:
+        return header
     view = memoryview(data)
     if _checksum(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]) != header.checksum:
         raise CorruptBlock("checksum", f"checksum mismatch in block {expected_key.hex}")

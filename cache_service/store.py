@@ -18,6 +18,7 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
                                                   #   False if the tier(s) written already held it
     cache.put_many([(key, block), ...]) -> list[bool]
     cache.get(key) -> bytes | None                # None = miss; verified (header key + checksum)
+    cache.verifies_reads                          # True: what get/get_many return was verified
     cache.get_many(keys) -> list[bytes | None]
     cache.contains(keys) -> list[bool]
     cache.longest_prefix(keys) -> int             # leading keys present in some tier
@@ -79,6 +80,12 @@ _KIND_BY_SCHEME = {
 
 class TieredCache:
     """Tiers in lookup order with promotion on hit, demotion on eviction, optional write-through."""
+
+    verifies_reads = True
+    """Every block `get`/`get_many` returns was verified once on its way out (or, for a
+    `holds_verified` tier, when it entered): a caller in this process need not hash it again
+    (KVTiers reads this; a cache without it, e.g. the gRPC CacheClient, gets its blocks verified
+    by KVTiers)."""
 
     def __init__(
         self,

@@ -160,8 +160,13 @@ class MoE(nn.Module):
             pos = torch.empty_like(order)
             pos[order] = torch.arange(order.shape[0], device=order.device)
             offsets = None
-        # Step 3: grouped GEMMs in expert order, then the weighted sum per token (+ shared).
-        y_sorted = self.experts(x[src], counts, offsets)
+        # Step 3: grouped GEMMs in expert order (decode batches: the fused expert kernels, which
+        # gather the rows themselves), then the weighted sum per token (+ shared).
+        ex = self.experts
+        if small and fused_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
+            y_sorted = fused_kernels.moe_experts(x, src, offsets, ex.w_gate_up, ex.w_down)
+        else:
+            y_sorted = ex(x[src], counts, offsets)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         pairs = pos.view(t, k)
         if capture is None:

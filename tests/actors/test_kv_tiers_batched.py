@@ -182,3 +182,26 @@ def test_chunks_of_a_mebibyte_and_more_are_checksummed_on_worker_threads(adopt):
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
     assert torch.equal(torch.stack(tiers.load(keys[-2:])), data[-2:])
     tiers.close()
+
+
+def test_each_block_is_hashed_once_per_read(small_chunks, monkeypatch):
+    """Over the in-process TieredCache (which verifies what it returns) load_many does not hash a
+    block again; over a cache that does not say so, it hashes every block itself."""
+    from cache_service import codec
+
+    hashed = []
+    real = codec._checksum
+
+    def counting(*parts):
+        hashed.append(1)
+        return real(*parts)
+
+    for cache, want in ((host_cache(adopt=True), 9), (UncheckedCache(), 9)):
+        tiers = KVTiers(cache, block_shape=SHAPE)
+        keys, data = keys_for(9, seed=8), blocks(9, seed=8)
+        tiers.store_many(keys, data)
+        monkeypatch.setattr(codec, "_checksum", counting)
+        hashed.clear()
+        assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+        assert len(hashed) == want, (type(cache).__name__, len(hashed))
+        monkeypatch.setattr(codec, "_checksum", real)
