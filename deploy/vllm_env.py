@@ -107,6 +107,8 @@ def ensure(lock: Path = LOCK_FILE, *, log=sys.stderr) -> Path:
             _point_at_checkout(venv, log)
         except VllmEnvError as exc:
             failed.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {exc}\n")
+            if not (venv / MARKER).is_file():
+                shutil.rmtree(venv, ignore_errors=True)  # half-built: never reused, never kept
             raise
         failed.unlink(missing_ok=True)
         (venv / MARKER).touch()  # its mtime says when it was last used (pruning)
@@ -129,12 +131,13 @@ def _build(venv: Path, lock: Path, log) -> None:
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     # torch first, as the Makefile does for .venv: the CPU build from the local wheel store where
     # there is no GPU, then everything else pinned and without dependency resolution.
-    torch_pin = next(
+    torch_pins = [
         line.split("#")[0].strip()
         for line in lock.read_text().splitlines()
         if line.startswith("torch==")
-    )
-    _run([*pip, torch_pin], f"install {torch_pin}")
+    ]
+    for pin in torch_pins:
+        _run([*pip, pin], f"install {pin}")
     _run([*pip, "--no-deps", "-r", str(lock)], f"install {lock.name}")
     _run([*pip, "--no-deps", "--no-build-isolation", "-e", str(REPO)], "install this checkout")
     probe = _run(

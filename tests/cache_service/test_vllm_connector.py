@@ -56,15 +56,14 @@ def _vllm_python() -> Path:
     return python
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def report(request, tmp_path_factory) -> dict:
+def _scenario(root: Path, family: str, *, multiprocess: bool = False) -> dict:
+    """Run vllm_scenario.py in the vLLM venv on a fresh `family` checkpoint and our own Redis."""
     python = _vllm_python()
     if not have_redis_server():
         pytest.skip("redis-server is not installed")
-    family, block_size, overrides = FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(f"vllm-{request.param}")
-    model = make_tiny_checkpoint(family, root / family, **overrides)
-    if family == "deepseek_v3":
+    name, block_size, overrides = FAMILIES[family]
+    model = make_tiny_checkpoint(name, root / name, **overrides)
+    if name == "deepseek_v3":
         # transformers 5 no longer writes these; vLLM needs them to create the router bias.
         config = json.loads((model / "config.json").read_text())
         config.update(topk_method="noaux_tc", scoring_func="sigmoid")
@@ -76,19 +75,14 @@ def report(request, tmp_path_factory) -> dict:
         "PYTHONPATH": str(REPO),
         "MOE_CACHE_SECRET": secrets.token_hex(16),
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         "HF_HUB_OFFLINE": "1",
     }
+    mode = ["--multiprocess"] if multiprocess else []
+    url = f"redis://127.0.0.1:{server.port}/0"
     try:
         done = subprocess.run(
-            [
-                str(python),
-                str(SCENARIO),
-                str(model),
-                str(block_size),
-                f"redis://127.0.0.1:{server.port}/0",
-                str(out),
-            ],
+            [str(python), str(SCENARIO), *mode, str(model), str(block_size), url, str(out)],
             capture_output=True,
             text=True,
             env=env,
@@ -100,8 +94,13 @@ def report(request, tmp_path_factory) -> dict:
         server.cleanup()
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
-        pytest.fail(f"vllm_scenario.py exited {done.returncode} for {family}")
+        pytest.fail(f"vllm_scenario.py {' '.join(mode)} exited {done.returncode} for {name}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def report(request, tmp_path_factory) -> dict:
+    return _scenario(tmp_path_factory.mktemp(f"vllm-{request.param}"), request.param)
 
 
 def _same(run: dict, reference: dict) -> bool:
@@ -156,3 +155,14 @@ def test_redis_stopping_costs_hits_not_correctness(report):
     assert _same(after, baseline["B"])
     assert _same(phases["restored"], baseline["A"])
     assert report["redis_available_at_end"] is False
+
+
+def test_scheduler_in_another_process_finds_blocks_through_redis(tmp_path):
+    """vLLM's default engine: scheduler and worker sides in two processes, sharing only Redis."""
+    report = _scenario(tmp_path, "gqa", multiprocess=True)
+    prefix = report["prefix_tokens"]
+    assert report["B_cold"]["cached"] == 0
+    assert report["A_hit"]["cached"] == prefix
+    assert report["B_hit"]["cached"] == prefix
+    assert report["B_hit"]["vllm_external_hits"] == 2 * prefix
+    assert _same(report["B_hit"], report["B_cold"])

@@ -4,6 +4,7 @@ Each run records the greedy tokens and the log-probability of each (a KV that is
 shows there even when the tiny random model repeats one token).
 
     python tests/cache_service/vllm_scenario.py MODEL_DIR BLOCK_SIZE REDIS_URL REPORT.json
+    python tests/cache_service/vllm_scenario.py --multiprocess MODEL_DIR BLOCK_SIZE REDIS_URL REPORT.json
 
 One in-process engine without the connector gives the reference greedy tokens, then one with
 `TieredKVConnector` over [host://, REDIS_URL] (a Redis the caller owns: the last phase shuts it
@@ -40,39 +41,14 @@ from cache_service.codec import HEADER_BYTES, encode_block
 
 
 def main() -> int:
+    if sys.argv[1] == "--multiprocess":
+        return multiprocess(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
     model, block_size, redis_url, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    rng = random.Random(7)
-    with open(os.path.join(model, "config.json")) as handle:
-        vocab = json.load(handle)["vocab_size"]
-    prefix_blocks = 4
-    p = [rng.randrange(vocab) for _ in range(prefix_blocks * block_size)]
-    q = [rng.randrange(vocab) for _ in range(prefix_blocks * block_size)]
-    prompts = {
-        "A": p + [rng.randrange(vocab) for _ in range(9)],
-        "B": p + [rng.randrange(vocab) for _ in range(11)],
-        "D": q + [rng.randrange(vocab) for _ in range(5)],
-        "Q": q + [rng.randrange(vocab) for _ in range(7)],
-    }
-    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False, logprobs=0)
-    common = {
-        "model": model,
-        "skip_tokenizer_init": True,
-        "dtype": "float32",
-        "enforce_eager": True,
-        "block_size": block_size,
-        "max_model_len": 256,
-        "enable_prefix_caching": False,  # every reused token comes from the connector
-        "max_num_seqs": 4,
-        "disable_log_stats": False,
-    }
+    prompts, p, q, rng = _prompts(model, block_size)
+    common = _engine_args(model, block_size)
 
     def run(llm: LLM, name: str) -> dict:
-        out = llm.generate([{"prompt_token_ids": prompts[name]}], params, use_tqdm=False)[0]
-        tokens = list(out.outputs[0].token_ids)
-        logprobs = [
-            step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)
-        ]
-        return {"tokens": tokens, "logprobs": logprobs, "cached": out.num_cached_tokens or 0}
+        return _generate(llm, prompts[name])
 
     # Step 1: the reference, without the connector.
     llm = LLM(**common)
@@ -142,6 +118,68 @@ def main() -> int:
     with open(out_path, "w") as handle:
         json.dump(report, handle)
     return 0
+
+
+def multiprocess(model: str, block_size: int, redis_url: str, out_path: str) -> int:
+    """vLLM's default engine: the scheduler side (EngineCore process) and the worker side (a worker
+    process) share nothing but Redis. B computes cold and stores P; A then hits P; B again hits P
+    and must equal its cold run."""
+    prompts, _, _, _ = _prompts(model, block_size)
+    transfer = KVTransferConfig(
+        kv_connector="TieredKVConnector",
+        kv_connector_module_path="cache_service.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"tiers": ["host://", redis_url], "deployment": "vllm-mp"},
+    )
+    llm = LLM(**_engine_args(model, block_size), kv_transfer_config=transfer)
+    report = {}
+    for label, name in (("B_cold", "B"), ("A_hit", "A"), ("B_hit", "B")):
+        report[label] = _generate(llm, prompts[name])
+        report[label]["vllm_external_hits"] = _counter(llm, "vllm:external_prefix_cache_hits")
+    report["prefix_tokens"] = 4 * block_size
+    with open(out_path, "w") as handle:
+        json.dump(report, handle)
+    return 0
+
+
+def _prompts(
+    model: str, block_size: int
+) -> tuple[dict[str, list[int]], list[int], list[int], random.Random]:
+    """A and B share the 4-block prefix P, D and Q share Q; tails differ."""
+    rng = random.Random(7)
+    with open(os.path.join(model, "config.json")) as handle:
+        vocab = json.load(handle)["vocab_size"]
+    p = [rng.randrange(vocab) for _ in range(4 * block_size)]
+    q = [rng.randrange(vocab) for _ in range(4 * block_size)]
+    prompts = {
+        "A": p + [rng.randrange(vocab) for _ in range(9)],
+        "B": p + [rng.randrange(vocab) for _ in range(11)],
+        "D": q + [rng.randrange(vocab) for _ in range(5)],
+        "Q": q + [rng.randrange(vocab) for _ in range(7)],
+    }
+    return prompts, p, q, rng
+
+
+def _engine_args(model: str, block_size: int) -> dict:
+    return {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "block_size": block_size,
+        "max_model_len": 256,
+        "enable_prefix_caching": False,  # every reused token comes from the connector
+        "max_num_seqs": 4,
+        "disable_log_stats": False,
+    }
+
+
+def _generate(llm: LLM, prompt: list[int]) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False, logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    logprobs = [step[t].logprob for step, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+    return {"tokens": tokens, "logprobs": logprobs, "cached": out.num_cached_tokens or 0}
 
 
 def _counter(llm: LLM, name: str) -> float:
