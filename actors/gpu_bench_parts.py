@@ -406,7 +406,8 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
                  inter: int = 768, k: int = 8) -> tuple[bool, dict[str, Any]]:  # fmt: skip
     """The fused expert kernels (`fused.moe_experts`) at the Qwen3 expert shapes, bf16: error
     against a float32 reference at batch 1 and 32 (fresh routings, distinct experts per token),
-    then each candidate tile timed (CUDA events, 4 rotating routings, median of 5 x 20 calls) and
+    then each candidate tile timed (a CUDA graph of 20 calls over 4 rotating routings, median of
+    5 replays) and
     the fastest kept in `fused.EXPERT_TILES` per size class; grouped GEMMs timed beside them."""
     from actors.kernels import fused
     from actors.layers.experts import grouped_swiglu
@@ -448,8 +449,16 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
             sets = [plan(t) for _ in range(4)]
 
             def timed(fn, sets=sets) -> float:
+                """Median us per call over 5 replays of a CUDA graph of 20 calls (the launches
+                of one call cost more host time than its kernels take on the device)."""
                 for s in sets:
                     fn(s)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(20):
+                        fn(sets[i % 4])
+                graph.replay()
                 times = []
                 for _ in range(5):
                     a, b = (
@@ -457,8 +466,7 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
                         torch.cuda.Event(enable_timing=True),
                     )
                     a.record()
-                    for i in range(20):
-                        fn(sets[i % 4])
+                    graph.replay()
                     b.record()
                     b.synchronize()
                     times.append(a.elapsed_time(b) * 1e3 / 20)
@@ -485,3 +493,116 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
     except Exception as exc:  # a kernel that fails to build is switched off and reported
         return False, {**out, "error": f"{type(exc).__name__}: {exc}"[:300]}
     return ok, out
+
+
+def offload_probe(
+    device: torch.device, *, blocks: int = 256, block_bytes: int = 1 << 20 | 1 << 19
+) -> dict:
+    """Where the batched KV offload's time goes, piece by piece (ms, `blocks` blocks of
+    `block_bytes`): fresh and reused pinned rows, device->pinned and pinned->device copies,
+    XXH3 row encoding on 1/8/16 threads, the host tier's put_many and get_many (which verifies),
+    and a cProfile of the main thread in store_many and load_many."""
+    import cProfile
+    import io
+    import pstats
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.kv_tiers import KVTiers
+    from cache_service.block_key import prefix_block_keys
+    from cache_service.codec import encode_rows, row_bytes
+    from cache_service.namespace import CacheNamespace
+    from cache_service.store import TieredCache
+
+    out: dict[str, Any] = {}
+    width = row_bytes(block_bytes)
+    per = max(1, (1 << 24) // width)
+    chunks = [min(per, blocks - a) for a in range(0, blocks, per)]
+
+    def ms(fn) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return round(1e3 * (time.perf_counter() - t0), 2)
+
+    holder: list = []
+    pin = device.type == "cuda"
+    out["pinned_alloc_fresh"] = ms(lambda: holder.extend(
+        torch.empty((c, width), dtype=torch.uint8, pin_memory=pin) for c in chunks))  # fmt: skip
+    holder.clear()
+    out["pinned_alloc_reused"] = ms(lambda: holder.extend(
+        torch.empty((c, width), dtype=torch.uint8, pin_memory=pin) for c in chunks))  # fmt: skip
+    src = torch.empty(blocks, width, dtype=torch.uint8, device=device).random_(0, 255)
+
+    def d2h():
+        a = 0
+        for h in holder:
+            h.copy_(src[a : a + h.shape[0]], non_blocking=True)
+            a += h.shape[0]
+
+    out["d2h"] = ms(d2h)
+    out["d2h_again"] = ms(d2h)
+
+    def h2d():
+        a = 0
+        for h in holder:
+            src[a : a + h.shape[0]].copy_(h, non_blocking=True)
+            a += h.shape[0]
+
+    out["h2d"] = ms(h2d)
+    gen = torch.Generator().manual_seed(0)
+    keys = prefix_block_keys(
+        secret=b"probe", weights_fingerprint="probe", kv_dtype="bfloat16", codec="raw",
+        layer_range=(0, 1), kv_head_range=(0, 1), block_size=16,
+        token_ids=torch.randint(0, 1000, (blocks * 16,), generator=gen).tolist(),
+    )[:blocks]  # fmt: skip
+    shape = (block_bytes // 2,)
+    tasks = [
+        (h, keys[sum(chunks[:c]) + i], i) for c, h in enumerate(holder) for i in range(h.shape[0])
+    ]
+
+    def enc(t):
+        return encode_rows(t[0], [t[1]], dtype=torch.bfloat16, shape=shape, first=t[2])[0]
+
+    encoded = []
+    for n in (1, 8, 16):
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(enc, tasks[:16]))
+            out[f"encode_{n}threads"] = ms(lambda pool=pool: encoded.__setitem__(
+                slice(None), list(pool.map(enc, tasks))))  # fmt: skip
+    cache = TieredCache.from_urls(
+        ["host://"], capacities=[4 * blocks * width],
+        namespace=CacheNamespace(model_fingerprint="probe", deployment="probe"),
+    )  # fmt: skip
+    out["host_tier_adopts"] = bool(getattr(cache.tiers[0], "adopts_buffers", False))
+    out["put_many"] = ms(lambda: cache.put_many(list(zip(keys, encoded, strict=True))))
+    out["get_many_verify_1thread"] = ms(lambda: cache.get_many(keys))
+    spans = [keys[a : a + 5] for a in range(0, blocks, 5)]
+    with ThreadPoolExecutor(16) as pool:
+        out["get_many_verify_16threads"] = ms(lambda: list(pool.map(cache.get_many, spans)))
+    cache.evict(keys)
+    # The whole path, with a profile of the main thread.
+    tiers = KVTiers(cache, block_shape=shape)
+    data = torch.randn(blocks, *shape, device=device).to(torch.bfloat16)
+    for _ in range(2):
+        tiers.store_many(keys, data)
+        tiers.load_many(keys, dtype=torch.bfloat16, device=device)
+        cache.evict(keys)
+    for name, fn in (
+        ("store_many", lambda: tiers.store_many(keys, data)),
+        ("load_many", lambda: tiers.load_many(keys, dtype=torch.bfloat16, device=device)),
+    ):
+        prof = cProfile.Profile()
+        sync(device)
+        t0 = time.perf_counter()
+        prof.enable()
+        fn()
+        sync(device)
+        prof.disable()
+        out[name] = round(1e3 * (time.perf_counter() - t0), 2)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(10)
+        out[f"{name}_profile"] = text.getvalue()[-2500:]
+    cache.evict(keys)
+    tiers.close()
+    return out

@@ -35,7 +35,8 @@ large copies instead of one small copy per layer and block.
   header, key, length, shape and dtype checked here but not the checksum again; any other cache
   (the gRPC CacheClient) gets the checksum verified here.
 - store: the checksums of a chunk are split into tasks of >= 1 MiB, each waiting on the worker
-  threads for its chunk's copy, so hashing runs on all workers and overlaps later copies.
+  threads for its chunk's copy, so hashing runs on all workers and overlaps later copies (8
+  workers: on the H200 VM XXH3 reached 13 GB/s on 8 threads and no more on 16).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class KVTiers:
         }
         self.tier_hits: dict[str, int] = {}
         """Blocks loaded, per tier that served them (see the module docstring)."""
-        self.workers = max(1, min(16, os.cpu_count() or 1))
+        self.workers = max(1, min(8, os.cpu_count() or 1))
         """Threads that checksum (store_many, load_many); xxhash releases the GIL."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()

@@ -76,15 +76,16 @@ if triton_available():
         tl.store(y_ptr + row * n + c, (x * inv * w).to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, b, eps,
+    def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, b, eps, row_stride,
                    NH: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
-        """x rows [NH, D] of token b -> normed (optional) and rotated [NH_PAD, D] float32."""
+        """x rows [NH, D] of token b (at b * row_stride) -> normed (optional) and rotated
+        [NH_PAD, D] float32."""
         h = tl.arange(0, NH_PAD)
         d = tl.arange(0, D)
         half: tl.constexpr = D // 2
         partner = (d + half) % D
         hm = (h < NH)[:, None]
-        base = x_ptr + b * NH * D + h[:, None] * D
+        base = x_ptr + b * row_stride + h[:, None] * D
         x = tl.load(base + d[None, :], mask=hm, other=0.0).to(tl.float32)
         xp = tl.load(base + partner[None, :], mask=hm, other=0.0).to(tl.float32)
         if HAS_NORM:
@@ -98,39 +99,45 @@ if triton_available():
 
     @triton.jit
     def _qk_rope_write(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
-                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, eps,
-                       H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
+                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, eps, q_stride, k_stride,
+                       v_stride, H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
                        D: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+        # Program (b, 0) rotates token b's queries; (b, 1) writes its K/V and the block summary
+        # (two short programs side by side instead of one long one).
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)
-        hq = tl.arange(0, H_PAD)
-        q = _norm_rope(q_ptr, qw_ptr, cos_ptr, sin_ptr, b, eps, H, H_PAD, D, HAS_NORM)
-        tl.store(
-            qo_ptr + b * H * D + hq[:, None] * D + d[None, :],
-            q.to(qo_ptr.dtype.element_ty),
-            mask=(hq < H)[:, None],
-        )
-        k = _norm_rope(k_ptr, kw_ptr, cos_ptr, sin_ptr, b, eps, KV, KV_PAD, D, HAS_NORM)
-        k = k.to(kc_ptr.dtype.element_ty)
-        g = tl.arange(0, KV_PAD)
-        gm = (g < KV)[:, None]
-        slot = tl.load(slots_ptr + b)
-        blk = slot // BS
-        off = slot % BS
-        row = g[:, None] * D + d[None, :]
-        tl.store(kc_ptr + slot * KV * D + row, k, mask=gm)
-        v = tl.load(v_ptr + b * KV * D + row, mask=gm, other=0.0)
-        tl.store(vc_ptr + slot * KV * D + row, v.to(vc_ptr.dtype.element_ty), mask=gm)
-        # The block's summary over all BS rows, the new row taken from registers (not re-read).
-        t = tl.arange(0, BS)
-        keys = tl.load(
-            kc_ptr + blk * BS * KV * D + t[:, None, None] * KV * D + row[None, :, :],
-            mask=gm[None, :, :],
-            other=0.0,
-        )
-        keys = tl.where((t == off)[:, None, None], k[None, :, :], keys)
-        tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0), mask=gm)
-        tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0), mask=gm)
+        if tl.program_id(1) == 0:
+            hq = tl.arange(0, H_PAD)
+            q = _norm_rope(q_ptr, qw_ptr, cos_ptr, sin_ptr, b, eps, q_stride, H, H_PAD, D,
+                           HAS_NORM)  # fmt: skip
+            tl.store(
+                qo_ptr + b * H * D + hq[:, None] * D + d[None, :],
+                q.to(qo_ptr.dtype.element_ty),
+                mask=(hq < H)[:, None],
+            )
+        else:
+            k = _norm_rope(k_ptr, kw_ptr, cos_ptr, sin_ptr, b, eps, k_stride, KV, KV_PAD, D,
+                           HAS_NORM)  # fmt: skip
+            k = k.to(kc_ptr.dtype.element_ty)
+            g = tl.arange(0, KV_PAD)
+            gm = (g < KV)[:, None]
+            slot = tl.load(slots_ptr + b)
+            blk = slot // BS
+            off = slot % BS
+            row = g[:, None] * D + d[None, :]
+            tl.store(kc_ptr + slot * KV * D + row, k, mask=gm)
+            v = tl.load(v_ptr + b * v_stride + row, mask=gm, other=0.0)
+            tl.store(vc_ptr + slot * KV * D + row, v.to(vc_ptr.dtype.element_ty), mask=gm)
+            # The block's summary over all BS rows, the new row taken from registers (not re-read).
+            t = tl.arange(0, BS)
+            keys = tl.load(
+                kc_ptr + blk * BS * KV * D + t[:, None, None] * KV * D + row[None, :, :],
+                mask=gm[None, :, :],
+                other=0.0,
+            )
+            keys = tl.where((t == off)[:, None, None], k[None, :, :], keys)
+            tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0), mask=gm)
+            tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0), mask=gm)
 
     @triton.jit
     def _qk_rope(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, eps,
@@ -139,11 +146,11 @@ if triton_available():
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)
         hq = tl.arange(0, H_PAD)
-        q = _norm_rope(q_ptr, qw_ptr, cos_ptr, sin_ptr, b, eps, H, H_PAD, D, HAS_NORM)
+        q = _norm_rope(q_ptr, qw_ptr, cos_ptr, sin_ptr, b, eps, H * D, H, H_PAD, D, HAS_NORM)
         tl.store(qo_ptr + b * H * D + hq[:, None] * D + d[None, :], q.to(qo_ptr.dtype.element_ty),
                  mask=(hq < H)[:, None])  # fmt: skip
         g = tl.arange(0, KV_PAD)
-        k = _norm_rope(k_ptr, kw_ptr, cos_ptr, sin_ptr, b, eps, KV, KV_PAD, D, HAS_NORM)
+        k = _norm_rope(k_ptr, kw_ptr, cos_ptr, sin_ptr, b, eps, KV * D, KV, KV_PAD, D, HAS_NORM)
         tl.store(ko_ptr + b * KV * D + g[:, None] * D + d[None, :], k.to(ko_ptr.dtype.element_ty),
                  mask=(g < KV)[:, None])  # fmt: skip
 
@@ -310,6 +317,14 @@ if triton_available():
                              acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])  # fmt: skip
 
 
+def _heads_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, D] whose heads lie contiguous within each token's row (any row stride: a
+    column slice of a stacked q/k/v projection is used in place); otherwise a contiguous copy."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -357,13 +372,15 @@ def qk_norm_rope_write(
     k_cache, v_cache, key_min, key_max = caches
     b, h, d = q.shape
     kv, bs = k.shape[1], k_cache.shape[1]
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_norm = q_weight is not None
-    _qk_rope_write[(b,)](
-        q.contiguous(), k.contiguous(), v.contiguous(),
+    q, k, v = _heads_rows(q), _heads_rows(k), _heads_rows(v)
+    _qk_rope_write[(b, 2)](
+        q, k, v,
         q_weight if has_norm else q, k_weight if has_norm else q,
         cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, key_min, key_max, slots, eps,
-        H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv), D=d, BS=bs, HAS_NORM=has_norm,
+        q.stride(0), k.stride(0), v.stride(0), H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv),
+        D=d, BS=bs, HAS_NORM=has_norm,
     )  # fmt: skip
     return q_out
 

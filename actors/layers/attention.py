@@ -152,6 +152,10 @@ def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return tp_rank * local, local
 
 
+FUSE_QKV = [True]
+"""Switch of the stacked q/k/v projection on CUDA decode steps (GQAAttention._qkv)."""
+
+
 class GQAAttention(nn.Module):
     """Grouped-query attention (Mixtral, Qwen3-MoE with q/k RMSNorm per head). x [T, H] -> [T, H].
 
@@ -190,9 +194,8 @@ class GQAAttention(nn.Module):
         paged: LayerKV | DecodeView | None = None,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.arch.head_dim
-        q = self.q_proj(x).view(t, self.heads, d)
-        k = self.k_proj(x).view(t, self.kv_heads, d)
-        v = self.v_proj(x).view(t, self.kv_heads, d)
+        q, k, v = self._qkv(x, decode=isinstance(paged, DecodeView))
+        q, k, v = q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d)
         if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             q = paged.prologue(q, k, v, norms, self.arch.rms_norm_eps, cos, sin)
@@ -226,6 +229,27 @@ class GQAAttention(nn.Module):
                 written=(k, v),
             )  # fmt: skip
         return self._out(o)
+
+    def _qkv(self, x: torch.Tensor, *, decode: bool) -> tuple[torch.Tensor, ...]:
+        """The q, k, v projections of x [T, H]. CUDA decode steps (a few tokens, where each small
+        GEMM is bound by its launch and latency, not its bytes) use one GEMM over the three
+        weights stacked: a copy made outside graph capture, rebuilt when a weight changes
+        (storage or in-place version), costing (q + 2 kv heads) x head_dim x H extra weights."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not (decode and x.is_cuda and FUSE_QKV[0] and x.shape[0] <= 64):
+            return tuple(p(x) for p in projs)
+        key = tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
+        cached = self.__dict__.get("_qkv_cache")
+        if cached is None or cached[0] != key:
+            if torch.cuda.is_current_stream_capturing():
+                return tuple(p(x) for p in projs)
+            with torch.no_grad():
+                w = torch.cat([p.weight for p in projs])
+                b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+            cached = self.__dict__["_qkv_cache"] = (key, w, b)
+        y = torch.nn.functional.linear(x, cached[1], cached[2])
+        nq, nk = self.q_proj.out_features, self.k_proj.out_features
+        return y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk :]
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
         """o [T, heads, D] -> the row-parallel output projection (reduced over TP) [T, H]."""

@@ -67,6 +67,15 @@ kc2.view(-1, KV, D)[slots] = rk; vc2.view(-1, KV, D)[slots] = v
 blocks = slots // BS
 errs["q"] = float((qo - rq).abs().max()); errs["kc"] = float((kc - kc2).abs().max()); errs["vc"] = float((vc - vc2).abs().max())
 errs["kmin"] = float((kmin[blocks] - kc2[blocks].amin(1)).abs().max()); errs["kmax"] = float((kmax[blocks] - kc2[blocks].amax(1)).abs().max())
+# the same with q/k/v as column slices of one stacked projection (strided rows, used in place)
+kc3, vc3 = kc2.clone(), vc2.clone(); kc3.view(-1, KV, D)[slots] = 0; vc3.view(-1, KV, D)[slots] = 0
+stacked = torch.cat([q.reshape(B, -1), k.reshape(B, -1), v.reshape(B, -1)], 1)
+qs = stacked[:, : H * D].view(B, H, D); ks = stacked[:, H * D : (H + KV) * D].view(B, KV, D)
+vs = stacked[:, (H + KV) * D :].view(B, KV, D)
+kmin3, kmax3 = torch.zeros(N, KV, D), torch.zeros(N, KV, D)
+qo3 = fused.qk_norm_rope_write(qs, ks, vs, qw, kw, 1e-6, cos, sin, (kc3, vc3, kmin3, kmax3), slots)
+errs["strided"] = float(max((qo3 - rq).abs().max(), (kc3 - kc2).abs().max(), (vc3 - vc2).abs().max(),
+                            (kmax3[blocks] - kc2[blocks].amax(1)).abs().max()))
 # qk norm + rope over a prompt (no cache), with and without norms
 T = 7
 q = torch.randn(T, H, D); k = torch.randn(T, KV, D)
@@ -145,7 +154,7 @@ def test_fused_kernels_match_torch_references():
     for name in ("ids", "src", "pos", "offs", "routed"):
         assert errs[name] == 0, (name, errs)
     for name in ("rms", "rms_h", "logits", "wts", "combine", "q", "kc", "vc", "kmin", "kmax",
-                 "pq", "pk", "pq0", "pk0", "experts1", "experts37"):  # fmt: skip
+                 "pq", "pk", "pq0", "pk0", "experts1", "experts37", "strided"):  # fmt: skip
         assert errs[name] < 1e-5, (name, errs)
 
 
