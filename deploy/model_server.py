@@ -57,6 +57,7 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
         "num_blocks": num_blocks if num_blocks is not None else DEFAULT_NUM_BLOCKS,
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": budget,
+        "batch_invariant": e.batch_invariant,
         "role": role,
     }
 

@@ -3,8 +3,11 @@ router against round robin, through the real Serve app on one local Ray (this ma
 
 Part 1, interference (the same fixed load on both deployments, one after the other):
     mixed   two `mixed` replicas (Serve's power-of-two router), device KV only;
-    disagg  one prefill and one decode replica, the KV handed over through the cache server's
-            host tier (the same number of replica processes as mixed).
+    disagg  one prefill and one decode replica, the KV handed over through the host tier of a
+            cache server in its own process (the same number of replica processes as mixed).
+    Both run the demo weights (its long-context copy, so prompts can exceed 1,024 tokens) with
+    `engine.batch_invariant: false` (one batched forward per step, as a serving engine runs) and
+    the same step budget, so a long prompt is prefilled in `max_num_batched_tokens` chunks.
     Load, open loop for `duration_s`: chats (random `chat_prompt`-token prompts, `chat_out` streamed
     tokens, `logprobs=0` so every token is its own SSE event) arriving every 1/`chat_rate` s, beside
     long prompts (`long_prompt` tokens, `long_out` tokens) every 1/`long_rate` s.
@@ -23,11 +26,14 @@ Both parts report the handoff figures (KV bytes per request, handoff latency) fr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -43,11 +49,11 @@ BLOCK = 16
 @dataclass(frozen=True, kw_only=True)
 class PdOptions:
     duration_s: float = 40.0
-    chat_rate: float = 4.0
+    chat_rate: float = 3.0
     chat_prompt: int = 32
-    chat_out: int = 48
-    long_rate: float = 0.5
-    long_prompt: int = 896
+    chat_out: int = 32
+    long_rate: float = 0.25
+    long_prompt: int = 3072
     long_out: int = 4
     max_num_batched_tokens: int = 512
     router_prefixes: int = 8
@@ -66,7 +72,7 @@ def quick_options() -> PdOptions:
         chat_rate=2.0,
         chat_out=8,
         long_rate=0.5,
-        long_prompt=256,
+        long_prompt=768,
         router_prefixes=4,
         router_requests=12,
         router_prefix_tokens=64,
@@ -188,11 +194,6 @@ class _Stack:
     def __init__(self, ckpt) -> None:
         from ray import serve
 
-        from cache_service.block_key import weights_fingerprint
-        from cache_service.namespace import CacheNamespace
-        from cache_service.server import CacheServer, ServerConfig
-        from cache_service.store import TieredCache
-
         env = {
             "RAY_AUTH_MODE": "disabled",
             "HF_HUB_OFFLINE": "1",
@@ -201,15 +202,22 @@ class _Stack:
         os.environ.update(env)
         os.environ.setdefault("MOE_CACHE_SECRET", os.urandom(16).hex())
         env["MOE_CACHE_SECRET"] = os.environ["MOE_CACHE_SECRET"]
-        ns = CacheNamespace(model_fingerprint=weights_fingerprint(ckpt), deployment="pd-bench")
-        self.cache = TieredCache.from_urls(["host://"], capacities=[1 << 28], namespace=ns)
-        self.server = CacheServer(self.cache, ServerConfig(host="127.0.0.1", port=0))
-        self.server.start()
+        # The cache server in a process of its own (as `moectl serve` / the chart's sidecar run
+        # it), so its gRPC threads do not share a GIL with this process's load generator.
+        with _socket() as sock:
+            cache_port = sock.getsockname()[1]
+        self.address = f"127.0.0.1:{cache_port}"
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "cache", "serve", "--host-bytes", "256M",
+             "--port", str(cache_port), "--namespace", "pd-bench"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        _wait_for_port(cache_port, self.server)
         os.environ.pop("RAY_ADDRESS", None)
         try:
             self._ray_init(env)
         except (RuntimeError, ConnectionError) as exc:
-            self.server.stop()
+            self._stop_server()
             raise EnvironmentMissing(f"could not start a local Ray: {exc}") from None
         with _socket() as s:
             self.port = s.getsockname()[1]
@@ -247,8 +255,27 @@ class _Stack:
 
         serve.shutdown()
         ray.shutdown()
-        self.server.stop()
-        self.cache.close()
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        self.server.terminate()
+        try:
+            self.server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+
+
+def _wait_for_port(port: int, proc, timeout_s: float = 60.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EnvironmentMissing(f"the cache server exited with status {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.2)
+    raise EnvironmentMissing(f"the cache server did not listen on port {port} in {timeout_s:.0f} s")
 
 
 def _socket():
@@ -267,6 +294,7 @@ def _base_args(ckpt, opts: PdOptions, num_blocks: int) -> dict[str, Any]:
             "num_blocks": num_blocks,
             "max_num_seqs": 16,
             "max_num_batched_tokens": opts.max_num_batched_tokens,
+            "batch_invariant": False,  # one batched forward per step, as a serving engine runs
             "num_cpus": 0.5,
         },
         "autoscaling": {"min_replicas": 2, "max_replicas": 2},
@@ -290,7 +318,7 @@ def interference(stack: _Stack, opts: PdOptions, vocab: int, ui: Any) -> dict[st
         stack.delete("pdmixed")
     disagg = {
         **base,
-        "cache": {"tiers": [{"url": "host://", "bytes": "256M"}], "listen": stack.server.address},
+        "cache": {"tiers": [{"url": "host://", "bytes": "256M"}], "listen": stack.address},
         "disaggregation": {
             "enabled": True,
             "prefill": {"replicas": 1, "num_cpus": 0.5},
@@ -353,9 +381,10 @@ def router_hit_rates(stack: _Stack, opts: PdOptions, vocab: int, ui: Any) -> dic
 
 def run_pd_bench(opts: PdOptions, ui: Any) -> dict[str, Any]:
     from deploy.demo_checkpoint import ensure_demo_checkpoint
+    from deploy.serving_bench import long_context_checkpoint
 
-    with ui.step("demo checkpoint"):
-        ckpt = ensure_demo_checkpoint()
+    with ui.step("demo checkpoint (its long-context copy)"):
+        ckpt = long_context_checkpoint(ensure_demo_checkpoint())
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     with ui.step("local Ray, cache server and Serve"):
         stack = _Stack(ckpt)
