@@ -171,7 +171,7 @@ class Engine:
         self.runner, self.tokenizer, self.eos_token_id = runner, tokenizer, eos_token_id
         self.batch_invariant = batch_invariant
         layout = runner.allocate_kv(num_blocks, block_size)
-        self.block_size = block_size
+        self.block_size, self.kv_dtype = block_size, layout.dtype
         self.keyer = BlockKeyer(
             secret=cache_key_secret,
             weights_fingerprint=weights_fingerprint,
@@ -440,7 +440,8 @@ class Engine:
         if self.tiers is not None and len(table) < cap:
             rest = keys[len(table) :]
             count = min(self.tiers.available(rest), self.blocks.free_count)
-            for key, data in zip(rest, self.tiers.load(rest[:count]), strict=False):
+            loaded = self.tiers.load_many(rest[:count], dtype=self.kv_dtype) if count else ()
+            for key, data in zip(rest, loaded, strict=False):
                 block = self.blocks.allocate()
                 self.runner.write_block(block, data)
                 self.blocks.register(block, key)
@@ -469,16 +470,21 @@ class Engine:
         write-down tries again); one the tiers already held counts as stored."""
         if self.tiers is None:
             return 0
-        written = 0
-        for i in range(seq.registered):
-            block, key = seq.block_table[i], seq.block_keys[i]
-            if self.blocks.key[block] == key and not self.blocks.stored[block]:
-                data = self.runner.read_block(block)
-                faults = self.tiers.counts["faults"]
-                if self.tiers.store(key, data):
-                    written += data.numel() * data.element_size()
-                self.blocks.stored[block] = self.tiers.counts["faults"] == faults
-        return written
+        todo = [
+            (seq.block_table[i], seq.block_keys[i])
+            for i in range(seq.registered)
+            if self.blocks.key[seq.block_table[i]] == seq.block_keys[i]
+            and not self.blocks.stored[seq.block_table[i]]
+        ]
+        if not todo:
+            return 0
+        data = torch.stack([self.runner.read_block(block) for block, _ in todo])
+        faults = self.tiers.counts["faults"]
+        flags = self.tiers.store_many([key for _, key in todo], data)  # one put per chunk
+        intact = self.tiers.counts["faults"] == faults
+        for block, _ in todo:
+            self.blocks.stored[block] = intact
+        return sum(flags) * (data[0].numel() * data.element_size())
 
     # --------------------------------------------------------------- recovery
 
