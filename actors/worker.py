@@ -107,8 +107,8 @@ class ShardStep:
             )
 
     def __reduce__(self):
-        """Pickled with the step's tensors as int lists: ~20x cheaper than pickling tensors,
-        and this crosses the driver -> worker boundary on every step."""
+        """Pickled with the step's tensors as int lists: ~20x cheaper than pickling tensors
+        (the actor's `execute`; the Replica sends `actors/step_wire.py` bytes instead)."""
         fields = {}
         for f in dataclasses.fields(self.step):
             value = getattr(self.step, f.name)
