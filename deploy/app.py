@@ -461,6 +461,8 @@ def build_app(
         ray_actor_options={"num_cpus": 0.1},
     )
     limits = {"max_body_bytes": max_body_bytes, "max_streams_per_client": max_streams_per_client}
+    if cfg.engine.backend == "vllm":
+        engine_module = "deploy.vllm_engine"
     bound = {}
     for entry in model_deployments(cfg):
         name = entry.pop("name")

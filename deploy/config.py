@@ -171,6 +171,9 @@ class CacheSection(_Strict):
 
 
 class EngineSection(_Strict):
+    backend: Literal["native", "vllm"] = "native"
+    """`native`: our engine; `vllm`: vLLM's AsyncLLM in the vLLM venv (deploy/vllm_engine.py).
+    `engine: vllm` is short for `engine: {backend: vllm}`."""
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int | None = Field(default=None, ge=1)
     """KV blocks per replica; or give kv_memory."""
@@ -193,6 +196,11 @@ class EngineSection(_Strict):
     @classmethod
     def _size(cls, v: Any) -> int | None:
         return None if v is None else parse_size(v, "kv_memory")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return {"backend": v} if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _one_budget(self) -> EngineSection:
@@ -326,6 +334,10 @@ class ServeConfig(_Strict):
 
     @model_validator(mode="after")
     def _handoff_tier(self) -> ServeConfig:
+        if self.disaggregation.enabled and self.engine.backend == "vllm":
+            raise ValueError(
+                "disaggregation.enabled needs engine.backend native (vLLM has no handoff)"
+            )
         if self.disaggregation.enabled and not self.cache.tiers:
             raise ValueError(
                 "disaggregation.enabled needs cache.tiers: the KV blocks travel from prefill "
@@ -420,12 +432,17 @@ def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
     router = request_router_config(cfg)
     routing = {} if router is None else {"request_router_config": router}
     if not cfg.disaggregation.enabled:
+        options: dict[str, Any] = {"num_cpus": cfg.engine.num_cpus}
+        if cfg.engine.backend == "vllm":  # the replica runs in the vLLM venv's interpreter
+            from deploy.vllm_engine import vllm_runtime_env
+
+            options["runtime_env"] = vllm_runtime_env(cfg)
         return [
             {
                 "name": MODEL_DEPLOYMENT,
                 "autoscaling_config": autoscaling_config(cfg),
                 "max_ongoing_requests": cfg.engine.max_ongoing_requests,
-                "ray_actor_options": {"num_cpus": cfg.engine.num_cpus},
+                "ray_actor_options": options,
                 **routing,
             }
         ]

