@@ -39,6 +39,7 @@ only the standard library; never pydantic, redis, ray or grpc.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import secrets
@@ -60,6 +61,8 @@ from actors.sampler import RowSampling, SamplingParams, TokenLogprob
 from actors.scheduler import Scheduler, SchedulerConfig, Sequence
 from cluster.errors import InputError
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ROLES",
     "AsyncEngine",
@@ -71,6 +74,8 @@ __all__ = [
 ]
 
 ROLES = ("mixed", "prefill", "decode")
+STATS_CACHE_AGE_S = 1.0
+"""AsyncEngine's per-step stats reuse the cache's own figures for this long."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +200,9 @@ class Engine:
         self.scheduler = Scheduler(
             config, self.blocks, match_prefix=self._match_prefix, on_preempt=self._write_down
         )
+        self._tier_lock = threading.Lock()
+        self._tier_stats_cache: tuple[float, dict] | None = None
+        """Tier calls come from the step thread and from prefetches (AsyncEngine's workers)."""
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
@@ -437,10 +445,17 @@ class Engine:
             self.blocks.acquire(block)
         self.counts["prefix_queries"] += cap
         self.counts["prefix_hits"] += len(table)
+        prefetched, seq.prefetched = seq.prefetched, None
         if self.tiers is not None and len(table) < cap:
             rest = keys[len(table) :]
-            count = min(self.tiers.available(rest), self.blocks.free_count)
-            loaded = self.tiers.load_many(rest[:count], dtype=self.kv_dtype) if count else ()
+            if prefetched is not None:  # read off the step thread (prefetch): no round trip now
+                loaded = prefetched[len(table) : len(table) + self.blocks.free_count]
+            else:
+                with self._tier_lock:
+                    count = min(self.tiers.available(rest), self.blocks.free_count)
+                    loaded = (
+                        self.tiers.load_many(rest[:count], dtype=self.kv_dtype) if count else ()
+                    )
             for key, data in zip(rest, loaded, strict=False):
                 block = self.blocks.allocate()
                 self.runner.write_block(block, data)
@@ -479,9 +494,10 @@ class Engine:
         if not todo:
             return 0
         data = torch.stack([self.runner.read_block(block) for block, _ in todo])
-        faults = self.tiers.counts["faults"]
-        flags = self.tiers.store_many([key for _, key in todo], data)  # one put per chunk
-        intact = self.tiers.counts["faults"] == faults
+        with self._tier_lock:
+            faults = self.tiers.counts["faults"]
+            flags = self.tiers.store_many([key for _, key in todo], data)  # one put per chunk
+            intact = self.tiers.counts["faults"] == faults
         for block, _ in todo:
             self.blocks.stored[block] = intact
         return sum(flags) * (data[0].numel() * data.element_size())
@@ -505,6 +521,22 @@ class Engine:
         self.runner.allocate_kv(self.blocks.num_blocks, self.block_size)
         return dropped
 
+    def prefetch(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> torch.Tensor:
+        """The leading prefix blocks of a request about to be resumed, read from the tiers
+        ([m, *block_shape]; m = 0 without tiers). Touches no engine state but the tier counters
+        (under a lock), so AsyncEngine runs it on a worker thread while the engine steps: the
+        round trips to the cache stay out of the step that admits the request."""
+        tokens = [*prompt_token_ids, *output_token_ids]
+        keys: list = []
+        self.keyer.extend(keys, tokens, (len(tokens) - 1) // self.block_size)
+        if self.tiers is None or not keys:
+            return torch.empty(0)
+        with self._tier_lock:
+            count = self.tiers.available(keys)
+            return (
+                self.tiers.load_many(keys[:count], dtype=self.kv_dtype) if count else torch.empty(0)
+            )
+
     def resume_request(
         self,
         request_id: str,
@@ -514,6 +546,7 @@ class Engine:
         seed: int,
         output_token_ids: list[int],
         cached_tokens: int | None = None,
+        prefetched: torch.Tensor | None = None,
     ) -> None:
         """Re-admit a request whose client already has `output_token_ids`.
 
@@ -521,9 +554,12 @@ class Engine:
         back), then sampling continues at step len(output_token_ids) with the same seed, so a
         greedy or seeded stream goes on as without the fault (the sampler is keyed by seed and
         step). The detokenizer replays the tokens silently: no text is emitted twice.
+        `prefetched`: the leading prefix blocks already read from the tiers (`prefetch`, off
+        the step thread); admission then takes them instead of asking the tiers.
         """
         self.add_request(request_id, prompt_token_ids, replace(params, seed=seed))
         seq = self.seqs[request_id]
+        seq.prefetched = prefetched
         seq.output_token_ids = [int(t) for t in output_token_ids]
         seq.cached_tokens = cached_tokens
         detok = self.detok[request_id]
@@ -532,7 +568,10 @@ class Engine:
 
     # ------------------------------------------------------------------ stats
 
-    def stats(self) -> dict:
+    def stats(self, *, cache_max_age_s: float = 0.0) -> dict:
+        """The engine's figures. The cache's own (`cache`) are a round trip to a remote cache:
+        `cache_max_age_s` > 0 reuses a reading that recent (AsyncEngine reads stats after every
+        step)."""
         total, free = self.blocks.num_blocks, self.blocks.free_count
         steps = self.counts["steps"]
         out = {
@@ -558,8 +597,15 @@ class Engine:
         if callable(timing):  # a distributed runner: per pipeline stage and comm axis
             out.update(timing())
         if self.tiers is not None:
-            out["cache"] = self.tiers.stats()
+            out["cache"] = self._tier_stats(cache_max_age_s)
         return out
+
+    def _tier_stats(self, max_age_s: float) -> dict:
+        now = time.monotonic()
+        if self._tier_stats_cache is None or now - self._tier_stats_cache[0] > max_age_s:
+            with self._tier_lock:
+                self._tier_stats_cache = (now, self.tiers.stats())
+        return self._tier_stats_cache[1]
 
 
 class AsyncEngine:
@@ -578,6 +624,9 @@ class AsyncEngine:
         self._stats: dict = engine.stats()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._prefetching: dict[str, bool] = {}
+        """Resumed requests whose blocks are being read: id -> still wanted (False: aborted)."""
+        self._prefetcher = None
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -632,10 +681,31 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout_s)
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
+
+    def _prefetch(self, request_id: str, ids: list[int], params, kw: dict) -> None:
+        """Read a resumed request's prefix blocks from the tiers on a worker thread, then queue
+        its admission ("ready"): the engine keeps stepping the other requests meanwhile."""
+        self._prefetching[request_id] = True
+
+        def work() -> None:
+            blocks = None
+            try:
+                blocks = self.engine.prefetch(ids, kw["output_token_ids"])
+            except Exception:  # the cache boundary: admission then reads (or recomputes) itself
+                log.warning("prefetch for %s failed; admitting without it", request_id)
+            self._send(("ready", request_id, ids, params, {**kw, "prefetched": blocks}))
+
+        if self._prefetcher is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kv-prefetch")
+        self._prefetcher.submit(work)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
@@ -653,18 +723,22 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if command[0] in ("add", "resume"):
+                if command[0] == "resume" and getattr(engine, "tiers", None) is not None:
+                    self._prefetch(*command[1:])  # admitted as "ready" once its blocks are read
+                elif command[0] in ("add", "resume", "ready"):
                     try:
                         if command[0] == "add":
                             engine.add_request(*command[1:])
-                        else:
+                        elif self._prefetching.pop(command[1], True):  # not aborted meanwhile
                             rid, ids, params, kw = command[1:]
                             engine.resume_request(rid, ids, params, **kw)
                     except InputError as exc:
                         self._deliver(command[1], exc)
                 else:
+                    if command[1] in self._prefetching:  # its resume is dropped when ready
+                        self._prefetching[command[1]] = False
                     engine.abort(command[1])
-            if not engine.has_unfinished():
+            if not engine.has_unfinished():  # (prefetches in flight wake it with "ready")
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
                 continue
@@ -682,4 +756,4 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             with self._lock:
-                self._stats = engine.stats()
+                self._stats = engine.stats(cache_max_age_s=STATS_CACHE_AGE_S)

@@ -194,8 +194,8 @@ class RecoveringEngine:
                 del self.tracked[out.request_id]
         return outputs
 
-    def stats(self) -> dict:
-        out = self.engine.stats()
+    def stats(self, **kw: Any) -> dict:
+        out = self.engine.stats(**kw)
         times = [e.recovery_s for e in self.events]
         out["recovery"] = {
             "faults": len(self.events),

@@ -49,6 +49,8 @@ class Sequence:
     """Prompt tokens found in the cache at the first admission."""
     status: str = "waiting"
     preemptions: int = 0
+    prefetched: object = None
+    """Prefix blocks read from the tiers before admission (Engine.prefetch), used once."""
 
     @property
     def tokens(self) -> list[int]:

@@ -155,3 +155,90 @@ def test_a_failing_tier_costs_the_handoff_its_blocks_not_its_tokens(ckpt):
     assert handoffs["d"].blocks == 5 and handoffs["d"].blocks_stored == 0
     assert handoffs["d"].bytes_written == 0
     assert dec.stats()["tier_hits"] == 0 and dec.stats()["cache"]["faults"] >= 1
+
+
+class ThreadLog:
+    """A cache that records which thread each read came from (forwarding to a real cache)."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+
+    def _note(self):
+        import threading
+
+        self.reads.append(threading.current_thread().name)
+
+    def get(self, key):
+        self._note()
+        return self.inner.get(key)
+
+    def get_many(self, keys):
+        self._note()
+        return self.inner.get_many(keys)
+
+    def longest_prefix(self, keys):
+        self._note()
+        return self.inner.longest_prefix(keys)
+
+    def put(self, key, block):
+        return self.inner.put(key, block)
+
+    def put_many(self, items):
+        return self.inner.put_many(items)
+
+    def stats(self):
+        return self.inner.stats()
+
+
+def test_async_decode_reads_handed_over_blocks_off_the_step_thread(ckpt, cache):
+    """Through AsyncEngine a resumed request's blocks are read on a prefetch worker while the
+    engine keeps stepping; the tokens are the mixed engine's, and the blocks were used."""
+    import asyncio
+
+    from actors.engine import AsyncEngine
+
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    ids = prompt(29, 9)
+    mixed = tokens(run(engine(ckpt), {"a": (ids, params)})["a"])
+    h = run(engine(ckpt, cache, "prefill"), {"a": (ids, params)})["a"][-1].handoff
+    log = ThreadLog(cache)
+    dec = engine(ckpt, log, "decode")
+    aeng = AsyncEngine(dec)
+
+    async def go():
+        resume = h.resume_kwargs()
+        return [
+            o async for o in aeng.generate("a", list(h.prompt_token_ids), params, resume=resume)
+        ]
+
+    try:
+        outs = asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert list(h.output_token_ids) + tokens(outs) == mixed
+    assert dec.stats()["tier_hits"] == 29 // 4
+    # Reads came from the prefetch worker (and load_many's own fetch threads), never the
+    # thread that steps the engine.
+    assert any(name.startswith("kv-prefetch") for name in log.reads), log.reads
+    assert "engine-step" not in log.reads, log.reads
+
+
+def test_a_resume_aborted_while_prefetching_is_never_admitted(ckpt, cache):
+    import time
+
+    from actors.engine import AsyncEngine
+
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    h = run(engine(ckpt, cache, "prefill"), {"b": (prompt(21, 10), params)})["b"][-1].handoff
+    dec = engine(ckpt, cache, "decode")
+    aeng = AsyncEngine(dec)
+    try:
+        aeng._send(("resume", "b", list(h.prompt_token_ids), params, h.resume_kwargs()))
+        aeng.abort("b")
+        deadline = time.monotonic() + 10
+        while aeng._prefetching and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert "b" not in dec.seqs and not dec.has_unfinished()
+    finally:
+        aeng.shutdown()
