@@ -449,13 +449,16 @@ def router_softmax_topk(
 
 
 def moe_experts_suit(x: torch.Tensor, rows: int, w_gate_up: torch.Tensor) -> bool:
-    """`moe_experts` serves this: Triton on, a decode-sized batch, contiguous stacked weights."""
+    """`moe_experts` serves this: Triton on, a decode-sized batch, contiguous stacked weights, and
+    on CUDA 16-bit operands (a float32 `tl.dot` there would run in tf32, below float32's
+    precision; the interpreter on the CPU computes in float32)."""
     return (
         EXPERTS_ENABLED[0]
         and use_triton(x)
         and 0 < rows <= EXPERT_MAX_ROWS
         and w_gate_up.is_contiguous()
         and x.dtype == w_gate_up.dtype
+        and (not x.is_cuda or x.dtype in (torch.bfloat16, torch.float16))
     )
 
 
