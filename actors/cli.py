@@ -26,8 +26,18 @@ def validate_command(
     ] = None,
     reference_dir: Annotated[
         str | None,
-        typer.Option("--reference-dir", help="Checkpoint transformers runs (default MODEL_DIR)."),
+        typer.Option("--reference-dir", help="Checkpoint the reference runs (default MODEL_DIR)."),
     ] = None,
+    reference: Annotated[
+        str,
+        typer.Option(
+            help="transformers (hidden states per layer and op) or vllm (final log-softmax per "
+            "position and greedy tokens; needs the vLLM venv, `make vllm-env`)."
+        ),
+    ] = "transformers",
+    greedy_tokens: Annotated[
+        int, typer.Option("--greedy-tokens", help="Greedy tokens compared (--reference vllm).")
+    ] = 8,
     dtype: Annotated[str, typer.Option(help="Our compute dtype: float32 | bfloat16.")] = "float32",
     tolerance: Annotated[
         float | None,
@@ -51,7 +61,9 @@ def validate_command(
 ) -> None:
     """Compare hidden states after every layer and operator with transformers; name the first divergence.
 
-    Exit status 0 when every op is within tolerance, 1 when one is not, 2 on bad input.
+    `--reference vllm`: final log-softmax at every position and greedy tokens against vLLM.
+    Exit status 0 when every op is within tolerance, 1 when one is not, 2 on bad input, 3 when
+    the vLLM venv is missing.
     """
     from cluster.errors import CheckFailed, InputError
 
@@ -63,6 +75,12 @@ def validate_command(
     from actors.rank_runner import RankFailed
     from actors.validate import validate
 
+    if reference not in ("transformers", "vllm"):
+        raise InputError(f"--reference {reference!r}: expected transformers or vllm")
+    if reference == "vllm":
+        _validate_vllm(model_dir, layout, reference_dir, dtype, tolerance, lens, seed,
+                       greedy_tokens, use_ray, as_json)  # fmt: skip
+        return
     try:
         report = validate(
             model_dir,
@@ -82,6 +100,43 @@ def validate_command(
         print(json.dumps(report.to_json()))
     else:
         _print_report(report)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def _validate_vllm(model_dir, layout, reference_dir, dtype, tolerance, lens, seed, greedy,
+                   use_ray, as_json) -> None:  # fmt: skip
+    from rich.console import Console
+
+    from actors.validate_vllm import validate_against_vllm
+
+    report = validate_against_vllm(
+        model_dir, layout=layout, reference_dir=reference_dir, dtype=dtype, tolerance=tolerance,
+        seq_lens=lens, seed=seed, greedy_tokens=greedy, use_ray=use_ray,
+    )  # fmt: skip
+    if as_json:
+        print(json.dumps(report.to_json()))
+    else:
+        console = Console()
+        console.print(
+            f"validate {report.layout} against vLLM ({report.dtype}, tolerance "
+            f"{report.tolerance:g}): log-softmax rel_err per sequence "
+            + ", ".join(f"{e:.2e}" for e in report.rel_err)
+            + f"; max abs {report.max_abs_err:.2e}; top-1 agreement {report.top1_agreement:.0%}"
+        )
+        for i, (a, b) in enumerate(zip(report.ours_greedy, report.vllm_greedy, strict=True)):
+            console.print(f"greedy seq {i}: ours {list(a)}  vllm {list(b)}")
+        miss = report.first_greedy_mismatch
+        if report.passed:
+            console.print(f"[green]PASS[/green]: max rel_err {report.max_rel_err:.2e}")
+        elif miss is not None:
+            console.print(
+                f"[red]FAIL[/red]: greedy tokens differ at sequence {miss[0]}, step {miss[1]}"
+            )
+        else:
+            console.print(
+                f"[red]FAIL[/red]: log-softmax rel_err {report.max_rel_err:.2e} > {report.tolerance:g}"
+            )
     if not report.passed:
         raise typer.Exit(1)
 
