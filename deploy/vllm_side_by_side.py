@@ -1,0 +1,228 @@
+"""Side by side with vLLM (issue 13): our engine in-process and vLLM's in-process engine on the
+same tiny checkpoint (deploy/vllm_checkpoint.py), the same machine, the same token ids.
+
+    python -m deploy.vllm_side_by_side [--out bench/results/vllm_side_by_side.json]
+
+runs our engine here and vLLM as a subprocess of the vLLM venv (this module again, with
+`--engine vllm`), each in a fresh process so startup and peak RSS are its own:
+
+    offline      64 prompts of 128 random tokens, 64 greedy tokens each (ignore EOS), all at once:
+                 output tokens / wall second
+    single       one 512-token prompt: TTFT (a 1-token request) and TPOT ((t(64) - TTFT) / 63)
+    prefix       a 2,000-token prompt cold, then another sharing its 2,000 tokens plus 16 new
+                 ones: TTFT of each (the engines' own device prefix cache)
+    startup_s    process start to the engine ready (imports, weights, KV allocation)
+    peak_rss     the process's peak resident set (vLLM: plus its engine processes, none here:
+                 the in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0)
+
+Served figures (OpenAI server at concurrency 1/4/16, ours through Serve with ep2xpp2 actors)
+are not measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32
+OFFLINE_PROMPTS, OFFLINE_LEN, OFFLINE_OUT = 64, 128, 64
+SINGLE_LEN, SINGLE_OUT = 512, 64
+PREFIX_LEN, PREFIX_TAIL = 2000, 16
+
+
+def workload(vocab: int, seed: int = 0) -> dict[str, Any]:
+    """The token ids every engine runs (random over the vocabulary, fixed seed)."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    prefix = ids(PREFIX_LEN)
+    return {
+        "offline": [ids(OFFLINE_LEN) for _ in range(OFFLINE_PROMPTS)],
+        "single": ids(SINGLE_LEN),
+        "cold": prefix + ids(PREFIX_TAIL),
+        "hit": prefix + ids(PREFIX_TAIL),
+        "warm": ids(64),
+    }
+
+
+def _peak_rss() -> int:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + kids) * 1024
+
+
+class _Ours:
+    def __init__(self, model: Path) -> None:
+        from actors.engine import Engine, SamplingParams
+
+        self.params = SamplingParams
+        self.engine = Engine.from_checkpoint(
+            model,
+            block_size=BLOCK,
+            num_blocks=1024,
+            max_num_seqs=OFFLINE_PROMPTS,
+            max_num_batched_tokens=4096,
+            batch_invariant=False,
+            tokenizer=None,
+        )
+        self.n = 0
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> int:
+        """Run `prompts` to completion; output tokens."""
+        params = self.params(max_tokens=max_tokens, ignore_eos=True)
+        for p in prompts:
+            self.n += 1
+            self.engine.add_request(f"r{self.n}", p, params)
+        out = 0
+        while self.engine.has_unfinished():
+            out += sum(len(o.new_token_ids) for o in self.engine.step())
+        return out
+
+
+class _Vllm:
+    def __init__(self, model: Path) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.params = SamplingParams
+        self.llm = LLM(
+            model=str(model),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            block_size=BLOCK,
+            max_model_len=4096,
+            max_num_seqs=OFFLINE_PROMPTS,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=True,
+        )
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> int:
+        params = self.params(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def measure(engine: str, model: Path, t_start: float) -> dict[str, Any]:
+    """Every figure of one engine, in this process."""
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    w = workload(vocab)
+    runner = _Vllm(model) if engine == "vllm" else _Ours(model)
+    startup = time.perf_counter() - t_start
+    runner.run([w["warm"]], 4)
+
+    def timed(prompts, n) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        out = runner.run(prompts, n)
+        return time.perf_counter() - t0, out
+
+    wall, out = timed(w["offline"], OFFLINE_OUT)
+    ttft, _ = timed([list(reversed(w["single"]))], 1)  # cold: shares no prefix with "single"
+    whole, _ = timed([w["single"]], SINGLE_OUT)  # cold too
+    cold, _ = timed([w["cold"]], 1)
+    hit, _ = timed([w["hit"]], 1)
+    return {
+        "engine": engine,
+        "startup_s": startup,
+        "offline_output_tokens_per_s": out / wall,
+        "offline_wall_s": wall,
+        "ttft_512_s": ttft,
+        "tpot_512_s": (whole - ttft) / (SINGLE_OUT - 1),
+        "prefix_cold_ttft_s": cold,
+        "prefix_hit_ttft_s": hit,
+        "prefix_speedup": cold / hit,
+        "peak_rss_bytes": _peak_rss(),
+    }
+
+
+def _spawn(engine: str, model: Path) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    python = sys.executable
+    if engine == "vllm":
+        from deploy.vllm_env import find_python
+
+        found = find_python()
+        if found is None:
+            from cluster.errors import EnvironmentMissing
+
+            raise EnvironmentMissing("the vLLM venv is not built: python -m deploy.vllm_env ensure")
+        python = str(found)
+    done = subprocess.run(
+        [python, "-m", "deploy.vllm_side_by_side", "--engine", engine, "--model", str(model)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{engine}: exit {done.returncode}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=("ours", "vllm"))
+    ap.add_argument("--model")
+    ap.add_argument("--out", default="bench/results/vllm_side_by_side.json")
+    args = ap.parse_args(argv)
+    if args.engine:  # one engine, in this process
+        print(json.dumps(measure(args.engine, Path(args.model), t_start)))
+        return 0
+    from deploy.vllm_checkpoint import ensure_checkpoint
+
+    model = ensure_checkpoint(args.model)
+    load = os.getloadavg()
+    rows = [_spawn("ours", model), _spawn("vllm", model)]
+    load_after = os.getloadavg()
+    ours, vllm = rows
+    goals = {
+        "offline_at_least_vllm": ours["offline_output_tokens_per_s"]
+        >= vllm["offline_output_tokens_per_s"],
+        "prefix_speedup_at_least_vllm": ours["prefix_speedup"] >= vllm["prefix_speedup"],
+        "startup_below_vllm": ours["startup_s"] < vllm["startup_s"],
+        "memory_below_vllm": ours["peak_rss_bytes"] < vllm["peak_rss_bytes"],
+    }
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "model": str(model),
+        "loadavg_before": load,
+        "loadavg_after": load_after,
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "goals": goals,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    keys = [
+        ("startup_s", "startup s", 1.0),
+        ("offline_output_tokens_per_s", "offline out tok/s", 1.0),
+        ("ttft_512_s", "TTFT 512 ms", 1e3),
+        ("tpot_512_s", "TPOT ms", 1e3),
+        ("prefix_cold_ttft_s", "2K cold TTFT ms", 1e3),
+        ("prefix_hit_ttft_s", "2K hit TTFT ms", 1e3),
+        ("prefix_speedup", "hit speedup x", 1.0),
+        ("peak_rss_bytes", "peak RSS GiB", 1 / 2**30),
+    ]
+    print(f"{'figure':<20}{'ours':>12}{'vllm':>12}")
+    for key, label, scale in keys:
+        print(f"{label:<20}{ours[key] * scale:>12.2f}{vllm[key] * scale:>12.2f}")
+    print(f"load average before {load}, after {load_after}; goals: {goals}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
