@@ -5,9 +5,12 @@ Part 1, interference (the same fixed load on both deployments, one after the oth
     mixed   two `mixed` replicas (Serve's power-of-two router), device KV only;
     disagg  one prefill and one decode replica, the KV handed over through the host tier of a
             cache server in its own process (the same number of replica processes as mixed).
-    Both run the demo weights (its long-context copy, so prompts can exceed 1,024 tokens) with
+    Both run `wide_checkpoint()` (the demo's family and tokenizer, 4 layers x 512 wide) with
     `engine.batch_invariant: false` (one batched forward per step, as a serving engine runs) and
     the same step budget, so a long prompt is prefilled in `max_num_batched_tokens` chunks.
+    Each model replica's process is pinned to a core of its own (`pin_replicas`: as each
+    replica owns its accelerator in production); the ingress, proxy, cache server and this
+    load generator share the machine's cores.
     Load, open loop for `duration_s`: chats (random `chat_prompt`-token prompts, `chat_out` streamed
     tokens, `logprobs=0` so every token is its own SSE event) arriving every 1/`chat_rate` s, beside
     long prompts (`long_prompt` tokens, `long_out` tokens) every 1/`long_rate` s.
@@ -38,6 +41,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from cluster.errors import EnvironmentMissing
@@ -53,7 +57,7 @@ class PdOptions:
     chat_prompt: int = 32
     chat_out: int = 32
     long_rate: float = 0.25
-    long_prompt: int = 3072
+    long_prompt: int = 2048
     long_out: int = 4
     max_num_batched_tokens: int = 512
     router_prefixes: int = 8
@@ -244,6 +248,28 @@ class _Stack:
         base = f"http://127.0.0.1:{self.port}/{name}"
         return base, openai.OpenAI(base_url=f"{base}/v1", api_key="-", max_retries=0, timeout=600)
 
+    def pin_replicas(self, deployments: tuple[str, ...]) -> dict[str, list[int]]:
+        """Give each model replica of `deployments` a core of its own (round robin over this
+        machine's cores), as each replica owns its accelerator in a real deployment: every
+        thread of its process is pinned (Linux). Everything else floats. Returns the pids
+        pinned per core."""
+        from ray._private.state import actors
+
+        cores = sorted(os.sched_getaffinity(0))
+        pids = sorted(
+            a["Pid"]
+            for a in actors().values()
+            if a["State"] == "ALIVE" and any(d in a["ActorClassName"] for d in deployments)
+        )
+        pinned: dict[str, list[int]] = {}
+        for i, pid in enumerate(pids):
+            core = cores[i % len(cores)]
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task.name), {core})
+            pinned.setdefault(str(core), []).append(pid)
+        return pinned
+
     def delete(self, name: str) -> None:
         from ray import serve
 
@@ -314,6 +340,7 @@ def interference(stack: _Stack, opts: PdOptions, vocab: int, ui: Any) -> dict[st
     with ui.step("mixed: 2 mixed replicas under the load"):
         _, client = stack.deploy("pdmixed", base)
         _warm(client)
+        pins = {"mixed": stack.pin_replicas(("ModelServer",))}
         report["mixed"] = _Load(client, opts, vocab).run()
         stack.delete("pdmixed")
     disagg = {
@@ -328,6 +355,7 @@ def interference(stack: _Stack, opts: PdOptions, vocab: int, ui: Any) -> dict[st
     with ui.step("disagg: 1 prefill + 1 decode replica under the same load"):
         url, client = stack.deploy("pddisagg", disagg)
         _warm(client)
+        pins["disagg"] = stack.pin_replicas(("PrefillServer", "DecodeServer"))
         report["disagg"] = _Load(client, opts, vocab).run()
         handoffs = [h for h in _get(f"{url}/admin/handoffs")["handoffs"] if "handoff_s" in h]
         stack.delete("pddisagg")
@@ -345,6 +373,7 @@ def interference(stack: _Stack, opts: PdOptions, vocab: int, ui: Any) -> dict[st
         "handoff_ms_p99": _ms(_percentile(lat, 0.99)),
         "retries": sum(h.get("retries", 0) for h in handoffs),
     }
+    report["pinned_replicas"] = pins
     return report
 
 
@@ -379,12 +408,48 @@ def router_hit_rates(stack: _Stack, opts: PdOptions, vocab: int, ui: Any) -> dic
     return rates
 
 
-def run_pd_bench(opts: PdOptions, ui: Any) -> dict[str, Any]:
-    from deploy.demo_checkpoint import ensure_demo_checkpoint
-    from deploy.serving_bench import long_context_checkpoint
+WIDE = {
+    "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    "num_experts": 16, "num_experts_per_tok": 2, "max_position_embeddings": 8192,
+}  # fmt: skip
+"""The bench model: the demo's tokenizer and family, wide enough that a prompt's prefill costs
+what it costs on real hardware relative to a decode step (compute-bound vs memory-bound), which
+the 64-wide demo model (Python overhead dominates both) does not show."""
 
-    with ui.step("demo checkpoint (its long-context copy)"):
-        ckpt = long_context_checkpoint(ensure_demo_checkpoint())
+
+def wide_checkpoint(cache_dir: Path | None = None) -> Path:
+    """A random-weight Qwen3-MoE of shape WIDE with the demo tokenizer, made once (seeded) under
+    ~/.cache/moe-orchestrator/pd-bench; remade when WIDE or the demo checkpoint changes."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from deploy.demo_checkpoint import STAMP, ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint()
+    target = Path(cache_dir or Path.home() / ".cache/moe-orchestrator/pd-bench").expanduser()
+    stamp = json.dumps({"wide": WIDE, "demo": (demo / STAMP).read_text()}, sort_keys=True)
+    if (target / STAMP).is_file() and (target / STAMP).read_text() == stamp:
+        return target
+    tmp = target.with_name(f".{target.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = json.loads((demo / "config.json").read_text())
+    config = transformers.Qwen3MoeConfig(**{**base, **WIDE})
+    torch.manual_seed(20261129)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(demo).save_pretrained(tmp)
+    (tmp / STAMP).write_text(stamp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def run_pd_bench(opts: PdOptions, ui: Any) -> dict[str, Any]:
+    with ui.step("bench checkpoint (demo tokenizer, Qwen3-MoE 4 layers x 512 wide)"):
+        ckpt = wide_checkpoint()
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     with ui.step("local Ray, cache server and Serve"):
         stack = _Stack(ckpt)
@@ -402,7 +467,10 @@ def run_pd_bench(opts: PdOptions, ui: Any) -> dict[str, Any]:
     kept = (
         d["prompt_tok_s"] / m["prompt_tok_s"] if m["prompt_tok_s"] and d["prompt_tok_s"] else None
     )
-    report["model"] = "demo (Qwen3-MoE, 2 layers, 8 experts top-2, hidden 64, fp32, CPU)"
+    report["model"] = (
+        "Qwen3-MoE, 4 layers, hidden 512, 16 experts top-2 (width 256), 8 q / 4 kv heads of 64, "
+        "fp32, random weights, demo tokenizer, CPU"
+    )
     report["options"] = asdict(opts)
     report["goal"] = {
         "statement": "chat p99 time per output token >= 2x better disaggregated, prompt tok/s within 10%",
