@@ -142,6 +142,22 @@ class KVCache:
         v = self.v[layer][ids].flatten(0, 1)[:length] if self.v else None
         return k, v
 
+    def gather_batch(
+        self, layer: int, block_tables: Sequence[Sequence[int]], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first `length` token slots of several sequences at once, keys [B, length, kv, d]
+        (MLA latents [B, length, latent]) and values: each table padded with block 0 to the
+        longest (its padding slots hold other data: the caller masks them)."""
+        nblk = -(-length // self.k[layer].shape[1])
+        table = torch.zeros(len(block_tables), nblk, dtype=torch.int64)
+        for i, blocks in enumerate(block_tables):
+            row = list(blocks[:nblk])
+            table[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
+        table = table.to(self.k[layer].device)
+        k = self.k[layer][table].flatten(1, 2)[:, :length]
+        v = self.v[layer][table].flatten(1, 2)[:, :length] if self.v else None
+        return k, v
+
     def update_summaries(self, block_ids: Sequence[int]) -> None:
         """Recompute the min/max key summaries of `block_ids` in every layer."""
         if not block_ids:
@@ -238,6 +254,10 @@ class PagedContext:
     def gather(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.cache.gather(layer, self.block_tables[seq], self.context_lens[seq])
 
+    def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every sequence's context, padded to the longest: [B, max context, ...] (see KVCache)."""
+        return self.cache.gather_batch(layer, self.block_tables, max(self.context_lens))
+
     def layer(self, index: int) -> LayerKV:
         return LayerKV(context=self, index=index)
 
@@ -268,6 +288,9 @@ class LayerKV:
 
     def gather(self, seq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.context.gather(self.index, seq)
+
+    def gather_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.context.gather_batch(self.index)
 
 
 def slots_for(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:

@@ -93,6 +93,8 @@ def paged_attend(
     instead of gathering it back (no block-table upload, which waits for the device, per layer).
     Returns [T, h, dv].
     """
+    if _batched_decode_suits(q, paged, window):
+        return _batched_decode(q, paged, expand, scale)
     outs = []
     start = 0
     for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
@@ -117,6 +119,40 @@ def paged_attend(
         outs.append(o.transpose(0, 1))
         start += n
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
+
+
+BATCHED_DECODE = [True]
+"""Switch of the one-call decode attention on CPU (`_batched_decode`), for tests and benches."""
+BATCHED_DECODE_PADDING = 2.0
+"""At most this many padded context slots per real one (ragged batches run per sequence)."""
+
+
+def _batched_decode_suits(q: torch.Tensor, paged: LayerKV, window: int | None) -> bool:
+    """A CPU decode step of several sequences (one new token each, no sliding window) whose
+    contexts are close enough in length that padding them to the longest costs little. (A
+    batch-invariant engine runs one sequence per call, so it never takes this path.)"""
+    lens = paged.context_lens
+    if not BATCHED_DECODE[0] or q.is_cuda or window is not None or len(lens) < 2:
+        return False
+    if any(n != 1 for n in paged.query_lens):
+        return False
+    return len(lens) * max(lens) <= BATCHED_DECODE_PADDING * sum(lens)
+
+
+def _batched_decode(q: torch.Tensor, paged: LayerKV, expand: Expand, scale: float) -> torch.Tensor:
+    """One decode token per sequence, q [B, h, d]: the contexts gathered at once (padded to the
+    longest, the padding masked) and one attention call for the batch. Returns [B, h, dv]."""
+    lens = paged.context_lens
+    b, longest = len(lens), max(lens)
+    ck, cv = paged.gather_batch()
+    k, v = expand(ck.flatten(0, 1), cv.flatten(0, 1) if cv is not None else None)
+    k = k.view(b, longest, *k.shape[1:]).transpose(1, 2)
+    v = v.view(b, longest, *v.shape[1:]).transpose(1, 2)
+    valid = torch.arange(longest, device=q.device)[None, :] < torch.as_tensor(lens)[:, None]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale
+    )
+    return o[:, :, 0, :]
 
 
 def _same_dtype(written: tuple[torch.Tensor, torch.Tensor | None], paged: LayerKV) -> bool:
