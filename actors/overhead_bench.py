@@ -8,7 +8,7 @@ The same Engine drives the same tiny model four ways, side by side in one run:
   per step and one `ray.get`, the step out and the sampled token ids back as bytes
   (`actors/step_wire.py`);
 - `compiled`: the same actor driven through a Ray compiled graph (`ray.dag`, shared-memory
-  channels instead of a task submission per step), the same bytes.
+  channels instead of a task submission per step), the same bytes: the Replica's default.
 All run the same per-sequence forwards (batch-invariant mode), so the difference of their
 milliseconds per decode step is the orchestration cost. Overhead (the issue's figure) = median
 ms per step through the Replica - median ms per step of the in-process runner; the paired
@@ -21,6 +21,9 @@ Step 2: the next `steps` engine steps are pure decodes of B tokens; step k runs 
 (in a rotating order) before step k + 1 runs on any, and each is timed.
 Step 3: `passes` rounds of this with fresh requests; the figure per contender is the median step
 over all passes.
+Phases: in-process, worker and ray first; then in-process and compiled, with the plain actor
+gone (a live compiled graph's actor polls its channel even when idle, most of a core on a
+2-core machine, which would slow the contenders beside it).
 """
 
 from __future__ import annotations
@@ -129,29 +132,43 @@ def interleaved_decode_times(
     return out
 
 
-def summarise(batch: int, times: dict[str, list[float]]) -> dict:
+def summarise(batch: int, plain: dict[str, list[float]], graph: dict[str, list[float]]) -> dict:
     """One row of the table: median ms per step of each contender, the overheads (difference of
     medians, the figure of the goal) and the paired medians (median over steps of contender minus
-    in-process on the same step)."""
-    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-    base = times["in-process"]
+    in-process on the same step). `plain`: phase 1 (in-process, worker, ray); `graph`: phase 2
+    (in-process, compiled), each overhead against the in-process steps of its own phase."""
 
-    def paired(name: str) -> float:
+    def ms(times: dict[str, list[float]], name: str) -> float:
+        return 1e3 * statistics.median(times[name])
+
+    def paired(times: dict[str, list[float]], name: str) -> float:
+        base = times["in-process"]
         return 1e3 * statistics.median(a - b for a, b in zip(times[name], base, strict=True))
 
     return {
         "batch": batch,
-        "in_process_ms_per_step": round(ms["in-process"], 3),
-        "worker_ms_per_step": round(ms["worker"], 3),
-        "ray_ms_per_step": round(ms["ray"], 3),
-        "overhead_ms_per_step": round(ms["ray"] - ms["in-process"], 3),
-        "overhead_paired_ms_per_step": round(paired("ray"), 3),
-        "ray_call_ms_per_step": round(ms["ray"] - ms["worker"], 3),
-        "compiled_ms_per_step": round(ms["compiled"], 3),
-        "compiled_overhead_ms_per_step": round(ms["compiled"] - ms["in-process"], 3),
-        "compiled_overhead_paired_ms_per_step": round(paired("compiled"), 3),
-        "steps_timed": len(base),
+        "in_process_ms_per_step": round(ms(plain, "in-process"), 3),
+        "worker_ms_per_step": round(ms(plain, "worker"), 3),
+        "ray_ms_per_step": round(ms(plain, "ray"), 3),
+        "overhead_ms_per_step": round(ms(plain, "ray") - ms(plain, "in-process"), 3),
+        "overhead_paired_ms_per_step": round(paired(plain, "ray"), 3),
+        "ray_call_ms_per_step": round(ms(plain, "ray") - ms(plain, "worker"), 3),
+        "in_process_ms_per_step_phase2": round(ms(graph, "in-process"), 3),
+        "compiled_ms_per_step": round(ms(graph, "compiled"), 3),
+        "compiled_overhead_ms_per_step": round(ms(graph, "compiled") - ms(graph, "in-process"), 3),
+        "compiled_overhead_paired_ms_per_step": round(paired(graph, "compiled"), 3),
+        "steps_timed": len(plain["in-process"]),
     }
+
+
+def measure(engines: dict, batch: int, steps: int, passes: int) -> dict[str, list[float]]:
+    """Every engine's decode step times over `passes` interleaved passes (after a warm-up)."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    interleaved_decode_times(engines, batch, 5, seed=999)
+    for p in range(passes):
+        for name, t in interleaved_decode_times(engines, batch, steps, p).items():
+            times[name] += t
+    return times
 
 
 def run(
@@ -190,9 +207,22 @@ def run(
             weights_fingerprint="bench",
             **kw,
         )
+        # Phase 1: plain calls. Phase 2: the compiled graph, alone with the in-process runner:
+        # a live graph's actor polls its channel even when idle (most of a core here), which
+        # would slow whatever runs beside it.
         remote = build_engine(
-            model_dir, layout="single", num_cpus=num_cpus, cache_key_secret=SECRET, **kw
+            model_dir,
+            layout="single",
+            num_cpus=num_cpus,
+            cache_key_secret=SECRET,
+            compiled_graph=False,
+            **kw,
         )
+        try:
+            plain = {"in-process": local, "worker": worker, "ray": remote}
+            phase1 = {b: measure(plain, b, steps, passes) for b in batches}
+        finally:
+            remote.runner.shutdown()
         compiled = build_engine(
             model_dir,
             layout="single",
@@ -201,19 +231,12 @@ def run(
             compiled_graph=True,
             **kw,
         )
-        engines = {"in-process": local, "worker": worker, "ray": remote, "compiled": compiled}
-        rows = []
         try:
-            for batch in batches:
-                times: dict[str, list[float]] = {name: [] for name in engines}
-                interleaved_decode_times(engines, batch, 5, seed=999)  # warm-up
-                for p in range(passes):
-                    for name, t in interleaved_decode_times(engines, batch, steps, p).items():
-                        times[name] += t
-                rows.append(summarise(batch, times))
+            graph = {"in-process": local, "compiled": compiled}
+            phase2 = {b: measure(graph, b, steps, passes) for b in batches}
         finally:
-            remote.runner.shutdown()
             compiled.runner.shutdown()
+        rows = [summarise(b, phase1[b], phase2[b]) for b in batches]
     finally:
         ray.shutdown()
     return {
@@ -267,6 +290,7 @@ def main(argv: list[str]) -> int:
         ("ray ms", "ray_ms_per_step"),
         ("overhead ms", "overhead_ms_per_step"),
         ("paired ovh", "overhead_paired_ms_per_step"),
+        ("in-proc 2 ms", "in_process_ms_per_step_phase2"),
         ("compiled ms", "compiled_ms_per_step"),
         ("compiled ovh", "compiled_overhead_ms_per_step"),
         ("paired c-ovh", "compiled_overhead_paired_ms_per_step"),

@@ -165,7 +165,8 @@ def build_engine(
 
     `layout` is a shorthand (`placement.parallel_dims.parse_layout`: "ep2", "pp2", "tp2",
     "ep2xpp2", ...) split evenly (layers over stages, contiguous experts over EP ranks).
-    `compiled_graph` sends each step through a Ray compiled graph (see `Replica`).
+    `compiled_graph` sends each step through a Ray compiled graph instead of one plain actor
+    call per rank (see `Replica`, and why it is off by default).
     `bundles` (BundleSpecs: `placement.bundles.bundle_specs(plan)` or `layout_bundle_specs`)
     starts rank r in bundle r of a placement group created here and removed at shutdown;
     `placement_group` uses one the caller made (and keeps).

@@ -125,6 +125,7 @@ def test_replica_engine_matches_in_process(ckpts, actor_pool, family, layout):
             assert gl.logprob == pytest.approx(wl.logprob, abs=1e-4)
         assert want["d"][-1].cached_tokens == 20  # 3 blocks of "a" + 2 of "b"
         replica = engine.runner
+        assert replica._dag is None  # plain actor calls, the default
         if replica.layout.dims.dp > 1:
             # "a" and "b" ran on different DP ranks; "d" needed b's blocks where a's were.
             assert replica.placement.copies >= 2
@@ -232,7 +233,8 @@ def test_tier_blocks_are_shared_between_layouts(ckpts, actor_pool, tmp_path):
 
 
 def test_compiled_graph_steps_match(ckpts, actor_pool):
-    """Steps through a Ray compiled graph (ray.dag) give the same tokens as plain calls."""
+    """Steps through a Ray compiled graph (ray.dag) give the same tokens and logprobs as plain
+    calls (the default, which the other tests use)."""
     _, want = local(ckpts, "qwen3_moe")
     engine = replica_engine(ckpts, "qwen3_moe", "ep2xpp2", actor_pool, compiled_graph=True)
     try:
@@ -240,6 +242,10 @@ def test_compiled_graph_steps_match(ckpts, actor_pool):
         assert engine.runner._dag is not None
         for rid in want:
             assert tokens(got[rid]) == tokens(want[rid]), rid
+        for g, w in zip(got["e"], want["e"], strict=True):
+            (gl,), (wl,) = g.logprobs, w.logprobs
+            assert [t for t, _ in gl.top] == [t for t, _ in wl.top]
+            assert gl.logprob == pytest.approx(wl.logprob, abs=1e-4)
     finally:
         engine.runner.shutdown()
 
