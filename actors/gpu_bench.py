@@ -300,7 +300,7 @@ class EngineBench:
         ids = list(range(blocks))
         dtype = layout.dtype
 
-        def round_trip() -> tuple[float, float, bool]:
+        def round_trip(tiers: KVTiers = tiers) -> tuple[float, float, bool, float]:
             keys: list = []
             keyer.extend(keys, self._prompt(blocks * layout.block_size), blocks)
             want = kv.read_blocks(ids)
@@ -309,17 +309,26 @@ class EngineBench:
             stored = tiers.store_many(keys, kv.read_blocks(ids))
             parts.sync(self.device)
             t1 = time.perf_counter()
-            kv.write_blocks(ids, tiers.load_many(keys, dtype=dtype, device=self.device))
+            loaded = tiers.load_many(keys, dtype=dtype, device=self.device)
+            parts.sync(self.device)
+            t_load = time.perf_counter() - t1
+            kv.write_blocks(ids, loaded)
             parts.sync(self.device)
             t2 = time.perf_counter()
             ok = all(stored) and bool(torch.equal(kv.read_blocks(ids), want))
             cache.evict(keys)
-            return t1 - t0, t2 - t1, ok
+            return t1 - t0, t2 - t1, ok, t_load
 
         round_trip()
         trips = [round_trip() for _ in range(3)]
+        # The same with the host's XXH3 (the previous rounds' path), for the record.
+        xxh = KVTiers(cache, block_shape=layout.block_shape, checksum="xxh3")
+        round_trip(xxh)
+        xxh_trips = [round_trip(xxh) for _ in range(3)]
+        xxh.close()
         down = sorted(t[0] for t in trips)[1]
         up = sorted(t[1] for t in trips)[1]
+        load_only = sorted(t[3] for t in trips)[1]
         ours = sorted(t[0] + t[1] for t in trips)[1]
         src = torch.empty(nbytes, dtype=torch.uint8, device=self.device).random_(0, 255)
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -351,7 +360,13 @@ class EngineBench:
         xxhash.xxh3_128(blob).digest()
         xxh_GBps = nbytes / (time.perf_counter() - s0) / 1e9
         tiers.close()
+        mix = parts.mix64_check(self.device)
         return {
+            "checksum": "mix64" if tiers._mix64(self.device) else "xxh3", "mix64_check": mix,
+            "load_many_s": load_only, "write_blocks_s": up - load_only,
+            "pinned_copy_each_s": sorted(times[1:]),
+            "xxh3_ours_s": sorted(t[0] + t[1] for t in xxh_trips)[1],
+            "xxh3_round_trips_exact": all(t[2] for t in xxh_trips),
             "blocks": blocks, "bytes": nbytes, "block_bytes": nbytes // blocks,
             "ours_s": ours, "down_s": down, "up_s": up, "pinned_copy_s": best,
             "ours_GBps": 2 * nbytes / ours / 1e9, "pinned_GBps": 2 * nbytes / best / 1e9,
@@ -376,6 +391,7 @@ def run(
     models: list[str] | None = None,
     shapes: list[tuple[int, int]] | None = None,
     prefill: bool = True,
+    decode: bool = True,
 ) -> dict[str, Any]:
     started = time.monotonic()
     cuda = torch.cuda.is_available() and not tiny
@@ -431,6 +447,7 @@ def run(
     for name, cfg in configs.items():
         plan = parts.planner(cfg, capacity=capacity)
         model_rows = [Row(model=name, phase="decode", batch=b, context=c) for b, c in shapes]
+        model_rows = model_rows if decode else []
         if prefill:
             model_rows.append(Row(model=name, phase="prefill", batch=1, context=prefill_tokens))
         if "fits" in plan:
@@ -588,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=None, help="comma-separated model names (default all)")
     p.add_argument("--shapes", default=None, help="decode rows as BxC,... (e.g. 1x1024,32x1024)")
     p.add_argument("--no-prefill", action="store_true", help="leave the prefill row out")
+    p.add_argument("--no-decode", action="store_true", help="leave the decode rows out")
     args = p.parse_args(argv)
     if args.no_grouped_mm:
         experts_mod.GROUPED_MM_ENABLED[0] = False
@@ -605,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(
         tiny=args.tiny, budget_s=args.budget_s, skip_hf=args.skip_hf, progress=write,
         models=args.models.split(",") if args.models else None, shapes=shapes,
-        prefill=not args.no_prefill,
+        prefill=not args.no_prefill, decode=not args.no_decode,
     )  # fmt: skip
     text = json.dumps(result, indent=1)
     if args.out:

@@ -606,3 +606,28 @@ def offload_probe(
     cache.evict(keys)
     tiers.close()
     return out
+
+
+def mix64_check(device: torch.device) -> dict:
+    """The codec's MIX64 on this device against the CPU (same sums), and a flipped bit in the
+    device rows caught by `verify_rows` there."""
+    from cache_service.block_key import prefix_block_keys
+    from cache_service.codec import HEADER_BYTES, body_mix64, encode_rows, row_bytes, verify_rows
+
+    gen = torch.Generator().manual_seed(1)
+    payload = torch.randint(0, 256, (6, 4096), dtype=torch.uint8, generator=gen)
+    sums_here = body_mix64(payload.to(device)).cpu()
+    same = bool(torch.equal(sums_here, body_mix64(payload)))
+    keys = prefix_block_keys(
+        secret=b"mix", weights_fingerprint="mix", kv_dtype="bfloat16", codec="raw",
+        layer_range=(0, 1), kv_head_range=(0, 1), block_size=16, token_ids=list(range(6 * 16)),
+    )  # fmt: skip
+    rows = torch.zeros(6, row_bytes(4096), dtype=torch.uint8)
+    rows[:, HEADER_BYTES:] = payload
+    encode_rows(rows, keys, dtype=torch.bfloat16, shape=(2048,), body_sums=sums_here)
+    there = rows.to(device)
+    there[3, HEADER_BYTES + 777] ^= 4
+    there[5, 20] ^= 1
+    flags = verify_rows(there).cpu().tolist()
+    return {"same_as_cpu": same, "flags": flags,
+            "ok": same and flags == [True, True, True, False, True, False]}  # fmt: skip

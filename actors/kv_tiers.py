@@ -41,6 +41,7 @@ large copies instead of one small copy per layer and block.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ import torch
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
     HEADER_BYTES,
+    body_mix64,
     decode_block,
     encode_block,
     encode_rows,
@@ -60,6 +62,7 @@ from cache_service.codec import (
     is_buffer_block,
     row_bytes,
     verify_block,
+    verify_rows,
 )
 from cache_service.errors import CacheError
 
@@ -69,6 +72,10 @@ torch's caching host allocator rounds a request up to)."""
 LOAD_CHUNK_BYTES = 1 << 23
 """Blocks fetched and verified per worker task on the way back (~8 MiB: the first copy starts
 after one chunk's checksums)."""
+VERIFY_GROUP_BYTES = 1 << 26
+"""Rows verified on the device at once (MIX64, load_many): ~64 MiB, a few launches of ~20
+kernels per load, each overlapping the copies still in flight; only the last group's
+verification follows the last copy."""
 
 
 class BlockCache(Protocol):
@@ -89,8 +96,14 @@ class KVTiers:
         codec: str = "raw",
         compression: str | None = None,
         block_shape: tuple[int, ...] | None = None,
+        checksum: str = "auto",
     ) -> None:
+        if checksum not in ("auto", "xxh3", "mix64"):
+            raise ValueError(f"checksum={checksum!r}; expected 'auto', 'xxh3' or 'mix64'")
         self.cache, self.codec, self.compression = cache, codec, compression
+        self.checksum = checksum
+        """Batched offload checksum: "auto" = MIX64 on and off CUDA devices (computed and
+        verified on the GPU), XXH3 otherwise; "mix64" / "xxh3" force one (tests, benches)."""
         self.block_shape = block_shape
         self.counts = {
             "lookups": 0,
@@ -108,7 +121,7 @@ class KVTiers:
         self._pool_lock = threading.Lock()
         self._spare_rows: dict[int, list[torch.Tensor]] = {}
         """Pinned row chunks by row width, reused when the cache copies what it is given."""
-        self._stream: Any = None
+        self._streams: dict[tuple[torch.device, int], Any] = {}
 
     def available(self, keys: Sequence[BlockKey]) -> int:
         """How many leading `keys` some tier holds (0 when the cache faults)."""
@@ -208,9 +221,13 @@ class KVTiers:
         spans = [(a, min(n, a + per)) for a in range(0, n, per)]
         adopt = _adopts_buffers(self.cache)
         cuda = src.device.type == "cuda"
+        mix = self._mix64(src.device) and src.shape[1] % 8 == 0
         rows = self._rows([b - a for a, b in spans], width, pinned=cuda, fresh=adopt)
-        # Step 1: every chunk's device->host copy is queued at once (one side stream, in order).
+        # Step 1: every chunk's device->host copy is queued at once (one side stream, in order);
+        # with MIX64 the payloads' sums are computed beside them (a second stream) and copied
+        # down after them (a few bytes per block).
         landed: list[Any] = []
+        sums, summed = None, None
         if cuda:
             stream = self._side_stream(src.device)
             stream.wait_stream(torch.cuda.current_stream(src.device))
@@ -222,25 +239,45 @@ class KVTiers:
                     host.copy_(staging[: b - a], non_blocking=True)
                     landed.append(torch.cuda.Event())
                     landed[-1].record(stream)
+            if mix:
+                checks = self._side_stream(src.device, 1)
+                checks.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(checks):
+                    sums = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                    sums.copy_(body_mix64(src), non_blocking=True)
+                    summed = torch.cuda.Event()
+                    summed.record(checks)
         else:
             for (a, b), host in zip(spans, rows, strict=True):
                 host[:, HEADER_BYTES:].copy_(src[a:b])
-        # Step 2: headers and checksums in place on the worker threads, every task waiting for
-        # its chunk's copy (hashing overlaps the later chunks' copies).
-        pool = self._workers()
-        per_task = max(1, (1 << 20) // width)
+            if mix:
+                sums = body_mix64(src)
+        # Step 2: headers and checksums in place. MIX64: the header's words only, on this
+        # thread, as each chunk lands. XXH3: the payloads hashed on the worker threads, every
+        # task waiting for its chunk's copy (hashing overlaps the later chunks' copies).
         tasks = []
-        for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
-            ready = landed[c] if landed else None
-            tasks.append([
-                pool.submit(_encode_part, host, keys[a:b], blocks.dtype, shape, lo,
-                            min(b - a, lo + per_task), ready)
-                for lo in range(0, b - a, per_task)
-            ])  # fmt: skip
-        # Step 3: one put per chunk, in order, as its tasks finish.
+        if not mix:
+            pool = self._workers()
+            per_task = max(1, (1 << 20) // width)
+            for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
+                ready = landed[c] if landed else None
+                tasks.append([
+                    pool.submit(_encode_part, host, keys[a:b], blocks.dtype, shape, lo,
+                                min(b - a, lo + per_task), ready)
+                    for lo in range(0, b - a, per_task)
+                ])  # fmt: skip
+        elif summed is not None:
+            summed.synchronize()
+        # Step 3: one put per chunk, in order, as its headers are written.
         out: list[bool] = []
-        for c, ((a, b), _host) in enumerate(zip(spans, rows, strict=True)):
-            encoded = [e for task in tasks[c] for e in task.result()]
+        for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
+            if mix:
+                if landed:
+                    landed[c].synchronize()
+                encoded = encode_rows(host, keys[a:b], dtype=blocks.dtype, shape=shape,
+                                      body_sums=sums[a:b])  # fmt: skip
+            else:
+                encoded = [e for task in tasks[c] for e in task.result()]
             items = [
                 (k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)
             ]
@@ -291,24 +328,34 @@ class KVTiers:
             stream = self._side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
         before = self._tier_counters()
-        hash_here = getattr(self.cache, "verifies_reads", False) is not True
+        # MIX64 blocks are verified where they land (`codec.verify_rows` over the staging rows),
+        # so the cache need not hash them: an in-process TieredCache is asked for unverified
+        # reads. XXH3 blocks are hashed here unless the cache verified them.
+        on_device = self._mix64(device) and width % 8 == 0
+        unverified = on_device and _reads_unverified(self.cache)
+        hash_here = unverified or getattr(self.cache, "verifies_reads", False) is not True
 
-        # Step 1: per chunk (worker threads): get, verify, copy the verified rows.
+        # Step 1: per chunk (worker threads): get, check (and hash XXH3), copy the good rows.
         def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
             a, b = span
             try:
-                datas = _get_many(self.cache, keys[a:b])
+                datas = _get_many(self.cache, keys[a:b], unverified=unverified)
             except Exception:  # the cache boundary: a fault is a counted miss
                 return 0, "faults", []
-            ok, why, runs = 0, None, []
+            ok, why, runs, heads = 0, None, [], []
             for i, data in enumerate(datas):
                 if data is None:
                     why = "misses"
                     break
                 try:
-                    head = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
+                    head = verify_block(data, expected_key=keys[a + i], checksum=False)
+                    later = on_device and head.checksum_kind == "mix64"
+                    if hash_here and not later:
+                        verify_block(data, expected_key=keys[a + i])
                 except CacheError:
                     why = "corrupt"
+                    if unverified:  # the cache did not check it, so it does not drop it
+                        self._drop(keys[a + i])
                     break
                 if (head.codec, head.compression, head.shape, head.dtype) != (
                     "raw", None, shape, dtype
@@ -316,6 +363,7 @@ class KVTiers:
                     why = "corrupt"
                     break
                 ok += 1
+                heads.append(bytes(memoryview(data)[:HEADER_BYTES]) if later else None)
                 if is_buffer_block(data) and data.owner is not None:
                     last = runs[-1] if runs else None
                     if last and last[0] is data.owner and last[2] == data.offset:
@@ -329,24 +377,80 @@ class KVTiers:
                 for owner, start, stop, row in runs:
                     dst = flat[row * width : row * width + stop - start]
                     dst.copy_(owner[start:stop], non_blocking=True)
-            return ok, why, [datas, runs]
+            return ok, why, [datas, runs, heads]
 
-        results = list(self._workers().map(fetch, spans))
-        # Step 2: the verified prefix, cut out of the staging rows.
-        m = 0
-        for (a, b), (ok, why, _) in zip(spans, results, strict=True):
+        # Step 2: as each chunk's copies are queued, its MIX64 rows are verified where they
+        # landed (a second stream, after the copies), and their headers compared with the
+        # headers checked above: the bytes used are the bytes checked.
+        m, goods, stop, heads = 0, [], None, []
+        group = max(1, VERIFY_GROUP_BYTES // width)
+        for (a, b), (ok, why, extra) in zip(spans, self._workers().map(fetch, spans), strict=True):
+            if stop is not None:
+                continue  # every fetch is waited for: none may copy into staging after we return
             m += ok
+            if on_device:
+                heads += extra[2] if ok else []
+                last = why is not None or ok < b - a or b == n
+                if len(heads) >= group or (last and heads):
+                    rows = staging[m - len(heads) : m]
+                    goods.append(self._verify_chunk(rows, heads, stream))
+                    heads = []
             if why is not None or ok < b - a:
-                self.counts[why or "misses"] += 1
-                break
+                stop = why or "misses"
+        if stream is not None:
+            # The verdicts and rows were written on the side streams: the caller's stream (which
+            # reads them below and after we return) waits for both.
+            torch.cuda.current_stream(device).wait_stream(stream)
+            torch.cuda.current_stream(device).wait_stream(self._side_stream(device, 1))
+        if goods:
+            checked = torch.cat(goods).cpu()
+            bad = int(checked.logical_not().nonzero()[0, 0]) if not bool(checked.all()) else m
+            if bad < m:
+                m, stop = bad, "corrupt"
+                self._drop(keys[bad])
+        if stop is not None:
+            self.counts[stop] += 1
         self.counts["hits"] += m
         self._credit(before, self._tier_counters(), m)
-        if stream is not None:
-            torch.cuda.current_stream(device).wait_stream(stream)
         out = staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
         if stream is not None:
             stream.synchronize()  # the host rows may be evicted once we return
         return out
+
+    def _verify_chunk(self, rows: torch.Tensor, heads: list, stream: Any) -> torch.Tensor:
+        """[k] bool on the rows' device: MIX64 rows verified and their headers equal to `heads`
+        (the header bytes checked on the host; None for a row verified on the host)."""
+        host = [h is None for h in heads]
+        if all(host):
+            return torch.ones(len(heads), dtype=torch.bool, device=rows.device)
+        want = torch.frombuffer(
+            bytearray(b"".join(h or bytes(HEADER_BYTES) for h in heads)), dtype=torch.uint8
+        ).view(len(heads), HEADER_BYTES)
+        mask = torch.tensor(host, dtype=torch.bool)
+        context = nullcontext()
+        if stream is not None:
+            checks = self._side_stream(rows.device, 1)
+            checks.wait_stream(stream)  # this chunk's copies (queued before this point)
+            context = torch.cuda.stream(checks)
+            want, mask = want.pin_memory(), mask.pin_memory()
+        with context:
+            want = want.to(rows.device, non_blocking=True)
+            mask = mask.to(rows.device, non_blocking=True)
+            same = (rows[:, :HEADER_BYTES] == want).all(dim=1)
+            return (verify_rows(rows) & same) | mask
+
+    def _drop(self, key: BlockKey) -> None:
+        """Evict a block found corrupt where it landed (best effort: the cache may be remote)."""
+        evict = getattr(self.cache, "evict", None)
+        if callable(evict):
+            try:
+                evict([key])
+            except Exception:  # the cache boundary: a fault is counted
+                self.counts["faults"] += 1
+
+    def _mix64(self, device: torch.device) -> bool:
+        """MIX64 for blocks stored from / loaded to `device` (see `checksum`)."""
+        return self.checksum == "mix64" or (self.checksum == "auto" and device.type == "cuda")
 
     def _rows(self, counts: list[int], width: int, *, pinned: bool, fresh: bool) -> list:
         """One uint8 [count, width] host tensor per chunk: fresh (the cache keeps them) or
@@ -370,10 +474,12 @@ class KVTiers:
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kv-tiers")
             return self._pool
 
-    def _side_stream(self, device: torch.device) -> Any:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+    def _side_stream(self, device: torch.device, which: int = 0) -> Any:
+        """Side stream 0 (copies) or 1 (MIX64 sums and verification) on `device`."""
+        stream = self._streams.get((device, which))
+        if stream is None:
+            stream = self._streams[(device, which)] = torch.cuda.Stream(device)
+        return stream
 
     def close(self) -> None:
         """Stop the worker threads (they also stop with the process)."""
@@ -400,9 +506,20 @@ def _adopts_buffers(cache: Any) -> bool:
     return bool(tiers) and bool(getattr(tiers[0], "adopts_buffers", False))
 
 
-def _get_many(cache: Any, keys: Sequence[BlockKey]) -> list:
+def _get_many(cache: Any, keys: Sequence[BlockKey], *, unverified: bool = False) -> list:
     many = getattr(cache, "get_many", None)
-    return list(many(list(keys))) if callable(many) else [cache.get(k) for k in keys]
+    if not callable(many):
+        return [cache.get(k) for k in keys]
+    return list(many(list(keys), verify=False) if unverified else many(list(keys)))
+
+
+def _reads_unverified(cache: Any) -> bool:
+    """True when the cache's get_many takes verify=False (the in-process TieredCache)."""
+    many = getattr(cache, "get_many", None)
+    try:
+        return callable(many) and "verify" in inspect.signature(many).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _put_many(cache: Any, items: list) -> list:

@@ -10,14 +10,32 @@ may come from an untrusted Redis):
     6      1     compression id 0 none, 1 lz4 (block), 2 zstd
     7      1     dtype id of the original tensor (see _DTYPES)
     8      1     ndim (0..8)
-    9      3     padding
+    9      1     checksum kind  0 XXH3-128, 1 MIX64 (0 in blocks written before kinds existed)
+    10     2     padding
     12     32    shape, 8 x uint32 (unused dims 0)
     44     16    block key digest
     60     4     number of float32 scales
     64     8     stored payload length in bytes (after compression)
     72     8     raw payload length in bytes (before compression)
-    80     16    checksum: XXH3-128 over bytes [0, 80) + bytes [96, end) (scales + payload)
+    80     16    checksum over bytes [0, 80) + bytes [96, end) (scales + payload):
+                 kind 0: XXH3-128 (canonical big-endian); kind 1: MIX64 in bytes [80, 88)
+                 (little-endian), bytes [88, 96) zero
     96     4*n   scales (float32), then the payload
+
+An unknown checksum kind is a corrupt header (a miss). MIX64 is a checksum a GPU computes at
+memory speed with plain torch ops (KVTiers' batched offload checksums and verifies blocks on the
+device with it, so no byte is hashed by the host); the CPU computes the same value with the same
+torch ops (`mix64`). Definition: the checksummed bytes, zero-padded to a multiple of 8, as
+little-endian 64-bit words w_0 .. w_{m-1} (w_0..w_9 are the header's first 80 bytes), all
+arithmetic modulo 2^64:
+
+    x_i = (w_i + (i + 1) * P) * M1;   x_i = (x_i ^ (x_i >>> 32)) * M2;   MIX64 = sum_i x_i
+
+(P, M1, M2 odd constants; >>> a logical shift). For a fixed position the map w -> x is a
+bijection, so any change confined to one word always changes the sum; changes spread over
+several words go unnoticed with probability about 2^-64. The position term catches reordered
+words. torch's int64 arithmetic wraps modulo 2^64 on the CPU and on CUDA alike (two's
+complement), which is what makes the two devices agree (tests check it on both).
 
 The checksum catches accidental corruption (torn writes, bit rot, truncation) at tens of GB/s; it
 is not a MAC. Misfiling is caught by the header key (the keyed BLAKE2b `BlockKey` digest), which
@@ -46,6 +64,7 @@ one scale). Stated error bounds, per slice with absmax A:
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,15 +79,23 @@ MAGIC = b"MKVB"
 VERSION = 2
 MAX_DIMS = 8
 MAX_RAW_BYTES = 256 * 2**20
-_HEADER = struct.Struct(f"<4sBBBBB3x{MAX_DIMS}I{DIGEST_BYTES}sIQQ{DIGEST_BYTES}s")
+_HEADER = struct.Struct(f"<4sBBBBBB2x{MAX_DIMS}I{DIGEST_BYTES}sIQQ{DIGEST_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_BYTES - DIGEST_BYTES
 _MAGIC_VERSION = struct.Struct("<4sB")
+_KIND_OFFSET = 9
 _KEY_OFFSET = 12 + 4 * MAX_DIMS
 _KEY_LENGTHS = struct.Struct(f"<{DIGEST_BYTES}sIQ")
 
 CODECS = {"raw": 0, "int8": 1, "fp8": 2}
 COMPRESSIONS = {None: 0, "none": 0, "lz4": 1, "zstd": 2}
+CHECKSUMS = {"xxh3": 0, "mix64": 1}
+_CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
+HEADER_WORDS = _CHECKSUM_OFFSET // 8
+"""64-bit words of the header that MIX64 covers (bytes [0, 80)); the body's words follow them."""
+_MIX_P = 0x9E3779B97F4A7C15
+_MIX_M1 = 0xBF58476D1CE4E5B9
+_MIX_M2 = 0x94D049BB133111EB
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
 _COMPRESSION_NAMES = {0: None, 1: "lz4", 2: "zstd"}
 _TRUST = object()
@@ -134,6 +161,8 @@ class KVBlockHeader:
     payload_bytes: int
     raw_bytes: int
     checksum: bytes
+    checksum_kind: str
+    """"xxh3" or "mix64" (see the module docstring)."""
 
     @property
     def total_bytes(self) -> int:
@@ -146,11 +175,15 @@ def encode_block(
     key: BlockKey,
     codec: str = "raw",
     compression: str | None = None,
+    checksum: str = "xxh3",
 ) -> bytes:
     """Encode one block tensor (any shape up to 8 dims) for `key`; returns header+scales+payload.
 
     The result is an `EncodedBlock` (a `bytes`): the store admits it without re-hashing.
+    checksum: "xxh3" (the host's fastest) or "mix64" (what a GPU computes, see the module).
     """
+    if checksum not in CHECKSUMS:
+        raise CacheConfigError(f"checksum={checksum!r}; expected one of {sorted(CHECKSUMS)}")
     if codec not in CODECS:
         raise CacheConfigError(f"codec={codec!r}; expected one of {sorted(CODECS)}")
     if compression not in COMPRESSIONS:
@@ -180,6 +213,7 @@ def encode_block(
         COMPRESSIONS[compression],
         _DTYPE_IDS[tensor.dtype],
         tensor.dim(),
+        CHECKSUMS[checksum],
         *shape,
         key.digest,
         len(scales) // 4,
@@ -187,8 +221,11 @@ def encode_block(
         raw_len,
         b"\x00" * DIGEST_BYTES,
     )
-    checksum = _checksum(header[:_CHECKSUM_OFFSET], scales, payload)
-    return EncodedBlock(header[:_CHECKSUM_OFFSET] + checksum + scales + payload, token=_TRUST)
+    if checksum == "xxh3":
+        digest = _checksum(header[:_CHECKSUM_OFFSET], scales, payload)
+    else:
+        digest = _mix64_digest(_mix64_bytes(header[:_CHECKSUM_OFFSET], scales + payload))
+    return EncodedBlock(header[:_CHECKSUM_OFFSET] + digest + scales + payload, token=_TRUST)
 
 
 def row_bytes(tensor_bytes: int) -> int:
@@ -203,14 +240,20 @@ def encode_rows(
     dtype: torch.dtype,
     shape: Sequence[int],
     first: int = 0,
+    body_sums: torch.Tensor | None = None,
 ) -> list[BufferBlock]:
     """Encode raw blocks in place: rows `first .. first + len(keys)` of `rows`.
 
     rows: [n, HEADER_BYTES + payload] uint8, CPU (pinned or not), contiguous; row i's bytes
     [HEADER_BYTES:] already hold block i's payload (a `shape` tensor of `dtype`, raw bytes).
-    Writes each row's header (codec raw, no compression, `keys[i]`) and its XXH3-128 checksum;
-    returns one `BufferBlock` per key, in order. The payload is read once (the checksum) and never
-    copied. Safe to call from several threads on disjoint rows (xxhash releases the GIL).
+    Writes each row's header (codec raw, no compression, `keys[i]`) and its checksum; returns one
+    `BufferBlock` per key, in order. The payload is never copied.
+    body_sums None: XXH3-128, the payload read once here; safe to call from several threads on
+    disjoint rows (xxhash releases the GIL).
+    body_sums [len(keys)] int64 (CPU): MIX64, where body_sums[i] is `mix64` of row i's payload
+    words at positions HEADER_WORDS.. (computed wherever the payload was, e.g. on the GPU before
+    the copy down, `body_mix64`); only the header's ten words are summed here, so the payload is
+    not read at all. Needs a payload of a multiple of 8 bytes.
     """
     if dtype not in _DTYPE_IDS:
         raise CacheConfigError(f"dtype {dtype} cannot be stored in a KV block")
@@ -230,6 +273,12 @@ def encode_rows(
         raise CacheConfigError(f"block payload {payload} bytes exceeds {MAX_RAW_BYTES}")
     if first < 0 or first + len(keys) > rows.shape[0]:
         raise CacheConfigError(f"rows {first}..{first + len(keys)} outside [0, {rows.shape[0]})")
+    mix = body_sums is not None
+    if mix and (payload % 8 or tuple(body_sums.shape) != (len(keys),)):
+        raise CacheConfigError(
+            f"body_sums of shape {tuple(body_sums.shape)} for {len(keys)} rows of {payload} "
+            "bytes; expected one sum per row and a payload of a multiple of 8 bytes"
+        )
     dims = [int(d) for d in shape] + [0] * (MAX_DIMS - len(shape))
     flat = rows.view(-1)
     table = rows.numpy()
@@ -238,16 +287,78 @@ def encode_rows(
         row = table[first + i]
         view = memoryview(row)
         _HEADER.pack_into(
-            view, 0, MAGIC, VERSION, 0, 0, _DTYPE_IDS[dtype], len(shape), *dims, key.digest,
-            0, payload, payload, b"\x00" * DIGEST_BYTES,
+            view, 0, MAGIC, VERSION, 0, 0, _DTYPE_IDS[dtype], len(shape), int(mix), *dims,
+            key.digest, 0, payload, payload, b"\x00" * DIGEST_BYTES,
         )  # fmt: skip
-        view[_CHECKSUM_OFFSET:HEADER_BYTES] = _checksum(
-            view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]
-        )
+        if not mix:
+            view[_CHECKSUM_OFFSET:HEADER_BYTES] = _checksum(
+                view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]
+            )
         block = row.view(BufferBlock)
         block.owner, block.offset, block._token = flat, (first + i) * width, _TRUST
         out.append(block)
+    if mix and keys:
+        # The header's words (checksum field zero, as packed) plus the payload's sums.
+        heads = rows[first : first + len(keys), :_CHECKSUM_OFFSET].view(torch.int64)
+        total = mix64(heads) + body_sums.to(torch.int64)
+        rows[first : first + len(keys), _CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8].view(torch.int64)[
+            :, 0
+        ] = total
     return out
+
+
+def mix64(words: torch.Tensor, *, first: int = 0) -> torch.Tensor:
+    """MIX64 of each row of `words` (any device; see the module docstring).
+
+    words: [..., W] int64, the words at positions first .. first + W - 1 of the checksummed
+    bytes. Returns [...] int64: the sum over the last dim of the mixed words, modulo 2^64. Sums
+    of disjoint position ranges add (modulo 2^64) to the sum of the whole, so a header and a
+    payload can be summed on different devices. Memory: one temporary the size of `words`
+    (and one of its shifted copy).
+    """
+    x = words + _positions(first, words.shape[-1], words.device)
+    x.mul_(_signed(_MIX_M1))
+    shifted = x >> 32  # arithmetic on int64; the mask makes it a logical shift
+    shifted.bitwise_and_(0xFFFFFFFF)
+    x.bitwise_xor_(shifted)
+    del shifted
+    x.mul_(_signed(_MIX_M2))
+    return x.sum(dim=-1)
+
+
+def body_mix64(payload: torch.Tensor, *, group_bytes: int = 1 << 26) -> torch.Tensor:
+    """`body_sums` for `encode_rows`: MIX64 of each payload's words at positions HEADER_WORDS...
+
+    payload: [n, P] uint8 (any device, P a multiple of 8, last dim contiguous). Returns [n] int64
+    on the payload's device, computed `group_bytes` of payload at a time (bounded temporaries).
+    """
+    n, width = payload.shape
+    if width % 8:
+        raise CacheConfigError(f"MIX64 of payloads of {width} bytes; needs a multiple of 8")
+    words = payload.view(torch.int64)
+    per = max(1, group_bytes // max(1, width))
+    parts = [mix64(words[a : a + per], first=HEADER_WORDS) for a in range(0, n, per)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=payload.device)
+
+
+def verify_rows(rows: torch.Tensor, *, group_bytes: int = 1 << 26) -> torch.Tensor:
+    """MIX64 verification of encoded raw blocks in rows (any device, e.g. on the GPU after the
+    copy up): [n, HEADER_BYTES + P] uint8, P a multiple of 8. Returns [n] bool: the checksum kind
+    is MIX64, the stored checksum equals the sum over the header's words and the payload's, and
+    the reserved checksum bytes are zero. The rest of the header (key, shape, lengths) is the
+    caller's to compare (see KVTiers.load_many)."""
+    n, width = rows.shape
+    if width % 8 or width < HEADER_BYTES:
+        raise CacheConfigError(f"rows of {width} bytes; MIX64 rows need a multiple of 8")
+    words = rows.view(torch.int64)
+    per = max(1, group_bytes // width)
+    oks = []
+    for a in range(0, n, per):
+        w = words[a : a + per]
+        total = mix64(w[:, :HEADER_WORDS]) + mix64(w[:, HEADER_WORDS + 2 :], first=HEADER_WORDS)
+        kind = rows[a : a + per, _KIND_OFFSET] == CHECKSUMS["mix64"]
+        oks.append(kind & (total == w[:, HEADER_WORDS]) & (w[:, HEADER_WORDS + 1] == 0))
+    return torch.cat(oks) if oks else torch.empty(0, dtype=torch.bool, device=rows.device)
 
 
 def freeze(block: BufferBlock) -> bytes:
@@ -263,11 +374,13 @@ def read_header(data: bytes | memoryview) -> KVBlockHeader:
     if len(data) < HEADER_BYTES:
         raise CorruptBlock("truncated", f"block of {len(data)} bytes is shorter than its header")
     fields = _HEADER.unpack_from(data, 0)
-    magic, version, codec_id, comp_id, dtype_id, ndim = fields[:6]
-    shape = fields[6 : 6 + MAX_DIMS]
-    key, n_scales, payload_len, raw_len, checksum = fields[6 + MAX_DIMS :]
+    magic, version, codec_id, comp_id, dtype_id, ndim, kind_id = fields[:7]
+    shape = fields[7 : 7 + MAX_DIMS]
+    key, n_scales, payload_len, raw_len, checksum = fields[7 + MAX_DIMS :]
     if magic != MAGIC or version != VERSION:
         raise CorruptBlock("header", f"bad magic/version {magic!r}/{version}; expected {VERSION}")
+    if kind_id not in _CHECKSUM_NAMES:
+        raise CorruptBlock("header", f"unknown checksum kind {kind_id}")
     if codec_id not in _CODEC_NAMES or comp_id not in _COMPRESSION_NAMES or dtype_id not in _DTYPES:
         raise CorruptBlock("header", f"unknown codec/compression/dtype id {codec_id}/{comp_id}")
     if ndim > MAX_DIMS or any(shape[ndim:]):
@@ -291,6 +404,7 @@ def read_header(data: bytes | memoryview) -> KVBlockHeader:
         payload_bytes=payload_len,
         raw_bytes=raw_len,
         checksum=checksum,
+        checksum_kind=_CHECKSUM_NAMES[kind_id],
     )
     if len(data) != header.total_bytes:
         raise CorruptBlock(
@@ -314,7 +428,11 @@ def verify_block(
     if not checksum:
         return header
     view = memoryview(data)
-    if _checksum(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]) != header.checksum:
+    if header.checksum_kind == "xxh3":
+        digest = _checksum(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:])
+    else:
+        digest = _mix64_digest(_mix64_bytes(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]))
+    if digest != header.checksum:
         raise CorruptBlock("checksum", f"checksum mismatch in block {expected_key.hex}")
     return header
 
@@ -330,6 +448,8 @@ def check_header(data: bytes, *, expected_key: BlockKey) -> None:
     magic, version = _MAGIC_VERSION.unpack_from(data, 0)
     if magic != MAGIC or version != VERSION:
         raise CorruptBlock("header", f"bad magic/version {magic!r}/{version}; expected {VERSION}")
+    if int(data[_KIND_OFFSET]) not in _CHECKSUM_NAMES:
+        raise CorruptBlock("header", f"unknown checksum kind {int(data[_KIND_OFFSET])}")
     key, n_scales, payload_len = _KEY_LENGTHS.unpack_from(data, _KEY_OFFSET)
     if key != expected_key.digest:
         raise CorruptBlock(
@@ -432,3 +552,42 @@ def _checksum(*parts: bytes | memoryview) -> bytes:
     for part in parts:
         digest.update(part)
     return digest.digest()
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_POSITIONS: dict[tuple[int, int, str], torch.Tensor] = {}
+_POSITIONS_LOCK = threading.Lock()
+
+
+def _positions(first: int, count: int, device: torch.device) -> torch.Tensor:
+    """(i + 1) * P modulo 2^64 for i in first .. first + count - 1: [count] int64 on `device`
+    (computed on the CPU, cached for the last few shapes)."""
+    key = (first, count, str(device))
+    with _POSITIONS_LOCK:
+        table = _POSITIONS.get(key)
+    if table is None:
+        table = torch.arange(first + 1, first + count + 1, dtype=torch.int64)
+        table = table.mul_(_signed(_MIX_P)).to(device)
+        with _POSITIONS_LOCK:
+            while len(_POSITIONS) >= 8:
+                _POSITIONS.pop(next(iter(_POSITIONS)))
+            _POSITIONS[key] = table
+    return table
+
+
+def _mix64_bytes(head: bytes | memoryview, body: bytes | memoryview) -> int:
+    """MIX64 (CPU) of the header's first 80 bytes followed by the body, zero-padded to words."""
+    size = len(head) + len(body)
+    buf = np.zeros(-(-size // 8) * 8, dtype=np.uint8)
+    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    buf[len(head) : size] = np.frombuffer(body, dtype=np.uint8)
+    return int(mix64(torch.from_numpy(buf.view(np.int64))))
+
+
+def _mix64_digest(value: int) -> bytes:
+    """The 16-byte checksum field of a MIX64 block: the sum little-endian, then eight zeros."""
+    return struct.pack("<q8x", value)

@@ -20,6 +20,8 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
     cache.get(key) -> bytes | None                # None = miss; verified (header key + checksum)
     cache.verifies_reads                          # True: what get/get_many return was verified
     cache.get_many(keys) -> list[bytes | None]
+    cache.get_many(keys, verify=False)            # unverified: the caller verifies every block it
+                                                  #   uses (KVTiers, on the GPU, after the copy up)
     cache.contains(keys) -> list[bool]
     cache.longest_prefix(keys) -> int             # leading keys present in some tier
     cache.evict(keys) -> int                      # blocks removed (from any tier)
@@ -192,7 +194,9 @@ class TieredCache:
     def get(self, key: BlockKey) -> bytes | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[BlockKey], *, verify: bool = True) -> list[bytes | None]:
+        """verify=False: no checksum here (the caller verifies every block before use); blocks
+        are still verified before they are promoted into a `holds_verified` tier."""
         keys = list(keys)
         found: list[bytes | None] = [None] * len(keys)
         promote: list[tuple[BlockKey, bytes]] = []
@@ -207,7 +211,7 @@ class TieredCache:
             )
             still, corrupt = [], []
             hits = read = 0
-            trusted = tier.holds_verified
+            trusted = tier.holds_verified or not verify
             for i, data in zip(todo, datas, strict=True):
                 if data is not None and (trusted or self._verified(tier, keys[i], data)):
                     found[i] = data
@@ -225,6 +229,8 @@ class TieredCache:
             self.metrics.misses.labels(tier=tier.name).inc(len(still))
             self.metrics.bytes_read.labels(tier=tier.name).inc(read)
             todo = still
+        if promote and not verify and self.tiers[0].holds_verified:
+            promote = [(k, d) for k, d in promote if self._verified(self.tiers[0], k, d)]
         if promote:
             self.metrics.promotions.labels(tier=self.tiers[0].name).inc(len(promote))
             self._insert(0, promote)

@@ -41,6 +41,9 @@ class MemoryTier(Tier):
     def _load(self, stored: Any) -> bytes:
         return stored
 
+    def _release(self, stored: Any) -> None:
+        """A stored object left the tier (evicted, deleted): subclasses may reuse its memory."""
+
     def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         blocks, touch = self._blocks, self._policy.touch
         with self._lock:
@@ -93,6 +96,7 @@ class MemoryTier(Tier):
             self._policy.forget(victim)
             self._used -= size
             out.append((victim, self._load(stored)))
+            self._release(stored)
         self.metrics.evictions.labels(tier=self.name).inc(len(out))
         return out
 
@@ -108,6 +112,7 @@ class MemoryTier(Tier):
                 if entry is not None:
                     self._policy.forget(key)
                     self._used -= entry[1]
+                    self._release(entry[0])
                     removed += 1
             self.metrics.used_bytes.labels(tier=self.name).set(self._used)
         return removed

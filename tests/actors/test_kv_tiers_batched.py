@@ -15,6 +15,8 @@ from cache_service.codec import HEADER_BYTES, BufferBlock, encode_block, is_buff
 from cache_service.store import TieredCache
 from tests.cache_service.kv_blocks import SHAPE, keys_for, namespace, tensor_for
 
+SHAPE_BYTES = tensor_for(0).numel() * 2
+
 
 def host_cache(*, adopt: bool, capacity: int = 1 << 24) -> TieredCache:
     cache = TieredCache.from_urls(["host://"], capacities=[capacity], namespace=namespace("kvb"))
@@ -205,3 +207,48 @@ def test_each_block_is_hashed_once_per_read(small_chunks, monkeypatch):
         assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
         assert len(hashed) == want, (type(cache).__name__, len(hashed))
         monkeypatch.setattr(codec, "_checksum", real)
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+def test_mix64_offload_is_verified_where_it_lands(adopt, small_chunks, monkeypatch, where):
+    """checksum="mix64" (what CUDA blocks use; the same code on CPU tensors): no host hashing
+    on either side, every block verified in the staging rows, a flipped bit anywhere ends the
+    prefix there and drops the block."""
+    from cache_service import codec
+
+    monkeypatch.setattr(kv_tiers, "VERIFY_GROUP_BYTES", 3 * (HEADER_BYTES + SHAPE_BYTES))
+    hashed = []
+    real = codec._checksum
+    monkeypatch.setattr(codec, "_checksum", lambda *p: hashed.append(1) or real(*p))
+    cache = host_cache(adopt=adopt)
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
+    keys, data = keys_for(11, seed=8), blocks(11, seed=8)
+    assert tiers.store_many(keys, data) == [True] * 11
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+    assert hashed == []  # no XXH3 anywhere; the store did not hash the reads either
+    if not adopt:
+        return
+    row = cache.tiers[0]._blocks[keys[7]][0]
+    row[30 if where == "header" else HEADER_BYTES + 77] ^= 0x10
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:7])
+    assert tiers.counts["corrupt"] == 1 and cache.contains([keys[7]]) == [False]
+
+
+def test_mix64_blocks_from_an_unchecking_cache_and_old_blocks_mixed(small_chunks):
+    cache = UncheckedCache()
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
+    keys, data = keys_for(7, seed=9), blocks(7, seed=9)
+    for k, b in zip(keys[:2], data[:2], strict=True):
+        assert tiers.store(k, b)  # XXH3 blocks of the one-block path
+    assert tiers.store_many(keys[2:], data[2:]) == [True] * 5
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+    for i in (1, 5):  # an XXH3 block hashed on the host, a MIX64 one verified in staging
+        bad = bytearray(cache.data[keys[i]])
+        bad[-3] ^= 1
+        cache.data[keys[i]] = bytes(bad)
+        assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:i])
+        cache.data.pop(keys[i])
+        assert tiers.store(keys[i], data[i])
+    assert tiers.counts["corrupt"] == 2
+    # The CPU one-block path decodes the MIX64 blocks too.
+    assert torch.equal(torch.stack(tiers.load(keys)), data)

@@ -1,0 +1,153 @@
+"""MIX64, the device-computable checksum kind of the block header: round trips, every flipped bit
+caught, old (XXH3) blocks still read, an unknown kind a corrupt header, the same sums on CPU and
+CUDA, and the host tier's pinned pool."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from cache_service import codec
+from cache_service.codec import (
+    HEADER_BYTES,
+    body_mix64,
+    decode_block,
+    encode_block,
+    encode_rows,
+    mix64,
+    row_bytes,
+    verify_block,
+    verify_rows,
+)
+from cache_service.errors import CorruptBlock
+from cache_service.store import TieredCache
+from tests.cache_service.kv_blocks import keys_for, namespace, tensor_for
+
+
+def _reference(data: bytes) -> int:
+    """MIX64 from its definition, in plain Python integers (the module docstring)."""
+    body = data[:80] + data[HEADER_BYTES:]
+    body += bytes(-len(body) % 8)
+    total = 0
+    for i in range(len(body) // 8):
+        (w,) = struct.unpack_from("<Q", body, 8 * i)
+        x = (w + (i + 1) * codec._MIX_P) * codec._MIX_M1 % 2**64
+        x = (x ^ (x >> 32)) * codec._MIX_M2 % 2**64
+        total = (total + x) % 2**64
+    return total
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 5, 7), (4, 16)])
+def test_mix64_round_trip_matches_its_definition(shape):
+    key = keys_for(1)[0]
+    t = torch.randn(*shape).to(torch.bfloat16)
+    data = encode_block(t, key=key, checksum="mix64")
+    assert verify_block(data, expected_key=key).checksum_kind == "mix64"
+    assert torch.equal(decode_block(data, expected_key=key), t)
+    (stored,) = struct.unpack_from("<Q", data, 80)
+    assert stored == _reference(data) and data[88:96] == bytes(8)
+
+
+def test_every_flipped_bit_of_a_mix64_block_is_caught():
+    key = keys_for(1)[0]
+    data = encode_block(tensor_for(0)[:2], key=key, checksum="mix64")
+    for i in range(len(data)):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[i] ^= 1 << bit
+            with pytest.raises(CorruptBlock):
+                verify_block(bytes(bad), expected_key=key)
+
+
+def test_old_xxh3_blocks_are_still_read_and_an_unknown_kind_is_corrupt():
+    key = keys_for(1)[0]
+    t = tensor_for(1)
+    old = encode_block(t, key=key)  # kind byte 0, as every block written before kinds existed
+    assert old[9] == 0 and verify_block(old, expected_key=key).checksum_kind == "xxh3"
+    assert torch.equal(decode_block(old, expected_key=key), t)
+    for kind in (2, 255):
+        bad = bytearray(encode_block(t, key=key, checksum="mix64"))
+        bad[9] = kind
+        with pytest.raises(CorruptBlock, match="checksum kind"):
+            verify_block(bytes(bad), expected_key=key)
+    # Switching the kind of a valid block fails its checksum either way.
+    for data, kind in ((old, 1), (encode_block(t, key=key, checksum="mix64"), 0)):
+        bad = bytearray(data)
+        bad[9] = kind
+        with pytest.raises(CorruptBlock, match="checksum"):
+            verify_block(bytes(bad), expected_key=key)
+
+
+def test_an_unknown_kind_is_a_miss_in_the_store():
+    cache = TieredCache.from_urls(["host://"], capacities=[1 << 20], namespace=namespace("mix"))
+    key = keys_for(1, seed=3)[0]
+    bad = bytearray(encode_block(tensor_for(2), key=key, checksum="mix64"))
+    bad[9] = 7
+    with pytest.raises(Exception, match="checksum kind"):
+        cache.put(key, bytes(bad))
+    cache.tiers[0]._blocks[key] = (bytes(bad), len(bad))  # as if it had rotted in place
+    cache.tiers[0].holds_verified = False
+    assert cache.get(key) is None
+
+
+def _rows(n: int, seed: int = 0) -> tuple[torch.Tensor, list]:
+    keys = keys_for(n, seed=seed)
+    payload = torch.stack([tensor_for(i, seed) for i in range(n)]).view(n, -1).view(torch.uint8)
+    rows = torch.zeros(n, row_bytes(payload.shape[1]), dtype=torch.uint8)
+    rows[:, HEADER_BYTES:] = payload
+    return rows, keys
+
+
+def test_rows_encoded_from_body_sums_equal_encode_block_and_verify_in_place():
+    rows, keys = _rows(4)
+    sums = body_mix64(rows[:, HEADER_BYTES:].contiguous(), group_bytes=3000)  # several groups
+    blocks = encode_rows(rows, keys, dtype=torch.float16, shape=tensor_for(0).shape,
+                         body_sums=sums)  # fmt: skip
+    for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+        want = encode_block(tensor_for(i), key=key, checksum="mix64")
+        assert bytes(memoryview(block)) == bytes(want)
+    assert verify_rows(rows).tolist() == [True] * 4
+    rows[1, HEADER_BYTES + 5] ^= 2  # payload
+    rows[2, 30] ^= 1  # header (a shape field)
+    rows[3, 90] ^= 8  # the reserved half of the checksum field
+    assert verify_rows(rows).tolist() == [True, False, False, False]
+
+
+def test_mix64_parts_add_up_and_positions_matter():
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**62), 2**62, (3, 50), generator=gen)
+    whole = mix64(words)
+    assert torch.equal(mix64(words[:, :20]) + mix64(words[:, 20:], first=20), whole)
+    swapped = words.clone()
+    swapped[:, [3, 4]] = swapped[:, [4, 3]]
+    assert not torch.equal(mix64(swapped), whole)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mix64_is_the_same_on_cuda_and_cpu():
+    rows, keys = _rows(5, seed=2)
+    payload = rows[:, HEADER_BYTES:].contiguous()
+    assert torch.equal(body_mix64(payload.cuda()).cpu(), body_mix64(payload))
+    encode_rows(rows, keys, dtype=torch.float16, shape=tensor_for(0).shape,
+                body_sums=body_mix64(payload))  # fmt: skip
+    there = rows.cuda()
+    there[2, HEADER_BYTES] ^= 1
+    assert verify_rows(there).cpu().tolist() == [True, True, False, True, True]
+
+
+def test_host_tier_reuses_pinned_buffers_of_blocks_that_left():
+    cache = TieredCache.from_urls(["host://"], capacities=[1 << 20], namespace=namespace("pool"))
+    tier = cache.tiers[0]
+    tier._pinned, tier.holds_verified = True, False  # what a CUDA machine does (buffers, pinned)
+    keys = keys_for(6, seed=4)
+    blocks = [encode_block(tensor_for(i, 4), key=k) for i, k in enumerate(keys)]
+    cache.put_many(list(zip(keys[:3], blocks[:3], strict=True)))
+    held = {id(tier._blocks[k][0]) for k in keys[:2]}
+    assert tier.pool_reuses == 0
+    cache.evict(keys[:2])
+    cache.put_many(list(zip(keys[3:5], blocks[3:5], strict=True)))
+    assert tier.pool_reuses == 2 and {id(tier._blocks[k][0]) for k in keys[3:5]} == held
+    for key, block in zip(keys[2:5], blocks[2:5], strict=True):
+        assert cache.get(key) == block  # reused buffers hold the new blocks
