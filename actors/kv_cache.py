@@ -108,16 +108,23 @@ class KVCache:
         n, b = num_blocks, layout.block_size
         layers = range(*layout.layer_range)
         kw = {"dtype": layout.dtype, "device": device}
-        if layout.mla:
-            tok = (layout.latent_dim,)
-            self.k = {i: torch.zeros(n, b, *tok, **kw) for i in layers}
-            self.v: dict[int, torch.Tensor] = {}
-        else:
-            tok = (layout.kv_heads, layout.head_dim)
-            self.k = {i: torch.zeros(n, b, *tok, **kw) for i in layers}
-            self.v = {i: torch.zeros(n, b, *tok, **kw) for i in layers}
-        self.key_min = {i: torch.zeros(n, *tok, **kw) for i in layers}
-        self.key_max = {i: torch.zeros(n, *tok, **kw) for i in layers}
+        tok = (layout.latent_dim,) if layout.mla else (layout.kv_heads, layout.head_dim)
+        # Each dict's tensors are views of one stacked tensor [layers, ...] (layer j of the
+        # stage at index j), so many blocks of every layer move in one kernel
+        # (read_blocks / write_blocks / update_summaries); each view is contiguous.
+        self._stacked = {
+            "k": torch.zeros(len(layers), n, b, *tok, **kw),
+            "v": None if layout.mla else torch.zeros(len(layers), n, b, *tok, **kw),
+            "min": torch.zeros(len(layers), n, *tok, **kw),
+            "max": torch.zeros(len(layers), n, *tok, **kw),
+        }
+
+        def views(name: str) -> dict[int, torch.Tensor]:
+            whole = self._stacked[name]
+            return {} if whole is None else {i: whole[j] for j, i in enumerate(layers)}
+
+        self.k, self.v = views("k"), views("v")
+        self.key_min, self.key_max = views("min"), views("max")
 
     @property
     def nbytes(self) -> int:
@@ -159,14 +166,36 @@ class KVCache:
         return k, v
 
     def update_summaries(self, block_ids: Sequence[int]) -> None:
-        """Recompute the min/max key summaries of `block_ids` in every layer."""
+        """Recompute the min/max key summaries of `block_ids` in every layer (one gather and
+        two reductions over all layers)."""
         if not block_ids:
             return
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        for layer, keys in self.k.items():
-            blocks = keys[ids.to(keys.device)]
-            self.key_min[layer][ids] = blocks.amin(dim=1)
-            self.key_max[layer][ids] = blocks.amax(dim=1)
+        keys = self._take("k", block_ids)  # [layers, n, block_size, ...]
+        self._put("min", block_ids, keys.amin(dim=2))
+        self._put("max", block_ids, keys.amax(dim=2))
+
+    def _index(self, block_ids: Sequence[int]) -> slice | torch.Tensor:
+        """`block_ids` as a slice when they are consecutive, else an int64 index on the device."""
+        ids = [int(i) for i in block_ids]
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= self.num_blocks:
+            raise InputError(f"block ids {low}..{high} outside [0, {self.num_blocks})")
+        if high - low + 1 == len(ids) and ids == list(range(low, high + 1)):
+            return slice(low, high + 1)
+        return torch.as_tensor(ids, dtype=torch.int64).to(self._stacked["k"].device)
+
+    def _take(self, name: str, block_ids: Sequence[int]) -> torch.Tensor:
+        """Blocks `block_ids` of every layer of one stacked tensor: [layers, n, ...]."""
+        where, whole = self._index(block_ids), self._stacked[name]
+        return whole[:, where] if isinstance(where, slice) else whole.index_select(1, where)
+
+    def _put(self, name: str, block_ids: Sequence[int], values: torch.Tensor) -> None:
+        """Write values [layers, n, ...] into blocks `block_ids` of one stacked tensor."""
+        where, whole = self._index(block_ids), self._stacked[name]
+        if isinstance(where, slice):
+            whole[:, where].copy_(values)
+        else:
+            whole.index_copy_(1, where, values)
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """One block of every layer, `layout.block_shape`, a CPU copy."""
@@ -181,24 +210,24 @@ class KVCache:
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Blocks `block_ids` of every layer, [n, *layout.block_shape], on the cache's device
-        (one gather per layer and K/V; KVTiers.store_many takes it as it is)."""
-        layers = sorted(self.k)
-        first = self.k[layers[0]]
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64).to(first.device)
+        (one gather of K and one of V over all layers; KVTiers.store_many takes it as it is)."""
+        first = self._stacked["k"]
         out = torch.empty(
-            (len(ids), *self.layout.block_shape), dtype=first.dtype, device=first.device
+            (len(block_ids), *self.layout.block_shape), dtype=first.dtype, device=first.device
         )
-        for j, i in enumerate(layers):
-            if self.layout.mla:
-                out[:, j] = self.k[i].index_select(0, ids)
-            else:
-                out[:, j, 0] = self.k[i].index_select(0, ids)
-                out[:, j, 1] = self.v[i].index_select(0, ids)
+        if not block_ids:
+            return out
+        if self.layout.mla:
+            out.copy_(self._take("k", block_ids).transpose(0, 1))
+        else:
+            out[:, :, 0] = self._take("k", block_ids).transpose(0, 1)
+            out[:, :, 1] = self._take("v", block_ids).transpose(0, 1)
         return out
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Fill blocks `block_ids` of every layer from `data` [n, *layout.block_shape] (any
-        device); refreshes their summaries."""
+        device, any strides); refreshes their summaries. One copy of K and one of V over all
+        layers, the summaries reduced from `data` itself."""
         if tuple(data.shape) != (len(block_ids), *self.layout.block_shape):
             raise InputError(
                 f"KV blocks of shape {tuple(data.shape)}; expected "
@@ -206,17 +235,14 @@ class KVCache:
             )
         if not block_ids:
             return
-        layers = sorted(self.k)
-        first = self.k[layers[0]]
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64).to(first.device)
+        first = self._stacked["k"]
         data = data.to(first.device, first.dtype)
-        for j, i in enumerate(layers):
-            if self.layout.mla:
-                self.k[i].index_copy_(0, ids, data[:, j])
-            else:
-                self.k[i].index_copy_(0, ids, data[:, j, 0])
-                self.v[i].index_copy_(0, ids, data[:, j, 1])
-        self.update_summaries(block_ids)
+        keys = data if self.layout.mla else data[:, :, 0]  # [n, layers, block_size, ...]
+        self._put("k", block_ids, keys.transpose(0, 1))
+        if not self.layout.mla:
+            self._put("v", block_ids, data[:, :, 1].transpose(0, 1))
+        self._put("min", block_ids, keys.amin(dim=2).transpose(0, 1))
+        self._put("max", block_ids, keys.amax(dim=2).transpose(0, 1))
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Fill one block of every layer from `data` (`layout.block_shape`); refreshes its summaries."""

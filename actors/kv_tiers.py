@@ -26,14 +26,14 @@ large copies instead of one small copy per layer and block.
   then the chunk is put. A cache whose top tier adopts buffers (the host tier with CUDA) keeps
   the pinned rows themselves (fresh rows each call); any other cache gets immutable copies and
   the pinned rows are reused by the next call.
-- load: worker threads fetch the keys a chunk at a time, verify every block (header, key,
-  XXH3-128 checksum) and copy each verified chunk to a device staging buffer at once (adjacent
-  rows of one pinned buffer in one async copy), so the checksums overlap the host->device copies;
-  the leading verified blocks are then cut out of the staging rows. Every block is hashed once
-  per read: a cache that states it verified what it returns (`verifies_reads` is True: the
-  in-process TieredCache, which verifies every read from a mutable or untrusted tier) gets the
-  header, key, length, shape and dtype checked here but not the checksum again; any other cache
-  (the gRPC CacheClient) gets the checksum verified here.
+- load, MIX64 (CUDA targets): one thread fetches the keys in chunks that grow from ~8 to ~64 MiB,
+  checks presence and length per block on the host and copies each chunk's rows at once
+  (adjacent rows of one pinned buffer in one async copy); the headers are compared with the
+  expected ones (`codec.row_headers`) and the checksums verified on the device, one vectorised
+  pass per chunk on a second stream after its copies (an XXH3 block among them is verified on the
+  host). load, XXH3 (CPU targets): worker threads fetch, verify and copy a chunk each, so the
+  host's hashing overlaps the copies; the cache's verified reads (`verifies_reads`, the
+  in-process TieredCache) are not hashed again, any other cache's (gRPC CacheClient) are.
 - store: the checksums of a chunk are split into tasks of >= 1 MiB, each waiting on the worker
   threads for its chunk's copy, so hashing runs on all workers and overlaps later copies (8
   workers: on the H200 VM XXH3 reached 13 GB/s on 8 threads and no more on 16).
@@ -53,7 +53,9 @@ import torch
 
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
+    CHECKSUMS,
     HEADER_BYTES,
+    KIND_OFFSET,
     body_mix64,
     decode_block,
     encode_block,
@@ -61,6 +63,7 @@ from cache_service.codec import (
     freeze,
     is_buffer_block,
     row_bytes,
+    row_headers,
     verify_block,
     verify_rows,
 )
@@ -240,13 +243,24 @@ class KVTiers:
                     landed.append(torch.cuda.Event())
                     landed[-1].record(stream)
             if mix:
+                # The sums a group of chunks at a time (~VERIFY_GROUP_BYTES), each group with
+                # its event: the first chunk's headers wait for its group only.
                 checks = self._side_stream(src.device, 1)
                 checks.wait_stream(torch.cuda.current_stream(src.device))
+                sums = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                summed = [None] * len(spans)
+                group = max(1, VERIFY_GROUP_BYTES // width)
                 with torch.cuda.stream(checks):
-                    sums = torch.empty(n, dtype=torch.int64, pin_memory=True)
-                    sums.copy_(body_mix64(src), non_blocking=True)
-                    summed = torch.cuda.Event()
-                    summed.record(checks)
+                    first = 0
+                    for c, (_, b) in enumerate(spans):
+                        if b - spans[first][0] < group and b < n:
+                            continue
+                        lo = spans[first][0]
+                        sums[lo:b].copy_(body_mix64(src[lo:b]), non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(checks)
+                        summed[first : c + 1] = [done] * (c + 1 - first)
+                        first = c + 1
         else:
             for (a, b), host in zip(spans, rows, strict=True):
                 host[:, HEADER_BYTES:].copy_(src[a:b])
@@ -266,14 +280,14 @@ class KVTiers:
                                 min(b - a, lo + per_task), ready)
                     for lo in range(0, b - a, per_task)
                 ])  # fmt: skip
-        elif summed is not None:
-            summed.synchronize()
         # Step 3: one put per chunk, in order, as its headers are written.
         out: list[bool] = []
         for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
             if mix:
                 if landed:
                     landed[c].synchronize()
+                if summed is not None:
+                    summed[c].synchronize()
                 encoded = encode_rows(host, keys[a:b], dtype=blocks.dtype, shape=shape,
                                       body_sums=sums[a:b])  # fmt: skip
             else:
@@ -319,43 +333,160 @@ class KVTiers:
         for dim in shape:
             payload *= dim
         width = row_bytes(payload)
-        per = max(1, LOAD_CHUNK_BYTES // width)
-        spans = [(a, min(n, a + per)) for a in range(0, n, per)]
         staging = torch.empty((n, width), dtype=torch.uint8, device=device)
-        flat = staging.view(-1)
         stream = None
         if device.type == "cuda":
             stream = self._side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
         before = self._tier_counters()
-        # MIX64 blocks are verified where they land (`codec.verify_rows` over the staging rows),
-        # so the cache need not hash them: an in-process TieredCache is asked for unverified
-        # reads. XXH3 blocks are hashed here unless the cache verified them.
-        on_device = self._mix64(device) and width % 8 == 0
-        unverified = on_device and _reads_unverified(self.cache)
-        hash_here = unverified or getattr(self.cache, "verifies_reads", False) is not True
+        # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
+        # them: an in-process TieredCache is asked for unverified reads. Otherwise every block is
+        # checked on the host (`_load_hosted`), and hashed unless the cache verified it.
+        if self._mix64(device) and width % 8 == 0:
+            unverified = _reads_unverified(self.cache)
+            hash_here = unverified or getattr(self.cache, "verifies_reads", False) is not True
+            m, stop = self._load_landed(keys, staging, stream, dtype=dtype, shape=shape,
+                                        unverified=unverified, hash_here=hash_here)  # fmt: skip
+        else:
+            m, stop = self._load_hosted(keys, staging, stream, dtype=dtype, shape=shape)
+        if stop is not None:
+            self.counts[stop] += 1
+        self.counts["hits"] += m
+        self._credit(before, self._tier_counters(), m)
+        out = staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
+        if stream is not None:
+            stream.synchronize()  # the host rows may be evicted once we return
+        return out
 
-        # Step 1: per chunk (worker threads): get, check (and hash XXH3), copy the good rows.
-        def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
-            a, b = span
+    def _load_landed(self, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
+                     dtype: torch.dtype, shape: tuple[int, ...], unverified: bool,
+                     hash_here: bool) -> tuple[int, str | None]:  # fmt: skip
+        """load_many for MIX64 blocks, on this thread: (leading blocks good, why it stopped).
+
+        staging: [n, width] uint8 on the target device. Chunks grow from LOAD_CHUNK_BYTES to
+        VERIFY_GROUP_BYTES (the first copy starts at once; later chunks' host work hides under
+        the copies in flight). Per block the host checks only presence and length (and reads the
+        checksum kind: an XXH3 block is verified on the host as before); the header's other
+        fields are compared with `row_headers` on the device and the checksum is verified there
+        too (`verify_rows`), one vectorised pass per chunk on a second stream after the chunk's
+        copies, so the bytes used are the bytes checked.
+        """
+        n, width = staging.shape
+        device, flat = staging.device, staging.view(-1)
+        context = nullcontext() if stream is None else torch.cuda.stream(stream)
+        checks = None if stream is None else self._side_stream(device, 1)
+        # Step 1: what every row's first 80 header bytes must be, on the device once.
+        want = torch.from_numpy(row_headers(keys, dtype=dtype, shape=shape, checksum="mix64"))
+        hosted = torch.zeros(n, dtype=torch.bool)  # rows verified on the host (XXH3 blocks)
+        if stream is not None:
+            want, hosted = want.pin_memory(), hosted.pin_memory()
+        with context:
+            want = want.to(device, non_blocking=True)
+        flags = hosted.numpy()
+        verdict = torch.zeros(n, dtype=torch.bool, device=device)
+        head = want.shape[1]
+        m, stop, size = 0, None, max(1, LOAD_CHUNK_BYTES // width)
+        most = max(size, VERIFY_GROUP_BYTES // width)
+        keep = []  # every fetched chunk's blocks stay referenced until the copies are done
+        while m < n and stop is None:
+            a, b = m, min(n, m + size)
+            size = min(2 * size, most)
+            # Step 2: fetch the chunk; cheap host checks; its copies (adjacent rows of one
+            # pinned owner in one copy).
             try:
                 datas = _get_many(self.cache, keys[a:b], unverified=unverified)
             except Exception:  # the cache boundary: a fault is a counted miss
+                stop = "faults"
+                break
+            keep.append(datas)
+            runs: list = []
+            for i, data in enumerate(datas):
+                if data is None:
+                    stop = "misses"
+                    break
+                if len(data) != width:
+                    stop = "corrupt"
+                    break
+                if data[KIND_OFFSET] != CHECKSUMS["mix64"]:
+                    try:
+                        got = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
+                    except CacheError:
+                        got = None
+                    if got is None or (got.codec, got.compression, got.shape, got.dtype) != (
+                        "raw", None, shape, dtype
+                    ):  # fmt: skip
+                        stop = "corrupt"
+                        if unverified and got is None:  # the cache did not check it
+                            self._drop(keys[a + i])
+                        break
+                    flags[a + i] = True
+                if is_buffer_block(data) and data.owner is not None:
+                    last = runs[-1] if runs else None
+                    if last and last[0] is data.owner and last[2] == data.offset:
+                        last[2] += width
+                    else:
+                        runs.append([data.owner, data.offset, data.offset + width, a + i])
+                else:
+                    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    runs.append([raw, 0, width, a + i])
+            keep.append(runs)
+            ok = len(runs) and runs[-1][3] + (runs[-1][2] - runs[-1][1]) // width - a
+            with context:
+                for owner, start, end, row in runs:
+                    flat[row * width : row * width + end - start].copy_(
+                        owner[start:end], non_blocking=True
+                    )
+            # Step 3: the chunk verified where it landed, after its copies.
+            if ok:
+                if checks is not None:
+                    checks.wait_stream(stream)
+                with nullcontext() if checks is None else torch.cuda.stream(checks):
+                    rows = staging[a : a + ok]
+                    same = (rows[:, :head] == want[a : a + ok]).all(dim=1)
+                    mask = hosted[a : a + ok].to(device, non_blocking=True)
+                    torch.logical_or(verify_rows(rows) & same, mask, out=verdict[a : a + ok])
+            m = a + ok
+            if stop is None and ok < b - a:
+                stop = "misses"
+        if stream is not None:
+            # The verdicts and rows were written on the side streams: the caller's stream (which
+            # reads them below and after we return) waits for both.
+            current = torch.cuda.current_stream(device)
+            current.wait_stream(stream)
+            current.wait_stream(checks)
+        if m:
+            good = verdict[:m].cpu()
+            if not bool(good.all()):
+                m, stop = int(good.logical_not().nonzero()[0, 0]), "corrupt"
+                self._drop(keys[m])
+        return m, stop
+
+    def _load_hosted(self, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
+                     dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, str | None]:  # fmt: skip
+        """load_many with every block checked on the host (XXH3, or a CPU target): worker
+        threads fetch LOAD_CHUNK_BYTES of keys each, verify (hash unless the cache verified its
+        reads) and copy each chunk's good rows at once, so hashing overlaps the copies."""
+        n, width = staging.shape
+        flat = staging.view(-1)
+        per = max(1, LOAD_CHUNK_BYTES // width)
+        spans = [(a, min(n, a + per)) for a in range(0, n, per)]
+        hash_here = getattr(self.cache, "verifies_reads", False) is not True
+
+        def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
+            a, b = span
+            try:
+                datas = _get_many(self.cache, keys[a:b])
+            except Exception:  # the cache boundary: a fault is a counted miss
                 return 0, "faults", []
-            ok, why, runs, heads = 0, None, [], []
+            ok, why, runs = 0, None, []
             for i, data in enumerate(datas):
                 if data is None:
                     why = "misses"
                     break
                 try:
-                    head = verify_block(data, expected_key=keys[a + i], checksum=False)
-                    later = on_device and head.checksum_kind == "mix64"
-                    if hash_here and not later:
-                        verify_block(data, expected_key=keys[a + i])
+                    head = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
                 except CacheError:
                     why = "corrupt"
-                    if unverified:  # the cache did not check it, so it does not drop it
-                        self._drop(keys[a + i])
                     break
                 if (head.codec, head.compression, head.shape, head.dtype) != (
                     "raw", None, shape, dtype
@@ -363,7 +494,6 @@ class KVTiers:
                     why = "corrupt"
                     break
                 ok += 1
-                heads.append(bytes(memoryview(data)[:HEADER_BYTES]) if later else None)
                 if is_buffer_block(data) and data.owner is not None:
                     last = runs[-1] if runs else None
                     if last and last[0] is data.owner and last[2] == data.offset:
@@ -377,67 +507,18 @@ class KVTiers:
                 for owner, start, stop, row in runs:
                     dst = flat[row * width : row * width + stop - start]
                     dst.copy_(owner[start:stop], non_blocking=True)
-            return ok, why, [datas, runs, heads]
+            return ok, why, [datas, runs]
 
-        # Step 2: as each chunk's copies are queued, its MIX64 rows are verified where they
-        # landed (a second stream, after the copies), and their headers compared with the
-        # headers checked above: the bytes used are the bytes checked.
-        m, goods, stop, heads = 0, [], None, []
-        group = max(1, VERIFY_GROUP_BYTES // width)
-        for (a, b), (ok, why, extra) in zip(spans, self._workers().map(fetch, spans), strict=True):
+        m, stop = 0, None
+        for (a, b), (ok, why, _) in zip(spans, self._workers().map(fetch, spans), strict=True):
             if stop is not None:
                 continue  # every fetch is waited for: none may copy into staging after we return
             m += ok
-            if on_device:
-                heads += extra[2] if ok else []
-                last = why is not None or ok < b - a or b == n
-                if len(heads) >= group or (last and heads):
-                    rows = staging[m - len(heads) : m]
-                    goods.append(self._verify_chunk(rows, heads, stream))
-                    heads = []
             if why is not None or ok < b - a:
                 stop = why or "misses"
         if stream is not None:
-            # The verdicts and rows were written on the side streams: the caller's stream (which
-            # reads them below and after we return) waits for both.
-            torch.cuda.current_stream(device).wait_stream(stream)
-            torch.cuda.current_stream(device).wait_stream(self._side_stream(device, 1))
-        if goods:
-            checked = torch.cat(goods).cpu()
-            bad = int(checked.logical_not().nonzero()[0, 0]) if not bool(checked.all()) else m
-            if bad < m:
-                m, stop = bad, "corrupt"
-                self._drop(keys[bad])
-        if stop is not None:
-            self.counts[stop] += 1
-        self.counts["hits"] += m
-        self._credit(before, self._tier_counters(), m)
-        out = staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
-        if stream is not None:
-            stream.synchronize()  # the host rows may be evicted once we return
-        return out
-
-    def _verify_chunk(self, rows: torch.Tensor, heads: list, stream: Any) -> torch.Tensor:
-        """[k] bool on the rows' device: MIX64 rows verified and their headers equal to `heads`
-        (the header bytes checked on the host; None for a row verified on the host)."""
-        host = [h is None for h in heads]
-        if all(host):
-            return torch.ones(len(heads), dtype=torch.bool, device=rows.device)
-        want = torch.frombuffer(
-            bytearray(b"".join(h or bytes(HEADER_BYTES) for h in heads)), dtype=torch.uint8
-        ).view(len(heads), HEADER_BYTES)
-        mask = torch.tensor(host, dtype=torch.bool)
-        context = nullcontext()
-        if stream is not None:
-            checks = self._side_stream(rows.device, 1)
-            checks.wait_stream(stream)  # this chunk's copies (queued before this point)
-            context = torch.cuda.stream(checks)
-            want, mask = want.pin_memory(), mask.pin_memory()
-        with context:
-            want = want.to(rows.device, non_blocking=True)
-            mask = mask.to(rows.device, non_blocking=True)
-            same = (rows[:, :HEADER_BYTES] == want).all(dim=1)
-            return (verify_rows(rows) & same) | mask
+            torch.cuda.current_stream(staging.device).wait_stream(stream)
+        return m, stop
 
     def _drop(self, key: BlockKey) -> None:
         """Evict a block found corrupt where it landed (best effort: the cache may be remote)."""

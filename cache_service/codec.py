@@ -83,7 +83,9 @@ _HEADER = struct.Struct(f"<4sBBBBBB2x{MAX_DIMS}I{DIGEST_BYTES}sIQQ{DIGEST_BYTES}
 HEADER_BYTES = _HEADER.size
 _CHECKSUM_OFFSET = HEADER_BYTES - DIGEST_BYTES
 _MAGIC_VERSION = struct.Struct("<4sB")
-_KIND_OFFSET = 9
+KIND_OFFSET = 9
+"""Byte of the header that holds the checksum kind (CHECKSUMS)."""
+_KIND_OFFSET = KIND_OFFSET
 _KEY_OFFSET = 12 + 4 * MAX_DIMS
 _KEY_LENGTHS = struct.Struct(f"<{DIGEST_BYTES}sIQ")
 
@@ -279,31 +281,69 @@ def encode_rows(
             f"body_sums of shape {tuple(body_sums.shape)} for {len(keys)} rows of {payload} "
             "bytes; expected one sum per row and a payload of a multiple of 8 bytes"
         )
-    dims = [int(d) for d in shape] + [0] * (MAX_DIMS - len(shape))
     flat = rows.view(-1)
     table = rows.numpy()
-    out: list[BufferBlock] = []
-    for i, key in enumerate(keys):
-        row = table[first + i]
-        view = memoryview(row)
-        _HEADER.pack_into(
-            view, 0, MAGIC, VERSION, 0, 0, _DTYPE_IDS[dtype], len(shape), int(mix), *dims,
-            key.digest, 0, payload, payload, b"\x00" * DIGEST_BYTES,
-        )  # fmt: skip
-        if not mix:
+    part = table[first : first + len(keys)]
+    # Step 1: every row's header in two numpy writes (the fields, then the zero checksum).
+    part[:, :_CHECKSUM_OFFSET] = row_headers(
+        keys, dtype=dtype, shape=shape, checksum="mix64" if mix else "xxh3"
+    )
+    part[:, _CHECKSUM_OFFSET:HEADER_BYTES] = 0
+    # Step 2: the checksums: XXH3 row by row over the payload; MIX64 the header's words (the
+    # checksum field zero, as written) plus the payload's sums, for the whole chunk at once.
+    if not mix:
+        for row in part:
+            view = memoryview(row)
             view[_CHECKSUM_OFFSET:HEADER_BYTES] = _checksum(
                 view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]
             )
-        block = row.view(BufferBlock)
-        block.owner, block.offset, block._token = flat, (first + i) * width, _TRUST
-        out.append(block)
-    if mix and keys:
-        # The header's words (checksum field zero, as packed) plus the payload's sums.
+    elif keys:
         heads = rows[first : first + len(keys), :_CHECKSUM_OFFSET].view(torch.int64)
         total = mix64(heads) + body_sums.to(torch.int64)
         rows[first : first + len(keys), _CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8].view(torch.int64)[
             :, 0
         ] = total
+    out: list[BufferBlock] = []
+    for i, row in enumerate(part):
+        block = row.view(BufferBlock)
+        block.owner, block.offset, block._token = flat, (first + i) * width, _TRUST
+        out.append(block)
+    return out
+
+
+def row_headers(
+    keys: Sequence[BlockKey],
+    *,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    checksum: str = "mix64",
+) -> np.ndarray:
+    """[len(keys), 80] uint8: header bytes [0, 80) (everything before the checksum field) of raw,
+    uncompressed blocks of `shape` and `dtype` under `keys`, one row per key.
+
+    What `encode_rows` writes, and what a reader compares a row's header with in one vectorised
+    step (KVTiers.load_many compares them on the GPU): magic, version, codec, compression,
+    dtype, ndim, checksum kind, shape, key, scales and both lengths.
+    """
+    if dtype not in _DTYPE_IDS:
+        raise CacheConfigError(f"dtype {dtype} cannot be stored in a KV block")
+    if len(shape) > MAX_DIMS:
+        raise CacheConfigError(f"a block has at most {MAX_DIMS} dims, got {len(shape)}")
+    if checksum not in CHECKSUMS:
+        raise CacheConfigError(f"checksum={checksum!r}; expected one of {sorted(CHECKSUMS)}")
+    payload = dtype.itemsize
+    for dim in shape:
+        payload *= int(dim)
+    dims = [int(d) for d in shape] + [0] * (MAX_DIMS - len(shape))
+    template = _HEADER.pack(
+        MAGIC, VERSION, 0, 0, _DTYPE_IDS[dtype], len(shape), CHECKSUMS[checksum], *dims,
+        bytes(DIGEST_BYTES), 0, payload, payload, bytes(DIGEST_BYTES),
+    )[:_CHECKSUM_OFFSET]  # fmt: skip
+    out = np.empty((len(keys), _CHECKSUM_OFFSET), dtype=np.uint8)
+    out[:] = np.frombuffer(template, dtype=np.uint8)
+    if keys:
+        digests = np.frombuffer(b"".join(k.digest for k in keys), dtype=np.uint8)
+        out[:, _KEY_OFFSET : _KEY_OFFSET + DIGEST_BYTES] = digests.reshape(-1, DIGEST_BYTES)
     return out
 
 

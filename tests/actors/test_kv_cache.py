@@ -62,3 +62,23 @@ def test_block_round_trip_and_mla_layout():
     mla.write_block(1, latent)
     assert torch.equal(mla.k[0][1], latent[0]) and not mla.v
     assert torch.equal(mla.gather(0, [1], 3)[0], latent[0, :3])
+
+
+def test_many_blocks_move_in_any_order_and_out_of_range_ids_are_refused():
+    """write_blocks / read_blocks over consecutive ids (one slice of the stacked layers) and
+    scattered ones (an index): the same blocks land, summaries follow, bad ids are one error."""
+    import pytest
+
+    from cluster.errors import InputError
+
+    for ids in ([1, 2, 3], [5, 0, 3]):
+        cache = _gqa()
+        data = torch.randn(3, *cache.layout.block_shape)
+        cache.write_blocks(ids, data.transpose(0, 1).contiguous().transpose(0, 1))  # strided
+        assert torch.equal(cache.read_blocks(ids), data)
+        for n, b in enumerate(ids):
+            assert torch.equal(cache.k[3][b], data[n, 1, 0])
+            assert torch.equal(cache.key_min[2][b], data[n, 0, 0].amin(0))
+        assert cache.k[2].data_ptr() != cache.k[3].data_ptr()
+    with pytest.raises(InputError, match="outside"):
+        cache.read_blocks([2, 6])

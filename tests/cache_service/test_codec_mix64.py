@@ -151,3 +151,16 @@ def test_host_tier_reuses_pinned_buffers_of_blocks_that_left():
     assert tier.pool_reuses == 2 and {id(tier._blocks[k][0]) for k in keys[3:5]} == held
     for key, block in zip(keys[2:5], blocks[2:5], strict=True):
         assert cache.get(key) == block  # reused buffers hold the new blocks
+
+
+def test_row_headers_are_the_headers_encode_rows_writes():
+    keys = keys_for(3, seed=4)
+    block = tensor_for(0)
+    rows = torch.zeros(3, row_bytes(block.numel() * 2), dtype=torch.uint8)
+    for i in range(3):
+        rows[i, HEADER_BYTES:] = tensor_for(i).reshape(-1).view(torch.uint8)
+    sums = body_mix64(rows[:, HEADER_BYTES:])
+    encode_rows(rows, keys, dtype=block.dtype, shape=block.shape, body_sums=sums)
+    want = codec.row_headers(keys, dtype=block.dtype, shape=block.shape, checksum="mix64")
+    assert torch.equal(rows[:, : want.shape[1]], torch.from_numpy(want))
+    assert bool(verify_rows(rows).all())
