@@ -14,9 +14,17 @@ runs our engine here and vLLM as a subprocess of the vLLM venv (this module agai
     startup_s    process start to the engine ready (imports, weights, KV allocation)
     peak_rss     the process's peak resident set (vLLM: plus its engine processes, none here:
                  the in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    torch_threads  torch's intra-op threads once the engine is built: vLLM's in-process
+                 engine and ours at torch's default (one per core; the goals compare these two),
+                 then ours again with one thread (OMP_NUM_THREADS=1, what a Ray actor of one CPU
+                 or less gets): on a shared, oversubscribed machine OpenMP threads that wait for
+                 a descheduled peer can make the default several times slower
 
-Served figures (OpenAI server at concurrency 1/4/16, ours through Serve with ep2xpp2 actors)
-are not measured here.
+and then (`--part served`, deploy/vllm_served_side_by_side.py) the OpenAI server at concurrency
+1/4/16: ours through Serve with ep2xpp2 ShardWorker actors, vLLM behind the same ingress
+(`engine: vllm`, world 1), each alone with a Ray of its own. `--part all` (default) runs both
+halves and writes one JSON; `--part inproc` / `--part served` run one half and keep the other
+half's rows already in `--out`.
 """
 
 from __future__ import annotations
@@ -120,6 +128,9 @@ def measure(engine: str, model: Path, t_start: float) -> dict[str, Any]:
     w = workload(vocab)
     runner = _Vllm(model) if engine == "vllm" else _Ours(model)
     startup = time.perf_counter() - t_start
+    import torch
+
+    threads = torch.get_num_threads()
     runner.run([w["warm"]], 4)
 
     def timed(prompts, n) -> tuple[float, int]:
@@ -143,12 +154,17 @@ def measure(engine: str, model: Path, t_start: float) -> dict[str, Any]:
         "prefix_hit_ttft_s": hit,
         "prefix_speedup": cold / hit,
         "peak_rss_bytes": _peak_rss(),
+        "torch_threads": threads,
     }
 
 
-def _spawn(engine: str, model: Path) -> dict[str, Any]:
+def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, Any]:
+    """`measure` in a fresh process; `threads`: its OMP_NUM_THREADS (None: the engine's own)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     python = sys.executable
     if engine == "vllm":
         from deploy.vllm_env import find_python
@@ -177,36 +193,53 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=("ours", "vllm"))
     ap.add_argument("--model")
+    ap.add_argument("--part", choices=("all", "inproc", "served"), default="all")
     ap.add_argument("--out", default="bench/results/vllm_side_by_side.json")
     args = ap.parse_args(argv)
     if args.engine:  # one engine, in this process
         print(json.dumps(measure(args.engine, Path(args.model), t_start)))
         return 0
+    from deploy import vllm_served_side_by_side as served
     from deploy.vllm_checkpoint import ensure_checkpoint
 
     model = ensure_checkpoint(args.model)
-    load = os.getloadavg()
-    rows = [_spawn("ours", model), _spawn("vllm", model)]
-    load_after = os.getloadavg()
-    ours, vllm = rows
-    goals = {
-        "offline_at_least_vllm": ours["offline_output_tokens_per_s"]
-        >= vllm["offline_output_tokens_per_s"],
-        "prefix_speedup_at_least_vllm": ours["prefix_speedup"] >= vllm["prefix_speedup"],
-        "startup_below_vllm": ours["startup_s"] < vllm["startup_s"],
-        "memory_below_vllm": ours["peak_rss_bytes"] < vllm["peak_rss_bytes"],
-    }
-    result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "model": str(model),
-        "loadavg_before": load,
-        "loadavg_after": load_after,
-        "cpus": os.cpu_count(),
-        "rows": rows,
-        "goals": goals,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.is_file() and args.part != "all" else {}
+    result.update(date=time.strftime("%Y-%m-%d"), model=str(model), cpus=os.cpu_count())
+    goals = result.setdefault("goals", {})
+    if args.part in ("all", "inproc"):
+        load = os.getloadavg()
+        rows = [_spawn("ours", model), _spawn("vllm", model), _spawn("ours", model, threads=1)]
+        result.update(loadavg_before=load, loadavg_after=os.getloadavg(), rows=rows)
+        ours, vllm = rows[:2]
+        goals.update(
+            offline_at_least_vllm=ours["offline_output_tokens_per_s"]
+            >= vllm["offline_output_tokens_per_s"],
+            prefix_speedup_at_least_vllm=ours["prefix_speedup"] >= vllm["prefix_speedup"],
+            startup_below_vllm=ours["startup_s"] < vllm["startup_s"],
+            memory_below_vllm=ours["peak_rss_bytes"] < vllm["peak_rss_bytes"],
+        )
+    if args.part in ("all", "served"):
+        rows = []
+        for engine in ("ours", "vllm"):  # each alone, one after the other
+            before = os.getloadavg()
+            row = served.spawn(engine, model)
+            rows.append({**row, "loadavg_before": before, "loadavg_after": os.getloadavg()})
+        result["served"] = rows
+        goals.update(served.served_goals(*rows))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    if args.part != "served":
+        _render_inproc(result)
+    if args.part != "inproc":
+        served.render(*result["served"])
+    print(f"goals: {goals}")
+    return 0
+
+
+def _render_inproc(result: dict[str, Any]) -> None:
+    rows = result["rows"]
+    load, load_after = result["loadavg_before"], result["loadavg_after"]
     keys = [
         ("startup_s", "startup s", 1.0),
         ("offline_output_tokens_per_s", "offline out tok/s", 1.0),
@@ -217,11 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         ("prefix_speedup", "hit speedup x", 1.0),
         ("peak_rss_bytes", "peak RSS GiB", 1 / 2**30),
     ]
-    print(f"{'figure':<20}{'ours':>12}{'vllm':>12}")
+    keys.append(("torch_threads", "torch threads", 1.0))
+    print(f"{'in-process':<20}" + "".join(f"{r['engine']:>12}" for r in rows))
     for key, label, scale in keys:
-        print(f"{label:<20}{ours[key] * scale:>12.2f}{vllm[key] * scale:>12.2f}")
-    print(f"load average before {load}, after {load_after}; goals: {goals}")
-    return 0
+        print(f"{label:<20}" + "".join(f"{r[key] * scale:>12.2f}" for r in rows))
+    print(f"load average before {load}, after {load_after}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""The served half of the vLLM side by side: its memory reading and its goal verdicts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from deploy.vllm_served_side_by_side import _descendants, _vm_hwm, served_goals
+
+
+def test_descendants_and_peak_rss_of_a_process_tree():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        tree = _descendants(os.getpid())
+        assert tree[0] == os.getpid()
+        assert child.pid in tree
+        assert _vm_hwm(os.getpid()) > 10 << 20  # a Python with pytest holds more than 10 MiB
+        assert _vm_hwm(child.pid) > 0
+    finally:
+        child.kill()
+        child.wait()
+    assert _vm_hwm(child.pid) == 0  # gone: counts nothing
+
+
+def _row(tps: list[float], startup: float, rss: int) -> dict:
+    levels = [{"concurrency": c, "tokens_per_s": t} for c, t in zip((1, 4, 16), tps, strict=True)]
+    return {"concurrency": levels, "startup_s": startup, "peak_rss_bytes": rss}
+
+
+def test_goals_need_half_of_vllm_at_every_level():
+    vllm = _row([100.0, 400.0, 800.0], startup=30.0, rss=2 << 30)
+    met = served_goals(_row([50.0, 200.0, 400.0], startup=20.0, rss=1 << 30), vllm)
+    assert met == {
+        "served_half_of_vllm_at_every_concurrency": True,
+        "served_startup_below_vllm": True,
+        "served_memory_below_vllm": True,
+    }
+    one_short = served_goals(_row([60.0, 199.0, 900.0], startup=31.0, rss=3 << 30), vllm)
+    assert one_short == {
+        "served_half_of_vllm_at_every_concurrency": False,
+        "served_startup_below_vllm": False,
+        "served_memory_below_vllm": False,
+    }
