@@ -420,15 +420,7 @@ class KVTiers:
                             self._drop(keys[a + i])
                         break
                     flags[a + i] = True
-                if is_buffer_block(data) and data.owner is not None:
-                    last = runs[-1] if runs else None
-                    if last and last[0] is data.owner and last[2] == data.offset:
-                        last[2] += width
-                    else:
-                        runs.append([data.owner, data.offset, data.offset + width, a + i])
-                else:
-                    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    runs.append([raw, 0, width, a + i])
+                _add_row(runs, data, width, a + i)
             keep.append(runs)
             ok = len(runs) and runs[-1][3] + (runs[-1][2] - runs[-1][1]) // width - a
             with context:
@@ -494,15 +486,7 @@ class KVTiers:
                     why = "corrupt"
                     break
                 ok += 1
-                if is_buffer_block(data) and data.owner is not None:
-                    last = runs[-1] if runs else None
-                    if last and last[0] is data.owner and last[2] == data.offset:
-                        last[2] += width
-                    else:
-                        runs.append([data.owner, data.offset, data.offset + width, a + i])
-                else:
-                    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    runs.append([raw, 0, width, a + i])
+                _add_row(runs, data, width, a + i)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for owner, start, stop, row in runs:
                     dst = flat[row * width : row * width + stop - start]
@@ -585,6 +569,20 @@ def _adopts_buffers(cache: Any) -> bool:
     """True when the cache's top tier keeps pinned `BufferBlock`s as they are (host tier, CUDA)."""
     tiers = getattr(cache, "tiers", None)
     return bool(tiers) and bool(getattr(tiers[0], "adopts_buffers", False))
+
+
+def _add_row(runs: list, data: Any, width: int, row: int) -> None:
+    """Append a fetched block to the copy runs of a load: a row of a buffer that continues the
+    last run (the same owner, the next offset) extends it; any other block starts its own run
+    [owner, start, end, first row]."""
+    if is_buffer_block(data) and data.owner is not None:
+        last = runs[-1] if runs else None
+        if last and last[0] is data.owner and last[2] == data.offset:
+            last[2] += width
+        else:
+            runs.append([data.owner, data.offset, data.offset + width, row])
+    else:
+        runs.append([torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])
 
 
 def _get_many(cache: Any, keys: Sequence[BlockKey], *, unverified: bool = False) -> list:
