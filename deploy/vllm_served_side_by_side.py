@@ -77,7 +77,7 @@ def _descendants(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
+        for task in Path(f"/proc/{p}/task").iterdir():
             try:
                 todo += [int(c) for c in (task / "children").read_text().split()]
             except OSError:
