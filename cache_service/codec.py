@@ -64,7 +64,6 @@ one scale). Stated error bounds, per slice with absmax A:
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +73,7 @@ import xxhash
 
 from cache_service.block_key import DIGEST_BYTES, BlockKey
 from cache_service.errors import CacheConfigError, CorruptBlock
+from cache_service.mix64 import mix64, mix64_bytes
 
 MAGIC = b"MKVB"
 VERSION = 2
@@ -95,9 +95,6 @@ CHECKSUMS = {"xxh3": 0, "mix64": 1}
 _CHECKSUM_NAMES = {v: k for k, v in CHECKSUMS.items()}
 HEADER_WORDS = _CHECKSUM_OFFSET // 8
 """64-bit words of the header that MIX64 covers (bytes [0, 80)); the body's words follow them."""
-_MIX_P = 0x9E3779B97F4A7C15
-_MIX_M1 = 0xBF58476D1CE4E5B9
-_MIX_M2 = 0x94D049BB133111EB
 _CODEC_NAMES = {v: k for k, v in CODECS.items()}
 _COMPRESSION_NAMES = {0: None, 1: "lz4", 2: "zstd"}
 _TRUST = object()
@@ -226,7 +223,7 @@ def encode_block(
     if checksum == "xxh3":
         digest = _checksum(header[:_CHECKSUM_OFFSET], scales, payload)
     else:
-        digest = _mix64_digest(_mix64_bytes(header[:_CHECKSUM_OFFSET], scales + payload))
+        digest = _mix64_digest(mix64_bytes(header[:_CHECKSUM_OFFSET], scales + payload))
     return EncodedBlock(header[:_CHECKSUM_OFFSET] + digest + scales + payload, token=_TRUST)
 
 
@@ -347,25 +344,6 @@ def row_headers(
     return out
 
 
-def mix64(words: torch.Tensor, *, first: int = 0) -> torch.Tensor:
-    """MIX64 of each row of `words` (any device; see the module docstring).
-
-    words: [..., W] int64, the words at positions first .. first + W - 1 of the checksummed
-    bytes. Returns [...] int64: the sum over the last dim of the mixed words, modulo 2^64. Sums
-    of disjoint position ranges add (modulo 2^64) to the sum of the whole, so a header and a
-    payload can be summed on different devices. Memory: one temporary the size of `words`
-    (and one of its shifted copy).
-    """
-    x = words + _positions(first, words.shape[-1], words.device)
-    x.mul_(_signed(_MIX_M1))
-    shifted = x >> 32  # arithmetic on int64; the mask makes it a logical shift
-    shifted.bitwise_and_(0xFFFFFFFF)
-    x.bitwise_xor_(shifted)
-    del shifted
-    x.mul_(_signed(_MIX_M2))
-    return x.sum(dim=-1)
-
-
 def body_mix64(payload: torch.Tensor, *, group_bytes: int = 1 << 26) -> torch.Tensor:
     """`body_sums` for `encode_rows`: MIX64 of each payload's words at positions HEADER_WORDS...
 
@@ -471,7 +449,7 @@ def verify_block(
     if header.checksum_kind == "xxh3":
         digest = _checksum(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:])
     else:
-        digest = _mix64_digest(_mix64_bytes(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]))
+        digest = _mix64_digest(mix64_bytes(view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]))
     if digest != header.checksum:
         raise CorruptBlock("checksum", f"checksum mismatch in block {expected_key.hex}")
     return header
@@ -592,40 +570,6 @@ def _checksum(*parts: bytes | memoryview) -> bytes:
     for part in parts:
         digest.update(part)
     return digest.digest()
-
-
-def _signed(value: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_POSITIONS: dict[tuple[int, int, str], torch.Tensor] = {}
-_POSITIONS_LOCK = threading.Lock()
-
-
-def _positions(first: int, count: int, device: torch.device) -> torch.Tensor:
-    """(i + 1) * P modulo 2^64 for i in first .. first + count - 1: [count] int64 on `device`
-    (computed on the CPU, cached for the last few shapes)."""
-    key = (first, count, str(device))
-    with _POSITIONS_LOCK:
-        table = _POSITIONS.get(key)
-    if table is None:
-        table = torch.arange(first + 1, first + count + 1, dtype=torch.int64)
-        table = table.mul_(_signed(_MIX_P)).to(device)
-        with _POSITIONS_LOCK:
-            while len(_POSITIONS) >= 8:
-                _POSITIONS.pop(next(iter(_POSITIONS)))
-            _POSITIONS[key] = table
-    return table
-
-
-def _mix64_bytes(head: bytes | memoryview, body: bytes | memoryview) -> int:
-    """MIX64 (CPU) of the header's first 80 bytes followed by the body, zero-padded to words."""
-    size = len(head) + len(body)
-    buf = np.zeros(-(-size // 8) * 8, dtype=np.uint8)
-    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    buf[len(head) : size] = np.frombuffer(body, dtype=np.uint8)
-    return int(mix64(torch.from_numpy(buf.view(np.int64))))
 
 
 def _mix64_digest(value: int) -> bytes:

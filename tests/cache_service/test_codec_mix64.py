@@ -22,6 +22,7 @@ from cache_service.codec import (
     verify_rows,
 )
 from cache_service.errors import CorruptBlock
+from cache_service.mix64 import MIX_M1, MIX_M2, MIX_P
 from cache_service.store import TieredCache
 from tests.cache_service.kv_blocks import keys_for, namespace, tensor_for
 
@@ -33,8 +34,8 @@ def _reference(data: bytes) -> int:
     total = 0
     for i in range(len(body) // 8):
         (w,) = struct.unpack_from("<Q", body, 8 * i)
-        x = (w + (i + 1) * codec._MIX_P) * codec._MIX_M1 % 2**64
-        x = (x ^ (x >> 32)) * codec._MIX_M2 % 2**64
+        x = (w + (i + 1) * MIX_P) * MIX_M1 % 2**64
+        x = (x ^ (x >> 32)) * MIX_M2 % 2**64
         total = (total + x) % 2**64
     return total
 
