@@ -41,7 +41,6 @@ large copies instead of one small copy per layer and block.
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 from collections.abc import Sequence
@@ -51,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from actors.kv_cache_calls import adopts_buffers, get_many, put_many, reads_unverified
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
     CHECKSUMS,
@@ -222,7 +222,7 @@ class KVTiers:
         width = row_bytes(src.shape[1])
         per = max(1, STORE_CHUNK_BYTES // width)
         spans = [(a, min(n, a + per)) for a in range(0, n, per)]
-        adopt = _adopts_buffers(self.cache)
+        adopt = adopts_buffers(self.cache)
         cuda = src.device.type == "cuda"
         mix = self._mix64(src.device) and src.shape[1] % 8 == 0
         rows = self._rows([b - a for a, b in spans], width, pinned=cuda, fresh=adopt)
@@ -296,7 +296,7 @@ class KVTiers:
                 (k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)
             ]
             try:
-                flags = [bool(f) for f in _put_many(self.cache, items)]
+                flags = [bool(f) for f in put_many(self.cache, items)]
             except Exception:  # the cache boundary: a fault is a counted miss
                 self.counts["faults"] += 1
                 flags = [False] * len(items)
@@ -343,7 +343,7 @@ class KVTiers:
         # them: an in-process TieredCache is asked for unverified reads. Otherwise every block is
         # checked on the host (`_load_hosted`), and hashed unless the cache verified it.
         if self._mix64(device) and width % 8 == 0:
-            unverified = _reads_unverified(self.cache)
+            unverified = reads_unverified(self.cache)
             hash_here = unverified or getattr(self.cache, "verifies_reads", False) is not True
             m, stop = self._load_landed(keys, staging, stream, dtype=dtype, shape=shape,
                                         unverified=unverified, hash_here=hash_here)  # fmt: skip
@@ -394,7 +394,7 @@ class KVTiers:
             # Step 2: fetch the chunk; cheap host checks; its copies (adjacent rows of one
             # pinned owner in one copy).
             try:
-                datas = _get_many(self.cache, keys[a:b], unverified=unverified)
+                datas = get_many(self.cache, keys[a:b], unverified=unverified)
             except Exception:  # the cache boundary: a fault is a counted miss
                 stop = "faults"
                 break
@@ -467,7 +467,7 @@ class KVTiers:
         def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
             a, b = span
             try:
-                datas = _get_many(self.cache, keys[a:b])
+                datas = get_many(self.cache, keys[a:b])
             except Exception:  # the cache boundary: a fault is a counted miss
                 return 0, "faults", []
             ok, why, runs = 0, None, []
@@ -565,12 +565,6 @@ class KVTiers:
         return out
 
 
-def _adopts_buffers(cache: Any) -> bool:
-    """True when the cache's top tier keeps pinned `BufferBlock`s as they are (host tier, CUDA)."""
-    tiers = getattr(cache, "tiers", None)
-    return bool(tiers) and bool(getattr(tiers[0], "adopts_buffers", False))
-
-
 def _add_row(runs: list, data: Any, width: int, row: int) -> None:
     """Append a fetched block to the copy runs of a load: a row of a buffer that continues the
     last run (the same owner, the next offset) extends it; any other block starts its own run
@@ -583,27 +577,6 @@ def _add_row(runs: list, data: Any, width: int, row: int) -> None:
             runs.append([data.owner, data.offset, data.offset + width, row])
     else:
         runs.append([torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])
-
-
-def _get_many(cache: Any, keys: Sequence[BlockKey], *, unverified: bool = False) -> list:
-    many = getattr(cache, "get_many", None)
-    if not callable(many):
-        return [cache.get(k) for k in keys]
-    return list(many(list(keys), verify=False) if unverified else many(list(keys)))
-
-
-def _reads_unverified(cache: Any) -> bool:
-    """True when the cache's get_many takes verify=False (the in-process TieredCache)."""
-    many = getattr(cache, "get_many", None)
-    try:
-        return callable(many) and "verify" in inspect.signature(many).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _put_many(cache: Any, items: list) -> list:
-    many = getattr(cache, "put_many", None)
-    return list(many(items)) if callable(many) else [cache.put(k, d) for k, d in items]
 
 
 def _encode_part(host, keys, dtype, shape, lo: int, hi: int, ready) -> list:
