@@ -20,7 +20,6 @@ Step 5: one table and one JSON object: ms per step, tokens/s, the roofline (byte
 
 from __future__ import annotations
 
-import copy
 import datetime
 import gc
 import json
@@ -33,11 +32,12 @@ from typing import Any
 import torch
 
 from actors import gpu_bench_parts as parts
+from actors import gpu_checks as checks
 from actors.engine import Engine, SamplingParams
+from actors.gpu_bench_parts import log
 from actors.kernels import fused
 from actors.layers import experts as experts_mod
-from actors.runner import LocalRunner, StepInput
-from actors.sampler import RowSampling
+from actors.runner import LocalRunner
 
 DECODE_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 8192), (8, 8192), (32, 8192), (128, 1024))
 TINY_DECODE_SHAPES = ((1, 40), (3, 72))
@@ -61,113 +61,6 @@ class Row:
     bytes_GB: dict | None = None
     experts_hit: float | None = None
     note: str = ""
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def to_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
-    """A copy of `model` with parameters on `device` in `dtype`; buffers keep their dtype."""
-    out = copy.deepcopy(model)
-    for p in out.parameters():
-        p.data = p.data.to(device, dtype)
-    for m in out.modules():
-        for name, b in list(m._buffers.items()):
-            if b is not None:
-                m._buffers[name] = b.to(device)
-    return out
-
-
-def _steps(seqs: list[list[int]], new: list[int], tables: list[list[int]], bs: int) -> StepInput:
-    from actors.kv_cache import slots_for
-
-    tokens, positions, slots = [], [], []
-    for seq, n, table in zip(seqs, new, tables, strict=True):
-        start = len(seq) - n
-        tokens += seq[start:]
-        positions += range(start, len(seq))
-        slots += slots_for(table, start, len(seq), bs)
-    greedy = RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
-    return StepInput(
-        token_ids=torch.tensor(tokens), positions=torch.tensor(positions),
-        query_lens=tuple(new), context_lens=tuple(len(s) for s in seqs),
-        block_tables=tuple(tuple(t) for t in tables), slot_mapping=torch.tensor(slots),
-        sample_seqs=tuple(range(len(seqs))), sampling=(greedy,) * len(seqs),
-    )  # fmt: skip
-
-
-def correctness(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dict[str, Any]:
-    """Step 2. Relative logit error of the device path against the CPU float32 path, per family."""
-    out: dict[str, Any] = {}
-    bs = 16
-    for name, cfg in parts.tiny_configs().items():
-        # Decisive routing (router logits of spread ~4): a bf16 rounding then almost never swaps
-        # which experts a token picks, so the error measures the arithmetic, not top-k ties.
-        # (Sigmoid routers saturate at that spread and tie near 1: they get a spread of 1.5.)
-        std = 4.0 if cfg["model_type"] == "qwen3_moe" else 1.5
-        ref_model = parts.random_model(
-            cfg, device="cpu", dtype=torch.float32, seed=1, router_std=std
-        )
-        ref = LocalRunner(ref_model, device="cpu", fast_decode=False)
-        variants = {"device": to_device(ref_model, device, dtype)}
-        runners = {"cpu_fp32": ref}
-        cuda = device.type == "cuda"
-        runners["fast"] = LocalRunner(
-            variants["device"], device=device, fast_decode=True, cuda_graphs=cuda,
-            triton_attention=flags["triton"] and cuda,
-        )  # fmt: skip
-        runners["paged"] = LocalRunner(variants["device"], device=device, fast_decode=False,
-                                       cuda_graphs=False)  # fmt: skip
-        for r in runners.values():
-            r.allocate_kv(64, bs)
-        tables = [[5, 9, 2, 30, 31, 40], [1, 7, 11, 12, 13, 14], [3, 4, 6, 8, 10, 15]]
-        gen = torch.Generator().manual_seed(2)
-        vocab = cfg["vocab_size"]
-        seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (37, 20, 50)]
-        steps = [_steps(seqs, [37, 20, 50], tables, bs)]
-        for _ in range(8):
-            for s in seqs:
-                s.append(int(torch.randint(0, vocab, (1,), generator=gen)))
-            steps.append(_steps(seqs, [1, 1, 1], tables, bs))
-        per_step: dict[str, list[float]] = {"fast": [], "paged": []}
-        for step in steps:
-            want = ref.forward(step)
-            for key, errs in per_step.items():
-                got = runners[key].forward(step)
-                err = float((got - want).norm() / want.norm())
-                errs.append(float(f"{err:.3g}") if err == err else float("inf"))
-        tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-        worst = {k: max(v) for k, v in per_step.items()}
-        out[name] = {
-            "max_rel_err": worst, "per_step": per_step, "tolerance": tol,
-            "ok": max(worst.values()) < tol,
-            "fast_no_worse": worst["fast"] <= max(tol, 1.5 * worst["paged"]),
-            "graph_error": runners["fast"].graph_error,
-        }  # fmt: skip
-        log(f"correctness {name}: {per_step} (tolerance {tol})")
-    return out
-
-
-def triton_check(device: torch.device) -> tuple[bool, str]:
-    """The Triton decode kernel against the torch fallback at the Qwen3 head shapes, bf16."""
-    from actors.kernels import paged_decode, triton_available
-
-    if device.type != "cuda" or not triton_available():
-        return False, "not used (no CUDA or no triton)"
-    try:
-        gen = torch.Generator(device=device).manual_seed(3)
-        k = torch.randn(300, 16, 4, 128, device=device, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn_like(k)
-        q = torch.randn(5, 32, 128, device=device, dtype=torch.bfloat16, generator=gen)
-        tables = torch.randint(0, 300, (5, 64), device=device, dtype=torch.int32, generator=gen)
-        lens = torch.tensor([1, 17, 500, 1024, 333], device=device, dtype=torch.int32)
-        ref = paged_decode.gqa_decode_torch(q, k, v, tables, lens, 0.088)
-        got = paged_decode.gqa_decode_triton(q, k, v, tables, lens, 0.088)
-        err = float((got.float() - ref.float()).norm() / ref.float().norm())
-    except Exception as exc:  # a kernel that fails to build is switched off and reported
-        return False, f"failed: {type(exc).__name__}: {exc}"[:300]
-    return err < 1e-2, f"rel err {err:.2e}"
 
 
 class EngineBench:
@@ -360,7 +253,7 @@ class EngineBench:
         xxhash.xxh3_128(blob).digest()
         xxh_GBps = nbytes / (time.perf_counter() - s0) / 1e9
         tiers.close()
-        mix = parts.mix64_check(self.device)
+        mix = checks.mix64_check(self.device)
         return {
             "checksum": "mix64" if tiers._mix64(self.device) else "xxh3", "mix64_check": mix,
             "load_many_s": load_only, "write_blocks_s": up - load_only,
@@ -409,26 +302,26 @@ def run(
     log(f"ceilings: copy {hbm:.0f} GB/s, matmul {tflops:.1f} TFLOP/s")
     # Step 2: correctness, and which fast paths stay on.
     flags = {"graphs": cuda, "triton": cuda}
-    ok, note = triton_check(device)
+    ok, note = checks.triton_check(device)
     flags["triton"] = flags["triton"] and ok
     result["triton_decode_check"] = note
-    fused_ok, fused_note = parts.fused_check(device)
+    fused_ok, fused_note = checks.fused_check(device)
     fused.FUSED_ENABLED[0] = fused.FUSED_ENABLED[0] and fused_ok
     flags["fused"] = fused.FUSED_ENABLED[0]
     result["fused_kernels_check"] = fused_note
     log(f"fused kernels: {fused_note}")
-    experts_ok, experts_note = parts.expert_check(device)
+    experts_ok, experts_note = checks.expert_check(device)
     fused.EXPERTS_ENABLED[0] = fused.EXPERTS_ENABLED[0] and experts_ok and flags["fused"]
     flags["fused_experts"] = fused.EXPERTS_ENABLED[0]
     result["expert_kernels_check"] = experts_note
     log(f"expert kernels: {experts_note}")
     try:
-        result["correctness"] = correctness(device, dtype, flags=flags)
+        result["correctness"] = checks.correctness(device, dtype, flags=flags)
     except Exception as exc:  # recorded, then the run goes on without graphs
         result["correctness"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         flags["graphs"] = False
-    checks = [c for c in result["correctness"].values() if isinstance(c, dict)]
-    if not all(c.get("fast_no_worse", False) for c in checks):
+    verdicts = [c for c in result["correctness"].values() if isinstance(c, dict)]
+    if not all(c.get("fast_no_worse", False) for c in verdicts):
         flags["graphs"] = False
     result["fast_paths"] = {
         **flags,
