@@ -419,32 +419,12 @@ the 64-wide demo model (Python overhead dominates both) does not show."""
 
 
 def wide_checkpoint(cache_dir: Path | None = None) -> Path:
-    """A random-weight Qwen3-MoE of shape WIDE with the demo tokenizer, made once (seeded) under
-    ~/.cache/moe-orchestrator/pd-bench; remade when WIDE or the demo checkpoint changes."""
-    import shutil
+    """A random-weight Qwen3-MoE of shape WIDE with the demo tokenizer (the vLLM bench's builder,
+    deploy/vllm_checkpoint.py, at this shape), made once under ~/.cache/moe-orchestrator/pd-bench
+    and reused while its stamp matches."""
+    from deploy.vllm_checkpoint import ensure_checkpoint
 
-    import torch
-    import transformers
-
-    from deploy.demo_checkpoint import STAMP, ensure_demo_checkpoint
-
-    demo = ensure_demo_checkpoint()
-    target = Path(cache_dir or Path.home() / ".cache/moe-orchestrator/pd-bench").expanduser()
-    stamp = json.dumps({"wide": WIDE, "demo": (demo / STAMP).read_text()}, sort_keys=True)
-    if (target / STAMP).is_file() and (target / STAMP).read_text() == stamp:
-        return target
-    tmp = target.with_name(f".{target.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    base = json.loads((demo / "config.json").read_text())
-    config = transformers.Qwen3MoeConfig(**{**base, **WIDE})
-    torch.manual_seed(20261129)
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(tmp, safe_serialization=True)
-    transformers.AutoTokenizer.from_pretrained(demo).save_pretrained(tmp)
-    (tmp / STAMP).write_text(stamp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    return ensure_checkpoint(cache_dir or Path.home() / ".cache/moe-orchestrator/pd-bench", **WIDE)
 
 
 def run_pd_bench(opts: PdOptions, ui: Any) -> dict[str, Any]:
