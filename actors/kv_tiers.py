@@ -18,25 +18,10 @@ fails verification or a cache that raises is turned into a miss here and counted
 `faults`).
 
 Batched offload (`store_many` / `load_many`, raw codec, no compression): many blocks move in a few
-large copies instead of one small copy per layer and block.
-- store: the blocks [n, *block_shape] (on the GPU) are copied a chunk at a time into pinned rows
-  `[HEADER_BYTES | payload]` (one async device->host copy per chunk, through a device staging
-  buffer that leaves each row's header gap); as each chunk lands, worker threads write its
-  headers and checksums in place (`codec.encode_rows`) while the next chunk is still copying,
-  then the chunk is put. A cache whose top tier adopts buffers (the host tier with CUDA) keeps
-  the pinned rows themselves (fresh rows each call); any other cache gets immutable copies and
-  the pinned rows are reused by the next call.
-- load, MIX64 (CUDA targets): one thread fetches the keys in chunks that grow from ~8 to ~64 MiB,
-  checks presence and length per block on the host and copies each chunk's rows at once
-  (adjacent rows of one pinned buffer in one async copy); the headers are compared with the
-  expected ones (`codec.row_headers`) and the checksums verified on the device, one vectorised
-  pass per chunk on a second stream after its copies (an XXH3 block among them is verified on the
-  host). load, XXH3 (CPU targets): worker threads fetch, verify and copy a chunk each, so the
-  host's hashing overlaps the copies; the cache's verified reads (`verifies_reads`, the
-  in-process TieredCache) are not hashed again, any other cache's (gRPC CacheClient) are.
-- store: the checksums of a chunk are split into tasks of >= 1 MiB, each waiting on the worker
-  threads for its chunk's copy, so hashing runs on all workers and overlaps later copies (8
-  workers: on the H200 VM XXH3 reached 13 GB/s on 8 threads and no more on 16).
+large copies instead of one small copy per layer and block; actors/kv_offload.py has the paths
+(host rows from the host tier's arena, MIX64 computed and verified on the GPU, XXH3 on worker
+threads). The batched calls of one KVTiers run one at a time (a lock): they share scratch
+buffers, events and streams.
 """
 
 from __future__ import annotations
@@ -45,40 +30,15 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 
-from actors.kv_cache_calls import adopts_buffers, get_many, put_many, reads_unverified
+from actors import kv_offload
+from actors.kv_cache_calls import counts_tier_hits
 from cache_service.block_key import BlockKey
-from cache_service.codec import (
-    CHECKSUMS,
-    HEADER_BYTES,
-    KIND_OFFSET,
-    body_mix64,
-    decode_block,
-    encode_block,
-    encode_rows,
-    freeze,
-    is_buffer_block,
-    row_bytes,
-    row_headers,
-    verify_block,
-    verify_rows,
-)
+from cache_service.codec import decode_block, encode_block
 from cache_service.errors import CacheError
-
-STORE_CHUNK_BYTES = 1 << 24
-"""Rows per device->host copy: ~16 MiB (a chunk's pinned rows fit a power of two, which is what
-torch's caching host allocator rounds a request up to)."""
-LOAD_CHUNK_BYTES = 1 << 23
-"""Blocks fetched and verified per worker task on the way back (~8 MiB: the first copy starts
-after one chunk's checksums)."""
-VERIFY_GROUP_BYTES = 1 << 26
-"""Rows verified on the device at once (MIX64, load_many): ~64 MiB, a few launches of ~20
-kernels per load, each overlapping the copies still in flight; only the last group's
-verification follows the last copy."""
 
 
 class BlockCache(Protocol):
@@ -125,6 +85,13 @@ class KVTiers:
         self._spare_rows: dict[int, list[torch.Tensor]] = {}
         """Pinned row chunks by row width, reused when the cache copies what it is given."""
         self._streams: dict[tuple[torch.device, int], Any] = {}
+        self._events: dict[torch.device, list] = {}
+        self._scratches: dict[str, torch.Tensor] = {}
+        self._batch_lock = threading.Lock()
+        self._tier_hits_read: bool | None = None
+        self.trace: dict | None = None
+        """A dict to fill with the time points of each batched call (kv_offload's `_Marks`):
+        bench/offload_profile.py splits load_many's time with it."""
 
     def available(self, keys: Sequence[BlockKey]) -> int:
         """How many leading `keys` some tier holds (0 when the cache faults)."""
@@ -218,93 +185,8 @@ class KVTiers:
             )
         if self.codec != "raw" or self.compression not in (None, "none"):
             return [self.store(k, b) for k, b in zip(keys, blocks, strict=True)]
-        src = blocks.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
-        width = row_bytes(src.shape[1])
-        per = max(1, STORE_CHUNK_BYTES // width)
-        spans = [(a, min(n, a + per)) for a in range(0, n, per)]
-        adopt = adopts_buffers(self.cache)
-        cuda = src.device.type == "cuda"
-        mix = self._mix64(src.device) and src.shape[1] % 8 == 0
-        rows = self._rows([b - a for a, b in spans], width, pinned=cuda, fresh=adopt)
-        # Step 1: every chunk's device->host copy is queued at once (one side stream, in order);
-        # with MIX64 the payloads' sums are computed beside them (a second stream) and copied
-        # down after them (a few bytes per block).
-        landed: list[Any] = []
-        sums, summed = None, None
-        if cuda:
-            stream = self._side_stream(src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            staging = torch.empty((per if len(spans) > 1 else n, width), dtype=torch.uint8,
-                                  device=src.device)  # fmt: skip
-            with torch.cuda.stream(stream):
-                for (a, b), host in zip(spans, rows, strict=True):
-                    staging[: b - a, HEADER_BYTES:].copy_(src[a:b])
-                    host.copy_(staging[: b - a], non_blocking=True)
-                    landed.append(torch.cuda.Event())
-                    landed[-1].record(stream)
-            if mix:
-                # The sums a group of chunks at a time (~VERIFY_GROUP_BYTES), each group with
-                # its event: the first chunk's headers wait for its group only.
-                checks = self._side_stream(src.device, 1)
-                checks.wait_stream(torch.cuda.current_stream(src.device))
-                sums = torch.empty(n, dtype=torch.int64, pin_memory=True)
-                summed = [None] * len(spans)
-                group = max(1, VERIFY_GROUP_BYTES // width)
-                with torch.cuda.stream(checks):
-                    first = 0
-                    for c, (_, b) in enumerate(spans):
-                        if b - spans[first][0] < group and b < n:
-                            continue
-                        lo = spans[first][0]
-                        sums[lo:b].copy_(body_mix64(src[lo:b]), non_blocking=True)
-                        done = torch.cuda.Event()
-                        done.record(checks)
-                        summed[first : c + 1] = [done] * (c + 1 - first)
-                        first = c + 1
-        else:
-            for (a, b), host in zip(spans, rows, strict=True):
-                host[:, HEADER_BYTES:].copy_(src[a:b])
-            if mix:
-                sums = body_mix64(src)
-        # Step 2: headers and checksums in place. MIX64: the header's words only, on this
-        # thread, as each chunk lands. XXH3: the payloads hashed on the worker threads, every
-        # task waiting for its chunk's copy (hashing overlaps the later chunks' copies).
-        tasks = []
-        if not mix:
-            pool = self._workers()
-            per_task = max(1, (1 << 20) // width)
-            for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
-                ready = landed[c] if landed else None
-                tasks.append([
-                    pool.submit(_encode_part, host, keys[a:b], blocks.dtype, shape, lo,
-                                min(b - a, lo + per_task), ready)
-                    for lo in range(0, b - a, per_task)
-                ])  # fmt: skip
-        # Step 3: one put per chunk, in order, as its headers are written.
-        out: list[bool] = []
-        for c, ((a, b), host) in enumerate(zip(spans, rows, strict=True)):
-            if mix:
-                if landed:
-                    landed[c].synchronize()
-                if summed is not None:
-                    summed[c].synchronize()
-                encoded = encode_rows(host, keys[a:b], dtype=blocks.dtype, shape=shape,
-                                      body_sums=sums[a:b])  # fmt: skip
-            else:
-                encoded = [e for task in tasks[c] for e in task.result()]
-            items = [
-                (k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)
-            ]
-            try:
-                flags = [bool(f) for f in put_many(self.cache, items)]
-            except Exception:  # the cache boundary: a fault is a counted miss
-                self.counts["faults"] += 1
-                flags = [False] * len(items)
-            self.counts["stored"] += sum(flags)
-            out += flags
-        if not adopt:
-            self._spare_rows.setdefault(width, []).extend(rows)
-        return out
+        with self._batch_lock:
+            return kv_offload.store_many(self, keys, blocks)
 
     def load_many(
         self,
@@ -329,180 +211,8 @@ class KVTiers:
             if not got:
                 return torch.empty((0, *shape), dtype=dtype, device=device)
             return torch.stack(got).to(device, dtype)
-        payload = dtype.itemsize
-        for dim in shape:
-            payload *= dim
-        width = row_bytes(payload)
-        staging = torch.empty((n, width), dtype=torch.uint8, device=device)
-        stream = None
-        if device.type == "cuda":
-            stream = self._side_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-        before = self._tier_counters()
-        # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
-        # them: an in-process TieredCache is asked for unverified reads. Otherwise every block is
-        # checked on the host (`_load_hosted`), and hashed unless the cache verified it.
-        if self._mix64(device) and width % 8 == 0:
-            unverified = reads_unverified(self.cache)
-            hash_here = unverified or getattr(self.cache, "verifies_reads", False) is not True
-            m, stop = self._load_landed(keys, staging, stream, dtype=dtype, shape=shape,
-                                        unverified=unverified, hash_here=hash_here)  # fmt: skip
-        else:
-            m, stop = self._load_hosted(keys, staging, stream, dtype=dtype, shape=shape)
-        if stop is not None:
-            self.counts[stop] += 1
-        self.counts["hits"] += m
-        self._credit(before, self._tier_counters(), m)
-        out = staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
-        if stream is not None:
-            stream.synchronize()  # the host rows may be evicted once we return
-        return out
-
-    def _load_landed(self, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
-                     dtype: torch.dtype, shape: tuple[int, ...], unverified: bool,
-                     hash_here: bool) -> tuple[int, str | None]:  # fmt: skip
-        """load_many for MIX64 blocks, on this thread: (leading blocks good, why it stopped).
-
-        staging: [n, width] uint8 on the target device. Chunks grow from LOAD_CHUNK_BYTES to
-        VERIFY_GROUP_BYTES (the first copy starts at once; later chunks' host work hides under
-        the copies in flight). Per block the host checks only presence and length (and reads the
-        checksum kind: an XXH3 block is verified on the host as before); the header's other
-        fields are compared with `row_headers` on the device and the checksum is verified there
-        too (`verify_rows`), one vectorised pass per chunk on a second stream after the chunk's
-        copies, so the bytes used are the bytes checked.
-        """
-        n, width = staging.shape
-        device, flat = staging.device, staging.view(-1)
-        context = nullcontext() if stream is None else torch.cuda.stream(stream)
-        checks = None if stream is None else self._side_stream(device, 1)
-        # Step 1: what every row's first 80 header bytes must be, on the device once.
-        want = torch.from_numpy(row_headers(keys, dtype=dtype, shape=shape, checksum="mix64"))
-        hosted = torch.zeros(n, dtype=torch.bool)  # rows verified on the host (XXH3 blocks)
-        if stream is not None:
-            want, hosted = want.pin_memory(), hosted.pin_memory()
-        with context:
-            want = want.to(device, non_blocking=True)
-        flags = hosted.numpy()
-        verdict = torch.zeros(n, dtype=torch.bool, device=device)
-        head = want.shape[1]
-        m, stop, size = 0, None, max(1, LOAD_CHUNK_BYTES // width)
-        most = max(size, VERIFY_GROUP_BYTES // width)
-        keep = []  # every fetched chunk's blocks stay referenced until the copies are done
-        while m < n and stop is None:
-            a, b = m, min(n, m + size)
-            size = min(2 * size, most)
-            # Step 2: fetch the chunk; cheap host checks; its copies (adjacent rows of one
-            # pinned owner in one copy).
-            try:
-                datas = get_many(self.cache, keys[a:b], unverified=unverified)
-            except Exception:  # the cache boundary: a fault is a counted miss
-                stop = "faults"
-                break
-            keep.append(datas)
-            runs: list = []
-            for i, data in enumerate(datas):
-                if data is None:
-                    stop = "misses"
-                    break
-                if len(data) != width:
-                    stop = "corrupt"
-                    break
-                if data[KIND_OFFSET] != CHECKSUMS["mix64"]:
-                    try:
-                        got = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
-                    except CacheError:
-                        got = None
-                    if got is None or (got.codec, got.compression, got.shape, got.dtype) != (
-                        "raw", None, shape, dtype
-                    ):  # fmt: skip
-                        stop = "corrupt"
-                        if unverified and got is None:  # the cache did not check it
-                            self._drop(keys[a + i])
-                        break
-                    flags[a + i] = True
-                _add_row(runs, data, width, a + i)
-            keep.append(runs)
-            ok = len(runs) and runs[-1][3] + (runs[-1][2] - runs[-1][1]) // width - a
-            with context:
-                for owner, start, end, row in runs:
-                    flat[row * width : row * width + end - start].copy_(
-                        owner[start:end], non_blocking=True
-                    )
-            # Step 3: the chunk verified where it landed, after its copies.
-            if ok:
-                if checks is not None:
-                    checks.wait_stream(stream)
-                with nullcontext() if checks is None else torch.cuda.stream(checks):
-                    rows = staging[a : a + ok]
-                    same = (rows[:, :head] == want[a : a + ok]).all(dim=1)
-                    mask = hosted[a : a + ok].to(device, non_blocking=True)
-                    torch.logical_or(verify_rows(rows) & same, mask, out=verdict[a : a + ok])
-            m = a + ok
-            if stop is None and ok < b - a:
-                stop = "misses"
-        if stream is not None:
-            # The verdicts and rows were written on the side streams: the caller's stream (which
-            # reads them below and after we return) waits for both.
-            current = torch.cuda.current_stream(device)
-            current.wait_stream(stream)
-            current.wait_stream(checks)
-        if m:
-            good = verdict[:m].cpu()
-            if not bool(good.all()):
-                m, stop = int(good.logical_not().nonzero()[0, 0]), "corrupt"
-                self._drop(keys[m])
-        return m, stop
-
-    def _load_hosted(self, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
-                     dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, str | None]:  # fmt: skip
-        """load_many with every block checked on the host (XXH3, or a CPU target): worker
-        threads fetch LOAD_CHUNK_BYTES of keys each, verify (hash unless the cache verified its
-        reads) and copy each chunk's good rows at once, so hashing overlaps the copies."""
-        n, width = staging.shape
-        flat = staging.view(-1)
-        per = max(1, LOAD_CHUNK_BYTES // width)
-        spans = [(a, min(n, a + per)) for a in range(0, n, per)]
-        hash_here = getattr(self.cache, "verifies_reads", False) is not True
-
-        def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
-            a, b = span
-            try:
-                datas = get_many(self.cache, keys[a:b])
-            except Exception:  # the cache boundary: a fault is a counted miss
-                return 0, "faults", []
-            ok, why, runs = 0, None, []
-            for i, data in enumerate(datas):
-                if data is None:
-                    why = "misses"
-                    break
-                try:
-                    head = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
-                except CacheError:
-                    why = "corrupt"
-                    break
-                if (head.codec, head.compression, head.shape, head.dtype) != (
-                    "raw", None, shape, dtype
-                ):  # fmt: skip
-                    why = "corrupt"
-                    break
-                ok += 1
-                _add_row(runs, data, width, a + i)
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                for owner, start, stop, row in runs:
-                    dst = flat[row * width : row * width + stop - start]
-                    dst.copy_(owner[start:stop], non_blocking=True)
-            return ok, why, [datas, runs]
-
-        m, stop = 0, None
-        for (a, b), (ok, why, _) in zip(spans, self._workers().map(fetch, spans), strict=True):
-            if stop is not None:
-                continue  # every fetch is waited for: none may copy into staging after we return
-            m += ok
-            if why is not None or ok < b - a:
-                stop = why or "misses"
-        if stream is not None:
-            torch.cuda.current_stream(staging.device).wait_stream(stream)
-        return m, stop
+        with self._batch_lock:
+            return kv_offload.load_many(self, keys, dtype=dtype, device=device)
 
     def _drop(self, key: BlockKey) -> None:
         """Evict a block found corrupt where it landed (best effort: the cache may be remote)."""
@@ -532,6 +242,31 @@ class KVTiers:
         if spare:
             self._spare_rows[width] = spare
         return out
+
+    def _event(self, device: torch.device, index: int, stream: Any) -> Any:
+        """Pooled CUDA event `index` of `device`, recorded on `stream` now (a call re-records the
+        same events; a wait or synchronize refers to the record before it)."""
+        pool = self._events.setdefault(device, [])
+        while len(pool) <= index:
+            pool.append(torch.cuda.Event())
+        pool[index].record(stream)
+        return pool[index]
+
+    def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """[numel] of `dtype` from a host buffer kept for `name` (pinned with CUDA), grown by
+        doubling; the caller waits for every copy from or to it before it returns."""
+        buf = self._scratches.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            size = max(numel, 2 * buf.numel() if buf is not None else 1024)
+            pin = torch.cuda.is_available()
+            buf = self._scratches[name] = torch.empty(size, dtype=dtype, pin_memory=pin)
+        return buf[:numel]
+
+    def _counts_tier_hits(self) -> bool:
+        """The cache reports its tiers' hits per read (kv_cache_calls.counts_tier_hits), cached."""
+        if self._tier_hits_read is None:
+            self._tier_hits_read = counts_tier_hits(self.cache)
+        return self._tier_hits_read
 
     def _workers(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -563,24 +298,3 @@ class KVTiers:
             except Exception:  # stats are best effort at the boundary
                 self.counts["faults"] += 1
         return out
-
-
-def _add_row(runs: list, data: Any, width: int, row: int) -> None:
-    """Append a fetched block to the copy runs of a load: a row of a buffer that continues the
-    last run (the same owner, the next offset) extends it; any other block starts its own run
-    [owner, start, end, first row]."""
-    if is_buffer_block(data) and data.owner is not None:
-        last = runs[-1] if runs else None
-        if last and last[0] is data.owner and last[2] == data.offset:
-            last[2] += width
-        else:
-            runs.append([data.owner, data.offset, data.offset + width, row])
-    else:
-        runs.append([torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])
-
-
-def _encode_part(host, keys, dtype, shape, lo: int, hi: int, ready) -> list:
-    """Headers and checksums of rows lo..hi of one chunk, once its copy (event `ready`) landed."""
-    if ready is not None:
-        ready.synchronize()
-    return encode_rows(host, keys[lo:hi], dtype=dtype, shape=shape, first=lo)

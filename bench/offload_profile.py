@@ -1,8 +1,11 @@
 """Where KVTiers' batched offload spends its time on a GPU: a KVCache of each benchmark layout
 (no model), a host-tier TieredCache, and for `store_many` / `load_many` / `write_blocks` the
 wall time (median of 5), a cProfile of the calling thread and torch.profiler's device kernels.
+Beside them, in the same run: a pinned round trip of the same bytes (one contiguous buffer down
+and up, median of 5) and the ratio, and each call's time split from `KVTiers.trace` (CUDA events):
+GPU idle before the first copy, the copies, the tail after them (verification), host time after.
 
-    python bench/offload_profile.py --out /tmp/offload_profile.txt   # one H200 (or the CPU)
+    python bench/offload_profile.py --out /tmp/offload_profile.txt --json /tmp/offload.json
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 import time
@@ -22,6 +26,7 @@ import torch
 from actors.kv_cache import KVCache, KVLayout
 from actors.kv_tiers import KVTiers
 from cache_service.block_key import prefix_block_keys
+from cache_service.codec import is_buffer_block
 from cache_service.namespace import CacheNamespace
 from cache_service.store import TieredCache
 
@@ -37,7 +42,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None, help="write the medians, splits and ratios here")
+    p.add_argument("--no-profile", action="store_true", help="timings only (no cProfile round)")
+    p.add_argument("--host-urls", default="host://",
+                   help="comma-separated host tier URLs to time side by side, e.g. "
+                        "'host://,host://?arena=0' (the arena against fresh pinned rows)")  # fmt: skip
     args = p.parse_args()
+    summary: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     "layouts": {}}  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lines: list[str] = []
 
@@ -45,7 +57,9 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for name, layout in LAYOUTS.items():
+    runs = [(n, lay, u) for n, lay in LAYOUTS.items() for u in args.host_urls.split(",")]
+    for base, layout, url in runs:
+        name = base if url == "host://" else f"{base} {url}"
         kv = KVCache(layout, args.blocks + 8, device=device)
         for t in (*kv.k.values(), *kv.v.values()):
             t.normal_()
@@ -53,22 +67,23 @@ def main() -> int:
         one = kv.read_blocks([0])
         nbytes = one.numel() * one.element_size() * args.blocks
         cache = TieredCache.from_urls(
-            ["host://"], capacities=[3 * nbytes + (1 << 24)],
+            [url], capacities=[3 * nbytes + (1 << 24)],
             namespace=CacheNamespace(model_fingerprint="probe", deployment="probe"),
         )  # fmt: skip
         tiers = KVTiers(cache, block_shape=layout.block_shape)
         secret = b"probe".ljust(16, b"\0")
         times: dict[str, list[float]] = {"read": [], "store": [], "load": [], "write": []}
+        splits: dict[str, list[dict]] = {"store": [], "load": []}
         prof: dict[str, str] = {}
         for r in range(7):
             keys = prefix_block_keys(
                 token_ids=list(range(r * 10**6, r * 10**6 + 16 * args.blocks)),
                 secret=secret,
-                weights_fingerprint=f"p{name}", kv_dtype="bfloat16", codec="raw",
+                weights_fingerprint=f"p{base}", kv_dtype="bfloat16", codec="raw",
                 layer_range=layout.layer_range, kv_head_range=layout.kv_head_range,
                 block_size=16,
             )  # fmt: skip
-            last = r == 6
+            last = r == 6 and not args.no_profile
             held: dict = {}
 
             def step(
@@ -103,16 +118,38 @@ def main() -> int:
                         sort_by=key, row_limit=14, max_name_column_width=50
                     )
                 else:
+                    tiers.trace = {} if what in splits else None
                     t0 = time.perf_counter()
                     fn()
                     sync()
                     if r:
                         times[what].append(1e3 * (time.perf_counter() - t0))
+                        if tiers.trace:
+                            splits[what].append(_split(tiers.trace))
+                    tiers.trace = None
             ok = bool(torch.equal(held["got"], held["want"])) and len(held["got"]) == args.blocks
             cache.evict(keys)
         med = {k: round(sorted(v)[len(v) // 2], 3) for k, v in times.items()}
+        pinned_ms = _pinned_round_trip(nbytes, device)
+        ours = sum(med.values())
+        split = {w: {k: round(sorted(d[k] for d in v)[len(v) // 2], 3) for k in v[0]}
+                 for w, v in splits.items() if v}  # fmt: skip
+        arena = getattr(cache.tiers[0], "arena", None)
+        row = {
+            "blocks": args.blocks, "block_bytes": nbytes // args.blocks, "median_ms": med,
+            "ours_ms": round(ours, 3), "pinned_round_trip_ms": round(pinned_ms, 3),
+            "fraction_of_pinned": round(pinned_ms / ours, 3), "exact": ok, "split_ms": split,
+            "arena": None if arena is None else {
+                "slabs": arena.slab_count(), "bytes": arena.allocated_bytes,
+                "reused_rows": arena.reused_rows,
+            },
+        }  # fmt: skip
+        row["integrity"] = _integrity(tiers, cache, kv, layout, base, device)
+        summary["layouts"][name] = row
         lines.append(f"== {name}: {args.blocks} blocks of {nbytes // args.blocks} B, "
-                     f"median ms {med}, exact {ok}")  # fmt: skip
+                     f"median ms {med}, exact {ok}; read+store+load+write {ours:.3f} ms vs "
+                     f"pinned round trip {pinned_ms:.3f} ms = {pinned_ms / ours:.1%}; "
+                     f"split {split}; arena {row['arena']}; integrity {row['integrity']}")  # fmt: skip
         for what, text in prof.items():
             lines.append(f"-- {name} {what}\n{text}")
         tiers.close()
@@ -121,7 +158,79 @@ def main() -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0
+
+
+def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout, base: str,
+               device: torch.device) -> dict:  # fmt: skip
+    """On the device, through the same cache: 8 blocks stored and evicted, 8 others stored into
+    the freed rows, then one bit flipped in block 5's row in host memory: the load stops at
+    block 5 (a miss, counted corrupt, dropped), the first 5 are exact."""
+
+    def keys_of(seed: int) -> list:
+        return prefix_block_keys(
+            token_ids=list(range(seed * 10**5, seed * 10**5 + 16 * 8)), secret=b"check".ljust(16),
+            weights_fingerprint=f"c{base}", kv_dtype="bfloat16", codec="raw",
+            layer_range=layout.layer_range, kv_head_range=layout.kv_head_range, block_size=16,
+        )  # fmt: skip
+
+    want = kv.read_blocks(list(range(8)))
+    first = keys_of(1)
+    tiers.store_many(first, want)
+    cache.evict(first)
+    keys = keys_of(2)
+    stored = tiers.store_many(keys, want)
+    corrupt = tiers.counts["corrupt"]
+    row = cache.tiers[0]._blocks[keys[5]][0]
+    if not is_buffer_block(row):  # immutable bytes (a tier without pinned rows): nothing to flip
+        cache.evict(keys)
+        return {"stored": all(stored), "ok": all(stored), "corruption": "not tried (bytes)"}
+    row[len(row) // 2] ^= 0x20
+    del row
+    got = tiers.load_many(keys, dtype=layout.dtype, device=device)
+    out = {
+        "stored": all(stored), "loaded": len(got), "prefix_exact": bool(torch.equal(got, want[:5])),
+        "corrupt_counted": tiers.counts["corrupt"] - corrupt, "dropped": not cache.contains(keys[5:6])[0],
+    }  # fmt: skip
+    out["ok"] = out["stored"] and out["loaded"] == 5 and out["prefix_exact"] and out["dropped"]
+    cache.evict(keys)
+    return out
+
+
+def _split(trace: dict) -> dict:
+    """One call's time points (kv_offload `_Marks`) as ms: GPU idle before the first copy, the
+    copies, what followed them on the device (verification), host time after, all."""
+    t0, start = trace["start"]
+    end = trace["end"][0]
+    out = {"all": 1e3 * (end - t0)}
+    if start is None or "first_copy" not in trace:
+        return out
+    first, done = trace["first_copy"][1], trace["copies_done"][1]
+    last = trace.get("verified", trace["copies_done"])[1]
+    out["before_first_copy"] = start.elapsed_time(first)
+    out["copies"] = first.elapsed_time(done)
+    out["after_copies_on_device"] = max(0.0, done.elapsed_time(last))
+    out["host_after_device"] = out["all"] - start.elapsed_time(last)
+    return out
+
+
+def _pinned_round_trip(nbytes: int, device: torch.device) -> float:
+    """ms of one copy of `nbytes` device -> pinned host -> device (median of 5 after one)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        host.copy_(src, non_blocking=True)
+        src.copy_(host, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times[1:])[2]
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
     cache.get_many(keys) -> list[bytes | None]
     cache.get_many(keys, verify=False)            # unverified: the caller verifies every block it
                                                   #   uses (KVTiers, on the GPU, after the copy up)
+    cache.get_many(keys, tier_hits=counts)        # also adds {tier name: blocks served} to counts
     cache.contains(keys) -> list[bool]
     cache.longest_prefix(keys) -> int             # leading keys present in some tier
     cache.evict(keys) -> int                      # blocks removed (from any tier)
@@ -37,6 +38,9 @@ Semantics:
   - `put` validates the block and raises InvalidBlock otherwise: a block `encode_block` made in
     this process (an `EncodedBlock`: immutable, checksummed when made) gets the cheap header
     check (magic, version, key, lengths); any other bytes are verified in full (checksum too).
+    `put_many` checks a run of rows `encode_rows` made in one buffer (adjacent `BufferBlock`s of
+    one owner) in one step: every header's first 80 bytes equal to what `row_headers` makes for
+    its key, the first block's header parsed in full and the lengths compared (the same checks).
     It writes to the top tier, and with write_through also to every shared tier; the return value
     is True when any of those tiers newly stored it (put-if-absent per tier, atomic in Redis and
     on disk; lower tiers are not consulted, so a block held only further down is re-stored). Blocks a tier evicts (or cannot fit: attention
@@ -62,8 +66,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from cache_service.block_key import BlockKey
-from cache_service.codec import check_header, is_trusted, verify_block
+from cache_service.codec import (
+    check_header,
+    is_buffer_block,
+    is_trusted,
+    read_header,
+    row_headers,
+    verify_block,
+)
 from cache_service.errors import CacheConfigError, CorruptBlock, InvalidBlock
 from cache_service.metrics import CacheMetrics
 from cache_service.namespace import CacheNamespace
@@ -166,7 +179,7 @@ class TieredCache:
         return self.put_many([(key, block)])[0]
 
     def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> list[bool]:
-        items = [(key, _admitted(key, block)) for key, block in items]
+        items = _admitted_many(items)
         stored = self._insert(0, items)
         if self.write_through:
             for index, tier in enumerate(self.tiers):
@@ -194,9 +207,13 @@ class TieredCache:
     def get(self, key: BlockKey) -> bytes | None:
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[BlockKey], *, verify: bool = True) -> list[bytes | None]:
+    def get_many(
+        self, keys: Sequence[BlockKey], *, verify: bool = True, tier_hits: dict | None = None
+    ) -> list[bytes | None]:
         """verify=False: no checksum here (the caller verifies every block before use); blocks
-        are still verified before they are promoted into a `holds_verified` tier."""
+        are still verified before they are promoted into a `holds_verified` tier. tier_hits: a
+        dict to which {tier name: blocks this call got from it} is added (KVTiers credits its
+        loads with it instead of reading stats() before and after)."""
         keys = list(keys)
         found: list[bytes | None] = [None] * len(keys)
         promote: list[tuple[BlockKey, bytes]] = []
@@ -225,6 +242,8 @@ class TieredCache:
                     still.append(i)
             if corrupt:
                 tier.delete(corrupt)
+            if tier_hits is not None and hits:
+                tier_hits[tier.name] = tier_hits.get(tier.name, 0) + hits
             self.metrics.hits.labels(tier=tier.name).inc(hits)
             self.metrics.misses.labels(tier=tier.name).inc(len(still))
             self.metrics.bytes_read.labels(tier=tier.name).inc(read)
@@ -337,6 +356,52 @@ class TieredCache:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _admitted_many(items: Sequence[tuple[BlockKey, bytes]]) -> list[tuple[BlockKey, bytes]]:
+    """`_admitted` for each item; runs of adjacent `encode_rows` rows of one owner are checked a
+    run at a time (`_rows_admitted`), anything else block by block."""
+    out: list[tuple[BlockKey, bytes]] = []
+    i, n = 0, len(items)
+    while i < n:
+        block = items[i][1]
+        j = i + 1
+        if is_buffer_block(block):
+            ptr, width, end = block.owner.data_ptr(), len(block), block.offset + len(block)
+            while j < n:
+                nxt = items[j][1]
+                if not (is_buffer_block(nxt) and nxt.offset == end and len(nxt) == width
+                        and nxt.owner.data_ptr() == ptr):  # fmt: skip
+                    break
+                end += width
+                j += 1
+        if j - i > 1 and _rows_admitted(items[i:j]):
+            out += items[i:j]
+        else:
+            out += [(k, _admitted(k, b)) for k, b in items[i:j]]
+        i = j
+    return out
+
+
+def _rows_admitted(run: Sequence[tuple[BlockKey, bytes]]) -> bool:
+    """True when every row of the run passes `check_header` for its key: the first block's
+    header passes it (and is a raw, uncompressed block) and every row's first 80 header bytes
+    equal what `row_headers` makes for its key with the first block's dtype, shape and checksum
+    kind. False: check them one by one (which raises for the bad one)."""
+    first_key, first = run[0]
+    try:
+        check_header(first, expected_key=first_key)
+        head = read_header(first)
+    except CorruptBlock:
+        return False
+    if head.codec != "raw" or head.compression is not None or head.n_scales:
+        return False
+    want = row_headers([k for k, _ in run], dtype=head.dtype, shape=head.shape,
+                       checksum=head.checksum_kind)  # fmt: skip
+    width = len(first)
+    flat = first.owner.numpy()
+    rows = flat[first.offset : first.offset + width * len(run)].reshape(len(run), width)
+    return bool(np.array_equal(rows[:, : want.shape[1]], want))
 
 
 def _admitted(key: BlockKey, block: bytes) -> bytes:

@@ -2,6 +2,8 @@
 
     host://            keep the caller's `bytes` object itself (a reference: bytes are immutable)
     host://?copy=1     keep a private copy made at put (what the pinned CUDA path pays anyway)
+    host://?arena=1    rows for KVTiers' batched offload from a recycled arena (`arena`); the
+                       default with CUDA (pinned), off without it (arena=1 there: plain memory)
 
 Without CUDA the tier hands back the very objects the store verified when they entered, so it
 `holds_verified` and reads skip re-hashing (see store.py); rows `codec.encode_rows` made
@@ -13,8 +15,14 @@ handed back as it is: no host copy on either side (`adopts_buffers`).
 Pinned pool (CUDA): a pinned buffer of a block that leaves the tier (evicted, deleted) goes to a
 free list by size, and the next put of a block of that size reuses it, so a serving tier pays
 pinned allocation (~0.9 ms per MB on the H200 VM) only while it grows, not per store once full.
-The free lists hold at most the tier's capacity in bytes. (Adopted rows are freed with the last
-row of their chunk, and torch's caching host allocator hands them to the next `store_many`.)
+The free lists hold at most the tier's capacity in bytes.
+
+Arena (`pinned_arena.PinnedArena`, with CUDA or `?arena=1`): KVTiers.store_many encodes its rows
+in slots of the tier's arena (pre-allocated slabs, grown in large steps), and a slot is reused
+once the block in it is gone (evicted, deleted, and no load still holding it), so a store costs
+no allocation and a load finds the blocks of one store in long runs of adjacent rows. The arena
+holds at most the tier's capacity plus a quarter (blocks out of the tier but still referenced);
+past that KVTiers uses fresh rows as before. Without CUDA the arena is plain memory (tests).
 """
 
 from __future__ import annotations
@@ -29,26 +37,37 @@ from cache_service.block_key import BlockKey
 from cache_service.codec import is_buffer_block
 from cache_service.errors import CacheConfigError
 from cache_service.tiers.memory import MemoryTier
+from cache_service.tiers.pinned_arena import PinnedArena
 
 
 class HostTier(MemoryTier):
-    """`host://[?copy=1]`: bytes by reference (or a private copy); pinned tensors with CUDA."""
+    """`host://[?copy=1][&arena=0|1]`: bytes by reference (or a private copy); pinned tensors
+    and an arena of pinned rows with CUDA."""
 
     kind = "host"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         options = dict(parse_qsl(urlsplit(self.url).query, keep_blank_values=True))
-        unknown = sorted(set(options) - {"copy"})
-        if unknown or options.get("copy", "0") not in ("0", "1"):
+        unknown = sorted(set(options) - {"copy", "arena"})
+        bad = [k for k in ("copy", "arena") if options.get(k, "0") not in ("0", "1")]
+        if unknown or bad:
             raise CacheConfigError(
-                f"tier URL {self.url!r}: options {sorted(options)}; expected only copy=0 or copy=1"
+                f"tier URL {self.url!r}: options {sorted(options)}; expected only copy=0|1 and "
+                "arena=0|1"
             )
         self._copy = options.get("copy") == "1"
         self._pinned = torch.cuda.is_available()
-        self.holds_verified = not self._pinned
-        self.adopts_buffers = self._pinned
-        """True: a pinned `BufferBlock` put here is kept without a copy (KVTiers.store_many)."""
+        use_arena = options.get("arena", "1" if self._pinned else "0") == "1"
+        self.arena = (
+            PinnedArena(limit_bytes=self.capacity_bytes + self.capacity_bytes // 4,
+                        pinned=self._pinned)
+            if use_arena else None
+        )  # fmt: skip
+        """Rows for KVTiers.store_many (module docstring); None: fresh rows per store."""
+        self.holds_verified = not (self._pinned or use_arena)
+        self.adopts_buffers = self._pinned or use_arena
+        """True: a `BufferBlock` put here is kept without a copy (KVTiers.store_many)."""
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
         self.pool_reuses = 0
@@ -85,6 +104,8 @@ class HostTier(MemoryTier):
         with self._lock:
             self._free.clear()
             self._free_bytes = 0
+        if self.arena is not None:
+            self.arena.close()
 
     def _load(self, stored: Any) -> bytes:
         if isinstance(stored, bytes):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import kv_tiers
+from actors import kv_offload
 from actors.kv_cache import KVCache, KVLayout
 from actors.kv_tiers import KVTiers
 from cache_service.codec import HEADER_BYTES, BufferBlock, encode_block, is_buffer_block
@@ -18,9 +18,12 @@ from tests.cache_service.kv_blocks import SHAPE, keys_for, namespace, tensor_for
 SHAPE_BYTES = tensor_for(0).numel() * 2
 
 
-def host_cache(*, adopt: bool, capacity: int = 1 << 24) -> TieredCache:
-    cache = TieredCache.from_urls(["host://"], capacities=[capacity], namespace=namespace("kvb"))
-    if adopt:
+def host_cache(*, adopt: bool | str, capacity: int = 1 << 24) -> TieredCache:
+    """adopt: False (copies), True (the pinned tier's fresh rows, simulated), "arena" (rows of
+    the tier's arena: `host://?arena=1`, what `host://` is with CUDA)."""
+    url = "host://?arena=1" if adopt == "arena" else "host://?arena=0"
+    cache = TieredCache.from_urls([url], capacities=[capacity], namespace=namespace("kvb"))
+    if adopt is True:
         # What the host tier does on a CUDA machine (pinned buffers): keep encode_rows' rows as
         # they are, and verify every read (the rows are mutable).
         tier = cache.tiers[0]
@@ -51,17 +54,20 @@ class UncheckedCache:
         return next((i for i, k in enumerate(keys) if k not in self.data), len(keys))
 
 
-@pytest.fixture(params=[False, True], ids=["copying", "adopting"])
+@pytest.fixture(params=[False, True, "arena"], ids=["copying", "adopting", "arena"])
 def adopt(request):
     return request.param
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Three blocks per store chunk, two per load chunk: every path crosses chunk boundaries."""
+    """Three blocks per store chunk, two per load chunk (loads of more than four blocks in spans,
+    the last one block): every path crosses chunk boundaries."""
     width = HEADER_BYTES + tensor_for(0).numel() * 2
-    monkeypatch.setattr(kv_tiers, "STORE_CHUNK_BYTES", 3 * width)
-    monkeypatch.setattr(kv_tiers, "LOAD_CHUNK_BYTES", 2 * width)
+    monkeypatch.setattr(kv_offload, "STORE_CHUNK_BYTES", 3 * width)
+    monkeypatch.setattr(kv_offload, "LOAD_CHUNK_BYTES", 2 * width)
+    monkeypatch.setattr(kv_offload, "SMALL_LOAD_BYTES", 4 * width)
+    monkeypatch.setattr(kv_offload, "LOAD_TAIL_BYTES", width)
 
 
 def test_round_trip_is_exact_across_chunks(adopt, small_chunks):
@@ -75,7 +81,12 @@ def test_round_trip_is_exact_across_chunks(adopt, small_chunks):
     assert torch.equal(got, data)
     assert tiers.counts["hits"] == 11 and tiers.counts["stored"] == 11
     stored = [cache.tiers[0]._blocks[k][0] for k in keys]
-    if adopt:
+    if adopt == "arena":
+        # Zero copy: the tier holds the very rows KVTiers encoded, adjacent rows of one slab.
+        assert all(is_buffer_block(s) for s in stored)
+        assert len({s.owner.data_ptr() for s in stored}) == 1
+        assert [s.offset for s in stored] == [i * stored[0].nbytes for i in range(11)]
+    elif adopt:
         # Zero copy: the tier holds the very rows KVTiers encoded, three per pinned chunk.
         assert all(is_buffer_block(s) for s in stored)
         assert stored[0].owner is stored[2].owner and stored[3].owner is not stored[0].owner
@@ -216,7 +227,7 @@ def test_mix64_offload_is_verified_where_it_lands(adopt, small_chunks, monkeypat
     prefix there and drops the block."""
     from cache_service import codec
 
-    monkeypatch.setattr(kv_tiers, "VERIFY_GROUP_BYTES", 3 * (HEADER_BYTES + SHAPE_BYTES))
+    monkeypatch.setattr(kv_offload, "VERIFY_GROUP_BYTES", 3 * (HEADER_BYTES + SHAPE_BYTES))
     hashed = []
     real = codec._checksum
     monkeypatch.setattr(codec, "_checksum", lambda *p: hashed.append(1) or real(*p))
@@ -229,6 +240,7 @@ def test_mix64_offload_is_verified_where_it_lands(adopt, small_chunks, monkeypat
     if not adopt:
         return
     row = cache.tiers[0]._blocks[keys[7]][0]
+    assert tiers.counts["stored"] == 11
     row[30 if where == "header" else HEADER_BYTES + 77] ^= 0x10
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:7])
     assert tiers.counts["corrupt"] == 1 and cache.contains([keys[7]]) == [False]
@@ -252,3 +264,47 @@ def test_mix64_blocks_from_an_unchecking_cache_and_old_blocks_mixed(small_chunks
     assert tiers.counts["corrupt"] == 2
     # The CPU one-block path decodes the MIX64 blocks too.
     assert torch.equal(torch.stack(tiers.load(keys)), data)
+
+
+@pytest.mark.parametrize("checksum", ["mix64", "xxh3"])
+def test_arena_rows_are_reused_after_eviction_without_aliasing_live_blocks(small_chunks, checksum):
+    """The host tier's arena: a store after an eviction reuses the freed rows (no new slab), the
+    blocks still in the tier keep their bytes, a block a reader still holds keeps its row, and a
+    corrupt row is still caught (and its row reused once it is dropped)."""
+    cache = host_cache(adopt="arena")
+    arena = cache.tiers[0].arena
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum=checksum)
+    a_keys, a_data = keys_for(8, seed=11), blocks(8, seed=11)
+    assert tiers.store_many(a_keys, a_data) == [True] * 8
+    slabs, reused = arena.slab_count(), arena.reused_rows
+    held = cache.get_many(a_keys[1:2], verify=False)[0]  # a reader still holds block 1
+    held_bytes = bytes(held)
+    assert cache.evict(a_keys[:4]) == 4
+    # Four new blocks: three rows freed by the eviction are reused; block 1's row is not.
+    b_keys, b_data = keys_for(4, seed=12), blocks(4, seed=12)
+    assert tiers.store_many(b_keys, b_data) == [True] * 4
+    assert arena.slab_count() == slabs and arena.reused_rows == reused + 3
+    assert bytes(held) == held_bytes
+    rows = {cache.tiers[0]._blocks[k][0].offset for k in [*a_keys[4:], *b_keys]}
+    assert held.offset not in rows and len(rows) == 8
+    assert torch.equal(tiers.load_many(a_keys[4:], dtype=torch.float16), a_data[4:])
+    assert torch.equal(tiers.load_many(b_keys, dtype=torch.float16), b_data)
+    # Overwrite after evict: the same keys stored again land in reused rows, exact.
+    del held
+    assert cache.evict(b_keys) == 4
+    assert tiers.store_many(b_keys, b_data) == [True] * 4
+    assert arena.slab_count() == slabs
+    assert torch.equal(tiers.load_many([*a_keys[4:], *b_keys], dtype=torch.float16),
+                       torch.cat([a_data[4:], b_data]))  # fmt: skip
+    # Corruption in an arena row is still a miss: the prefix ends there and the block is dropped.
+    row = cache.tiers[0]._blocks[b_keys[2]][0]
+    row[HEADER_BYTES + 5] ^= 0x08
+    del row
+    got = tiers.load_many([*a_keys[4:], *b_keys], dtype=torch.float16)
+    assert torch.equal(got, torch.cat([a_data[4:], b_data[:2]]))
+    # (MIX64: KVTiers verified it where it landed; XXH3: the store did, a miss for KVTiers.)
+    assert tiers.counts["corrupt" if checksum == "mix64" else "misses"] == 1
+    assert cache.contains([b_keys[2]]) == [False]
+    assert tiers.store_many(b_keys[2:3], b_data[2:3]) == [True]
+    assert torch.equal(tiers.load_many(b_keys, dtype=torch.float16), b_data)
+    assert tiers.tier_hits == {"host": tiers.counts["hits"]}

@@ -1,0 +1,466 @@
+"""KVTiers' batched offload (`store_many` / `load_many`, raw codec, no compression): many blocks
+move in a few large copies instead of one small copy per layer and block.
+
+- store: the blocks [n, *block_shape] (on the GPU) are copied a piece at a time (<= 16 MiB) into
+  host rows `[HEADER_BYTES | payload]` (one async device->host copy per piece, through a device
+  staging buffer that leaves each row's header gap); as each piece lands, its headers and
+  checksums are written in place (`codec.encode_rows`) and the piece is put. Where the rows come
+  from: a cache whose top tier has an arena (the host tier with CUDA: `PinnedArena`) lends rows
+  of its recycled slabs, which the tier then keeps as they are (no allocation per store, and the
+  rows of one store adjacent); a top tier that adopts buffers without an arena keeps fresh rows
+  each call; any other cache gets immutable copies and the rows are reused by the next call.
+  MIX64 (CUDA): the payloads' sums run on a second stream beside the copies, so the host writes
+  only the header words. XXH3: worker threads hash each piece as it lands (8 workers: on the
+  H200 VM XXH3 reached 13 GB/s on 8 threads and no more on 16).
+- load, MIX64 (CUDA targets): one thread fetches the keys in spans (one span for a load of at
+  most SMALL_LOAD_BYTES; else growing from ~8 to ~64 MiB, the last at most LOAD_TAIL_BYTES),
+  checks presence and length per block on the host and copies each span's rows with one async
+  copy per run of adjacent rows (an arena's rows of one store are adjacent); the headers are
+  compared with the expected ones (`codec.row_headers`) and the checksums verified on the device,
+  one vectorised pass per span on a second stream after its copies (an XXH3 block among them is
+  verified on the host). load, XXH3 (CPU targets): worker threads fetch, verify and copy a chunk
+  each, so the host's hashing overlaps the copies; the cache's verified reads (`verifies_reads`,
+  the in-process TieredCache) are not hashed again, any other cache's (gRPC CacheClient) are.
+- Per call on CUDA: no pinned allocation (the expected headers and the sums go through pinned
+  scratch buffers the KVTiers keeps), no new CUDA events (a pool, re-recorded each call), and
+  with a cache that reports its tiers' hits per read (TieredCache's `tier_hits`) no stats().
+  Every call waits for its copies before it returns (scratch and fetched rows are then free).
+- `KVTiers.trace`: a dict to fill with the time points of the last call (host clock and CUDA
+  events: start, first copy, copies done, verified, end), for bench/offload_profile.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from actors.kv_cache_calls import (
+    adopts_buffers,
+    get_many,
+    host_arena,
+    put_many,
+    reads_unverified,
+)
+from cache_service.block_key import BlockKey
+from cache_service.codec import (
+    CHECKSUMS,
+    HEADER_BYTES,
+    KIND_OFFSET,
+    body_mix64,
+    encode_rows,
+    freeze,
+    is_buffer_block,
+    row_bytes,
+    row_headers,
+    verify_block,
+    verify_rows,
+)
+from cache_service.errors import CacheError
+
+if TYPE_CHECKING:
+    from actors.kv_tiers import KVTiers
+
+STORE_CHUNK_BYTES = 1 << 24
+"""Rows per device->host copy: ~16 MiB."""
+LOAD_CHUNK_BYTES = 1 << 23
+"""The first span of a load (~8 MiB: the first copy starts after one span's host checks)."""
+VERIFY_GROUP_BYTES = 1 << 26
+"""The largest span of a load, and the MIX64 sums of a store, ~64 MiB at a time: a few launches
+of ~20 kernels per call, each overlapping the copies still in flight."""
+LOAD_TAIL_BYTES = 1 << 24
+"""The last span of a large load is at most ~16 MiB: only its verification follows the last
+copy."""
+SMALL_LOAD_BYTES = 1 << 26
+"""A load of at most ~64 MiB is one span: one fetch, one verification launch group (small blocks
+are bound by per-call costs, not by the copy)."""
+
+
+def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> list[bool]:
+    """KVTiers.store_many for the raw codec (see the module docstring)."""
+    n = len(keys)
+    shape = tuple(blocks.shape[1:])
+    src = blocks.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
+    width = row_bytes(src.shape[1])
+    adopt = adopts_buffers(t.cache)
+    cuda = src.device.type == "cuda"
+    mix = t._mix64(src.device) and src.shape[1] % 8 == 0
+    arena = host_arena(t.cache) if adopt else None
+    marks = _Marks(t.trace, src.device if cuda else None)
+    lease = arena.take(width, n) if arena is not None else None
+    try:
+        pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
+        out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix, marks)
+    finally:
+        if lease is not None:
+            lease.close()
+    if not adopt:
+        t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
+    marks.mark("end")
+    return out
+
+
+def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: bool) -> list:
+    """(a, b, host rows [R, width], first row, from the arena) per piece of <= STORE_CHUNK_BYTES:
+    block a..b goes to rows first..first + b - a. The arena's runs first, fresh or spare rows for
+    whatever it could not lend."""
+    per = max(1, STORE_CHUNK_BYTES // width)
+    out, a = [], 0
+    for slab, first, count in lease.runs if lease is not None else []:
+        for lo in range(0, count, per):
+            k = min(per, count - lo)
+            out.append((a, a + k, slab, first + lo, True))
+            a += k
+    spans = [(x, min(n, x + per)) for x in range(a, n, per)]
+    rows = t._rows([y - x for x, y in spans], width, pinned=pinned, fresh=fresh)
+    out += [(x, y, host, 0, False) for (x, y), host in zip(spans, rows, strict=True)]
+    return out
+
+
+def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks) -> list:
+    n, width = src.shape[0], row_bytes(src.shape[1])
+    cuda = src.device.type == "cuda"
+    # Step 1: every piece's device->host copy is queued at once (one side stream, in order);
+    # with MIX64 the payloads' sums are computed beside them (a second stream) and copied
+    # down after them (a few bytes per block).
+    landed: list[Any] = []
+    sums, summed = None, None
+    if cuda:
+        stream = t._side_stream(src.device)
+        current = torch.cuda.current_stream(src.device)
+        stream.wait_event(t._event(src.device, 0, current))
+        per = max(b - a for a, b, *_ in pieces)
+        staging = torch.empty((per, width), dtype=torch.uint8, device=src.device)
+        with torch.cuda.stream(stream):
+            for c, (a, b, host, first, _) in enumerate(pieces):
+                staging[: b - a, HEADER_BYTES:].copy_(src[a:b])
+                if c == 0:
+                    marks.mark("first_copy", stream)
+                host[first : first + b - a].copy_(staging[: b - a], non_blocking=True)
+                landed.append(t._event(src.device, 1 + c, stream))
+            marks.mark("copies_done", stream)
+        if mix:
+            # The sums a group of pieces at a time (~VERIFY_GROUP_BYTES), each group with its
+            # event: the first piece's headers wait for its group only.
+            checks = t._side_stream(src.device, 1)
+            checks.wait_event(t._event(src.device, 0, current))
+            sums = t._scratch("sums", n, torch.int64)
+            summed = [None] * len(pieces)
+            group = max(1, VERIFY_GROUP_BYTES // width)
+            with torch.cuda.stream(checks):
+                first = 0
+                for c, (_, b, *_) in enumerate(pieces):
+                    if b - pieces[first][0] < group and b < n:
+                        continue
+                    lo = pieces[first][0]
+                    sums[lo:b].copy_(body_mix64(src[lo:b]), non_blocking=True)
+                    done = t._event(src.device, 1 + len(pieces) + c, checks)
+                    summed[first : c + 1] = [done] * (c + 1 - first)
+                    first = c + 1
+    else:
+        for a, b, host, first, _ in pieces:
+            host[first : first + b - a, HEADER_BYTES:].copy_(src[a:b])
+        if mix:
+            sums = body_mix64(src)
+    # Step 2: XXH3: the payloads hashed on the worker threads, every task waiting for its
+    # piece's copy (hashing overlaps the later pieces' copies).
+    tasks = []
+    if not mix:
+        pool = t._workers()
+        per_task = max(1, (1 << 20) // width)
+        for c, (a, b, host, first, _) in enumerate(pieces):
+            ready = landed[c] if landed else None
+            tasks.append([
+                pool.submit(_encode_part, host, keys[a:b], dtype, shape, first, lo,
+                            min(b - a, lo + per_task), ready)
+                for lo in range(0, b - a, per_task)
+            ])  # fmt: skip
+    # Step 3: one put per piece, in order, as its headers are written (MIX64: the header's words
+    # only, on this thread); rows of the arena are owned by their blocks from here on.
+    out: list[bool] = []
+    for c, (a, b, host, first, lent) in enumerate(pieces):
+        if mix:
+            if landed:
+                landed[c].synchronize()
+            if summed is not None:
+                summed[c].synchronize()
+            encoded = encode_rows(host, keys[a:b], dtype=dtype, shape=shape, first=first,
+                                  body_sums=sums[a:b])  # fmt: skip
+        else:
+            encoded = [e for task in tasks[c] for e in task.result()]
+        if lent:
+            lease.adopt(encoded)
+        items = [(k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)]
+        try:
+            flags = [bool(f) for f in put_many(t.cache, items)]
+        except Exception:  # the cache boundary: a fault is a counted miss
+            t.counts["faults"] += 1
+            flags = [False] * len(items)
+        t.counts["stored"] += sum(flags)
+        out += flags
+    return out
+
+
+def _encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -> list:
+    """Headers and checksums of blocks lo..hi of one piece (rows first + lo ..), once its copy
+    (event `ready`) landed."""
+    if ready is not None:
+        ready.synchronize()
+    return encode_rows(host, keys[lo:hi], dtype=dtype, shape=shape, first=first + lo)
+
+
+def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:  # fmt: skip
+    """KVTiers.load_many for the raw codec (see the module docstring)."""
+    shape = t.block_shape
+    n = len(keys)
+    payload = dtype.itemsize
+    for dim in shape:
+        payload *= dim
+    width = row_bytes(payload)
+    marks = _Marks(t.trace, device if device.type == "cuda" else None)
+    staging = torch.empty((n, width), dtype=torch.uint8, device=device)
+    stream = None
+    if device.type == "cuda":
+        stream = t._side_stream(device)
+        stream.wait_event(t._event(device, 0, torch.cuda.current_stream(device)))
+    hits: dict | None = {} if t._counts_tier_hits() else None
+    before = t._tier_counters() if hits is None else {}
+    # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
+    # them: an in-process TieredCache is asked for unverified reads. Otherwise every block is
+    # checked on the host (`_load_hosted`), and hashed unless the cache verified it.
+    if t._mix64(device) and width % 8 == 0:
+        unverified = reads_unverified(t.cache)
+        hash_here = unverified or getattr(t.cache, "verifies_reads", False) is not True
+        m, stop = _load_landed(t, keys, staging, stream, dtype=dtype, shape=shape,
+                               unverified=unverified, hash_here=hash_here, hits=hits,
+                               marks=marks)  # fmt: skip
+    else:
+        m, stop = _load_hosted(t, keys, staging, stream, dtype=dtype, shape=shape, hits=hits)
+    if stop is not None:
+        t.counts[stop] += 1
+    t.counts["hits"] += m
+    t._credit(before, hits if hits is not None else t._tier_counters(), m)
+    marks.mark("end")
+    return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
+
+
+def _spans(n: int, width: int) -> list[tuple[int, int]]:
+    """The spans of a MIX64 load (see the module docstring)."""
+    if n * width <= SMALL_LOAD_BYTES:
+        return [(0, n)]
+    out, a = [], 0
+    size, most = max(1, LOAD_CHUNK_BYTES // width), max(1, VERIFY_GROUP_BYTES // width)
+    tail = max(1, LOAD_TAIL_BYTES // width)
+    while a < n:
+        left = n - a
+        if size < left <= size + tail:
+            size = left - min(tail, left // 2)  # so the last span is at most `tail` rows
+        b = min(n, a + size)
+        out.append((a, b))
+        a, size = b, min(2 * size, most)
+    return out
+
+
+def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
+                 dtype: torch.dtype, shape: tuple[int, ...], unverified: bool, hash_here: bool,
+                 hits: dict | None, marks: _Marks) -> tuple[int, str | None]:  # fmt: skip
+    """load_many for MIX64 blocks, on this thread: (leading blocks good, why it stopped).
+
+    staging: [n, width] uint8 on the target device. Per block the host checks only presence
+    and length (and reads the checksum kind: an XXH3 block is verified on the host as before);
+    the header's other fields are compared with `row_headers` on the device and the checksum is
+    verified there too (`verify_rows`), one vectorised pass per span on a second stream after
+    the span's copies, so the bytes used are the bytes checked.
+    """
+    n, width = staging.shape
+    device, flat = staging.device, staging.view(-1)
+    context = nullcontext() if stream is None else torch.cuda.stream(stream)
+    checks = None if stream is None else t._side_stream(device, 1)
+    # Step 1: what every row's first 80 header bytes must be, on the device once.
+    heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
+    head = heads.shape[1]
+    if stream is None:
+        want = torch.from_numpy(heads)
+    else:
+        host = t._scratch("want", n * head, torch.uint8)
+        host.numpy()[:] = heads.reshape(-1)
+        with context:
+            want = host.to(device, non_blocking=True).view(n, head)
+    hosted: list[int] = []  # rows verified on the host (XXH3 blocks)
+    verdict = torch.empty(n, dtype=torch.bool, device=device)
+    m, stop = 0, None
+    keep = []  # every fetched span's blocks stay referenced until the copies are done
+    for s, (a, b) in enumerate(_spans(n, width)):
+        # Step 2: fetch the span; cheap host checks; its copies (adjacent rows in one copy).
+        try:
+            datas = get_many(t.cache, keys[a:b], unverified=unverified, tier_hits=hits)
+        except Exception:  # the cache boundary: a fault is a counted miss
+            stop = "faults"
+            break
+        keep.append(datas)
+        runs: list = []
+        mix_kind = CHECKSUMS["mix64"]
+        for i, data in enumerate(datas):
+            if data is None:
+                stop = "misses"
+                break
+            if len(data) != width:
+                stop = "corrupt"
+                break
+            if data[KIND_OFFSET] != mix_kind:
+                try:
+                    got = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
+                except CacheError:
+                    got = None
+                if got is None or (got.codec, got.compression, got.shape, got.dtype) != (
+                    "raw", None, shape, dtype
+                ):  # fmt: skip
+                    stop = "corrupt"
+                    if unverified and got is None:  # the cache did not check it
+                        t._drop(keys[a + i])
+                    break
+                hosted.append(a + i)
+            _add_row(runs, data, width, a + i)
+        keep.append(runs)
+        ok = len(runs) and runs[-1][4] + (runs[-1][3] - runs[-1][2]) // width - a
+        with context:
+            for r, (_, owner, start, end, row) in enumerate(runs):
+                if s == 0 and r == 0:
+                    marks.mark("first_copy", stream)
+                flat[row * width : row * width + end - start].copy_(
+                    owner[start:end], non_blocking=True
+                )
+        # Step 3: the span verified where it landed, after its copies.
+        if ok:
+            if checks is not None:
+                checks.wait_event(t._event(device, 1 + s, stream))
+            with nullcontext() if checks is None else torch.cuda.stream(checks):
+                rows = staging[a : a + ok]
+                good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
+                mine = [r - a for r in hosted if a <= r < a + ok]
+                if mine:
+                    mask = torch.zeros(ok, dtype=torch.bool)
+                    mask[mine] = True
+                    good |= mask.to(device)
+                verdict[a : a + ok] = good
+        m = a + ok
+        if stop is None and ok < b - a:
+            stop = "misses"
+        if stop is not None:
+            break
+    if stream is not None:
+        marks.mark("copies_done", stream)
+        if checks is not None:
+            marks.mark("verified", checks)
+        # The verdicts and rows were written on the side streams: the caller's stream (which
+        # reads them below and after we return) waits for both.
+        current = torch.cuda.current_stream(device)
+        current.wait_event(t._event(device, 0, stream))
+        current.wait_event(t._event(device, 1 + n, checks))
+    if m:
+        good = verdict[:m].cpu()
+        if not bool(good.all()):
+            m, stop = int(good.logical_not().nonzero()[0, 0]), "corrupt"
+            t._drop(keys[m])
+    if stream is not None:
+        stream.synchronize()  # no copy from a fetched row may still run once `keep` is dropped
+    return m, stop
+
+
+def _load_hosted(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
+                 dtype: torch.dtype, shape: tuple[int, ...],
+                 hits: dict | None) -> tuple[int, str | None]:  # fmt: skip
+    """load_many with every block checked on the host (XXH3, or a CPU target): worker threads
+    fetch LOAD_CHUNK_BYTES of keys each, verify (hash unless the cache verified its reads) and
+    copy each chunk's good rows at once, so hashing overlaps the copies."""
+    n, width = staging.shape
+    flat = staging.view(-1)
+    per = max(1, LOAD_CHUNK_BYTES // width)
+    spans = [(a, min(n, a + per)) for a in range(0, n, per)]
+    hash_here = getattr(t.cache, "verifies_reads", False) is not True
+    counted: list[dict] = []
+
+    def fetch(span: tuple[int, int]) -> tuple[int, str | None, list]:
+        a, b = span
+        mine: dict | None = None if hits is None else {}
+        try:
+            datas = get_many(t.cache, keys[a:b], tier_hits=mine)
+        except Exception:  # the cache boundary: a fault is a counted miss
+            return 0, "faults", []
+        if mine is not None:
+            counted.append(mine)
+        ok, why, runs = 0, None, []
+        for i, data in enumerate(datas):
+            if data is None:
+                why = "misses"
+                break
+            try:
+                head = verify_block(data, expected_key=keys[a + i], checksum=hash_here)
+            except CacheError:
+                why = "corrupt"
+                break
+            if (head.codec, head.compression, head.shape, head.dtype) != (
+                "raw", None, shape, dtype
+            ):  # fmt: skip
+                why = "corrupt"
+                break
+            ok += 1
+            _add_row(runs, data, width, a + i)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for _, owner, start, stop, row in runs:
+                dst = flat[row * width : row * width + stop - start]
+                dst.copy_(owner[start:stop], non_blocking=True)
+        return ok, why, [datas, runs]
+
+    m, stop = 0, None
+    for (a, b), (ok, why, _) in zip(spans, t._workers().map(fetch, spans), strict=True):
+        if stop is not None:
+            continue  # every fetch is waited for: none may copy into staging after we return
+        m += ok
+        if why is not None or ok < b - a:
+            stop = why or "misses"
+    for mine in counted:  # the worker threads' counts, merged on this thread
+        for name, count in mine.items():
+            hits[name] = hits.get(name, 0) + count
+    if stream is not None:
+        stream.synchronize()  # the host rows may be evicted once we return
+    return m, stop
+
+
+def _add_row(runs: list, data: Any, width: int, row: int) -> None:
+    """Append a fetched block to the copy runs of a load: a row of a buffer that continues the
+    last run (the same owner memory, the next offset) extends it; any other block starts its own
+    run [owner's data pointer, owner, start, end, first row]."""
+    if is_buffer_block(data) and data.owner is not None:
+        last = runs[-1] if runs else None
+        ptr = data.owner.data_ptr()
+        if last and last[0] == ptr and last[3] == data.offset:
+            last[3] += width
+        else:
+            runs.append([ptr, data.owner, data.offset, data.offset + width, row])
+    else:
+        runs.append([0, torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])
+
+
+class _Marks:
+    """Time points of one call into `trace` (a dict, or None: nothing recorded): name -> (host
+    perf_counter seconds, a timing CUDA event recorded on the given stream or None)."""
+
+    def __init__(self, trace: dict | None, device: torch.device | None) -> None:
+        self.trace = trace
+        if trace is not None:
+            trace.clear()
+            self.mark("start", None if device is None else torch.cuda.current_stream(device))
+
+    def mark(self, name: str, stream: Any = None) -> None:
+        if self.trace is None:
+            return
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+        self.trace[name] = (time.perf_counter(), event)

@@ -1,0 +1,194 @@
+"""PinnedArena: rows of pre-allocated (pinned, with CUDA) host memory for encoded blocks, recycled.
+
+The host tier keeps the rows KVTiers' batched offload encodes (`codec.encode_rows`) as they are.
+Instead of fresh pinned tensors per `store_many` (torch's caching host allocator: an allocation,
+its event queries, one owner per 16 MiB chunk), KVTiers asks the tier's arena for rows:
+
+    lease = arena.take(width, count)     # runs of free rows, lowest address first
+    for slab, first, rows in lease.runs: ...copy payloads into slab[first : first + rows]...
+    blocks = encode_rows(slab, keys, first=first, ...)
+    lease.adopt(blocks)                  # each row is now owned by its BufferBlock
+    lease.close()                        # rows taken but not adopted go back at once
+
+Memory: slabs of one row width each ([rows, width] uint8), grown as needed from
+FIRST_SLAB_BYTES, doubling up to MOST_SLAB_BYTES, never past `limit_bytes` in all (a `take` the
+limit cannot cover returns fewer rows; the caller allocates the rest itself).
+
+Recycling and aliasing: a row goes back to the free rows only when its `BufferBlock` is
+collected (a weak reference's callback), i.e. when nothing in the process holds the block any
+more: not the tier (evicted, deleted, overwritten), not a load that is still copying from it
+(KVTiers keeps the blocks it fetched until its copies are done), not a view of it (numpy views and
+memoryviews keep their base alive). So a live block's row is never handed out again. The callback
+may run on any thread, at any point where a block is dropped (inside a tier's lock too): it only
+appends to a deque, which `take` drains under the arena's own lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+FIRST_SLAB_BYTES = 1 << 26
+"""The first slab of a width: 64 MiB (pinned allocation costs ~0.9 ms per MB on the H200 VM, so a
+slab is paid once, when the tier grows, never per store)."""
+MOST_SLAB_BYTES = 1 << 28
+"""Later slabs double up to 256 MiB: few slabs, so a load copies long runs of adjacent rows."""
+
+
+@dataclass(eq=False)
+class _Slab:
+    rows: torch.Tensor
+    """[count, width] uint8 (pinned with CUDA)."""
+    free: np.ndarray
+    """[count] bool: True where the row is free."""
+    used: np.ndarray
+    """[count] bool: True where the row was handed out before (for `reused_rows`)."""
+    width: int
+
+
+@dataclass(eq=False)
+class Lease:
+    """Rows taken from the arena for one store: `runs` of (slab [R, width] uint8, first row, rows),
+    in the order the caller fills them."""
+
+    arena: PinnedArena
+    runs: list[tuple[torch.Tensor, int, int]]
+    _slabs: list[int] = field(default_factory=list)
+    """The slab index of each run."""
+    _adopted: set[tuple[int, int]] = field(default_factory=set)
+    _generation: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(run[2] for run in self.runs)
+
+    def adopt(self, blocks: Sequence) -> None:
+        """Each block (a `BufferBlock` whose owner is one of this lease's slabs) owns its row from
+        now on: the row returns to the arena when the block is collected."""
+        self.arena._adopt(blocks, self._adopted)
+
+    def close(self) -> None:
+        """Rows of this lease no block adopted go back to the arena at once."""
+        back = []
+        for (_, first, count), index in zip(self.runs, self._slabs, strict=True):
+            back += [(index, r) for r in range(first, first + count)
+                     if (index, r) not in self._adopted]  # fmt: skip
+        if self._generation == self.arena._generation:  # else the arena was closed meanwhile
+            self.arena._returned.extend(back)
+        self.runs, self._slabs = [], []
+
+
+class PinnedArena:
+    """Rows of host memory by width (see the module docstring). Thread-safe."""
+
+    def __init__(self, *, limit_bytes: int, pinned: bool) -> None:
+        self.limit_bytes = limit_bytes
+        self.pinned = pinned
+        self._slabs: list[_Slab] = []
+        self._by_ptr: dict[int, int] = {}
+        """Slab index by the data pointer of its first byte."""
+        self._refs: dict[tuple[int, int], weakref.ref] = {}
+        """(slab, row) -> the weak reference to the block that owns the row."""
+        self._returned: deque[tuple[int, int]] = deque()
+        """Rows freed by callbacks or `Lease.close`, not yet marked free (drained by `take`)."""
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+        self.reused_rows = 0
+        """Rows handed out a second time or more (a counter for tests and benches)."""
+        self._generation = 0
+
+    def take(self, width: int, count: int) -> Lease:
+        """Up to `count` free rows of `width` bytes, as few runs as the free rows allow (lowest
+        slab and row first); fewer when `limit_bytes` is reached."""
+        with self._lock:
+            self._drain()
+            runs, slabs, need = [], [], count
+            for index, slab in enumerate(self._slabs):
+                if need == 0:
+                    break
+                if slab.width == width:
+                    need = self._take_from(index, slab, need, runs, slabs)
+            while need > 0:
+                index = self._grow(width, need)
+                if index is None:
+                    break
+                need = self._take_from(index, self._slabs[index], need, runs, slabs)
+        return Lease(arena=self, runs=runs, _slabs=slabs, _generation=self._generation)
+
+    def _take_from(self, index: int, slab: _Slab, need: int, runs: list, slabs: list) -> int:
+        """Take up to `need` free rows of one slab in runs; returns how many are still needed."""
+        free = np.flatnonzero(slab.free)
+        if not len(free):
+            return need
+        # Runs of consecutive free rows: a break wherever the next free row is not adjacent.
+        breaks = np.flatnonzero(np.diff(free) != 1) + 1
+        for part in np.split(free, breaks):
+            if need == 0:
+                break
+            first, rows = int(part[0]), min(need, len(part))
+            slab.free[first : first + rows] = False
+            self.reused_rows += int(slab.used[first : first + rows].sum())
+            slab.used[first : first + rows] = True
+            runs.append((slab.rows, first, rows))
+            slabs.append(index)
+            need -= rows
+        return need
+
+    def _grow(self, width: int, need: int) -> int | None:
+        """A new slab of `width` rows (double the last one of that width, at most
+        MOST_SLAB_BYTES, at least `need` rows where the limit allows); None at the limit."""
+        last = max((s.rows.numel() for s in self._slabs if s.width == width), default=0)
+        size = min(MOST_SLAB_BYTES, 2 * last) if last else FIRST_SLAB_BYTES
+        size = max(size, min(need * width, MOST_SLAB_BYTES))
+        size = min(size, self.limit_bytes - self.allocated_bytes)
+        rows = size // width
+        if rows < 1:
+            return None
+        pin = self.pinned and torch.cuda.is_available()
+        tensor = torch.empty((rows, width), dtype=torch.uint8, pin_memory=pin)
+        self._slabs.append(_Slab(rows=tensor, free=np.ones(rows, dtype=bool),
+                                 used=np.zeros(rows, dtype=bool), width=width))  # fmt: skip
+        self._by_ptr[tensor.data_ptr()] = len(self._slabs) - 1
+        self.allocated_bytes += rows * width
+        return len(self._slabs) - 1
+
+    def _adopt(self, blocks: Sequence, adopted: set) -> None:
+        with self._lock:  # the callbacks never take it: they only append to `returned`
+            returned, refs = self._returned, self._refs
+            for block in blocks:
+                index = self._by_ptr.get(block.owner.data_ptr())
+                if index is None:
+                    raise ValueError("adopt: a block outside this arena's slabs")
+                slot = (index, block.offset // self._slabs[index].width)
+                adopted.add(slot)
+                refs[slot] = weakref.ref(block, lambda _, slot=slot: returned.append(slot))
+
+    def _drain(self) -> None:
+        """Mark the rows freed since the last call free (under the lock)."""
+        returned = self._returned
+        while returned:
+            index, row = returned.popleft()
+            self._refs.pop((index, row), None)
+            self._slabs[index].free[row] = True
+
+    def free_rows(self, width: int) -> int:
+        with self._lock:
+            self._drain()
+            return int(sum(s.free.sum() for s in self._slabs if s.width == width))
+
+    def slab_count(self) -> int:
+        return len(self._slabs)
+
+    def close(self) -> None:
+        """Forget the slabs (blocks still alive keep their memory through their own views)."""
+        with self._lock:
+            self._slabs, self._by_ptr, self._refs = [], {}, {}
+            self._returned = deque()  # callbacks of blocks still alive append to the old one
+            self._generation += 1
+            self.allocated_bytes = 0
