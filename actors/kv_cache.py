@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -145,25 +146,37 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first `length` tokens of a sequence: keys [L, kv, d] (MLA latents [L, latent]), values."""
         ids = torch.as_tensor(list(block_table), dtype=torch.int64, device=self.k[layer].device)
-        k = self.k[layer][ids].flatten(0, 1)[:length]
-        v = self.v[layer][ids].flatten(0, 1)[:length] if self.v else None
+        k = self.k[layer].index_select(0, ids).flatten(0, 1)[:length]
+        v = self.v[layer].index_select(0, ids).flatten(0, 1)[:length] if self.v else None
         return k, v
 
     def gather_batch(
-        self, layer: int, block_tables: Sequence[Sequence[int]], length: int
+        self,
+        layer: int,
+        block_tables: Sequence[Sequence[int]],
+        length: int,
+        table: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first `length` token slots of several sequences at once, keys [B, length, kv, d]
         (MLA latents [B, length, latent]) and values: each table padded with block 0 to the
-        longest (its padding slots hold other data: the caller masks them)."""
-        nblk = -(-length // self.k[layer].shape[1])
-        table = torch.zeros(len(block_tables), nblk, dtype=torch.int64)
-        for i, blocks in enumerate(block_tables):
-            row = list(blocks[:nblk])
-            table[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
-        table = table.to(self.k[layer].device)
-        k = self.k[layer][table].flatten(1, 2)[:, :length]
-        v = self.v[layer][table].flatten(1, 2)[:, :length] if self.v else None
-        return k, v
+        longest (its padding slots hold other data: the caller masks them). `table`: the
+        padded tables as `batch_table` built them (one per step, not one per layer)."""
+        if table is None:
+            table = self.batch_table(block_tables, length)
+        b, flat = table.shape[0], table.flatten()  # index_select: ~3x faster than k[table]
+
+        def take(cache: torch.Tensor) -> torch.Tensor:
+            return cache.index_select(0, flat).view(b, -1, *cache.shape[2:])[:, :length]
+
+        return take(self.k[layer]), take(self.v[layer]) if self.v else None
+
+    def batch_table(self, block_tables: Sequence[Sequence[int]], length: int) -> torch.Tensor:
+        """[B, ceil(length / block_size)] int64 block ids on the cache's device, each table cut
+        to that width or padded with block 0."""
+        nblk = -(-length // self.layout.block_size)
+        rows = [list(blocks[:nblk]) for blocks in block_tables]
+        table = torch.tensor([row + [0] * (nblk - len(row)) for row in rows], dtype=torch.int64)
+        return table.to(self._stacked["k"].device)
 
     def update_summaries(self, block_ids: Sequence[int]) -> None:
         """Recompute the min/max key summaries of `block_ids` in every layer (one gather and
@@ -282,7 +295,23 @@ class PagedContext:
 
     def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every sequence's context, padded to the longest: [B, max context, ...] (see KVCache)."""
-        return self.cache.gather_batch(layer, self.block_tables, max(self.context_lens))
+        longest = max(self.context_lens)
+        return self.cache.gather_batch(layer, self.block_tables, longest, self._batch_table)
+
+    @cached_property
+    def _batch_table(self) -> torch.Tensor:
+        """The padded block tables of `gather_batch`, built once per step (every layer reads it)."""
+        return self.cache.batch_table(self.block_tables, max(self.context_lens))
+
+    def decode_mask(self, device: torch.device) -> torch.Tensor:
+        """[B, max context] bool: which padded slots of `gather_batch` hold a sequence's tokens
+        (built once per step)."""
+        mask = self.__dict__.get("_decode_mask")
+        if mask is None or mask.device != device:
+            lens = torch.as_tensor(self.context_lens)
+            mask = torch.arange(int(lens.max()))[None, :] < lens[:, None]
+            mask = self.__dict__["_decode_mask"] = mask.to(device)
+        return mask
 
     def layer(self, index: int) -> LayerKV:
         return LayerKV(context=self, index=index)

@@ -82,6 +82,7 @@ def paged_attend(
     scale: float,
     window: int | None = None,
     written: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    grouped: bool = False,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context (the new tokens included).
 
@@ -91,10 +92,14 @@ def paged_attend(
     `written`: what this step just wrote to the cache for its T tokens (GQA (k, v), MLA
     (latent, None)); on the GPU a fresh prompt (no cached prefix) reads its context from there
     instead of gathering it back (no block-table upload, which waits for the device, per layer).
+    `grouped`: `expand` only repeats KV heads (GQA), so on the CPU attention reads the cached
+    heads as they are (SDPA's `enable_gqa`, equal bit for bit to the repeated heads).
     Returns [T, h, dv].
     """
     if _batched_decode_suits(q, paged, window):
-        return _batched_decode(q, paged, expand, scale)
+        return _batched_decode(q, paged, expand, scale, grouped=grouped)
+    if not q.is_cuda:
+        return _cpu_paged_attend(q, paged, expand, scale, window, grouped)
     outs = []
     start = 0
     for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
@@ -139,20 +144,76 @@ def _batched_decode_suits(q: torch.Tensor, paged: LayerKV, window: int | None) -
     return len(lens) * max(lens) <= BATCHED_DECODE_PADDING * sum(lens)
 
 
-def _batched_decode(q: torch.Tensor, paged: LayerKV, expand: Expand, scale: float) -> torch.Tensor:
+def _batched_decode(
+    q: torch.Tensor, paged: LayerKV, expand: Expand, scale: float, *, grouped: bool = False
+) -> torch.Tensor:
     """One decode token per sequence, q [B, h, d]: the contexts gathered at once (padded to the
-    longest, the padding masked) and one attention call for the batch. Returns [B, h, dv]."""
+    longest, the padding masked) and one attention call for the batch. Returns [B, h, dv].
+    `grouped` (GQA): the KV heads are read as cached, not repeated, and the query heads sharing
+    one are the rows of one attention problem (one small GEMM instead of one per head)."""
     lens = paged.context_lens
     b, longest = len(lens), max(lens)
     ck, cv = paged.gather_batch()
+    valid = paged.context.decode_mask(q.device)[:, None, None, :]
+    if grouped:  # the query heads of one KV head as rows of one problem: [B, hk, rep, d]
+        k, v = ck.transpose(1, 2), cv.transpose(1, 2)
+        qg = q.view(b, k.shape[1], -1, q.shape[-1])
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid, scale=scale)
+        return o.reshape(b, q.shape[1], v.shape[-1])
     k, v = expand(ck.flatten(0, 1), cv.flatten(0, 1) if cv is not None else None)
     k = k.view(b, longest, *k.shape[1:]).transpose(1, 2)
     v = v.view(b, longest, *v.shape[1:]).transpose(1, 2)
-    valid = torch.arange(longest, device=q.device)[None, :] < torch.as_tensor(lens)[:, None]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], scale=scale
-    )
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid, scale=scale)
     return o[:, :, 0, :]
+
+
+def _cpu_paged_attend(
+    q: torch.Tensor,
+    paged: LayerKV,
+    expand: Expand,
+    scale: float,
+    window: int | None,
+    grouped: bool,
+) -> torch.Tensor:
+    """`paged_attend` on the CPU, one sequence at a time, through SDPA's flash kernel for the
+    CPU (it wants 4-D inputs; 3-D ones fall back to the math kernel, which materialises the
+    [h, n, ctx] scores and takes ~4x longer on a 2K prompt). A fresh prompt (no cached prefix,
+    no window) is plainly causal (`is_causal`: the kernel skips the blocks above the diagonal);
+    a chunk after a cached prefix gets the bottom-right causal mask; a single decode token sees
+    its whole context (no mask). The three give the same values as one boolean mask, bit for
+    bit (the kernel adds 0 or -inf), so a cached prefix does not change a sequence's results."""
+    outs = []
+    start = 0
+    for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
+        ck, cv = paged.gather(seq)
+        k, v = (ck, cv) if grouped else expand(ck, cv)
+        if grouped and n == 1 and window is None:  # a decode token: as in _batched_decode
+            qg = q[start].view(1, k.shape[1], -1, q.shape[-1])
+            o = F.scaled_dot_product_attention(
+                qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale
+            )
+            outs.append(o.reshape(1, q.shape[1], v.shape[-1]))
+            start += n
+            continue
+        qs = q[start : start + n].transpose(0, 1)[None]
+        mask, causal = None, False
+        if window is None and ctx == n:
+            causal = n > 1
+        elif window is not None or n > 1:
+            i = torch.arange(ctx - n, ctx, device=q.device)
+            j = torch.arange(ctx, device=q.device)
+            mask = j[None, :] <= i[:, None]
+            if window is not None:
+                mask &= j[None, :] > i[:, None] - window
+        o = F.scaled_dot_product_attention(
+            qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            is_causal=causal, scale=scale, enable_gqa=grouped,
+        )  # fmt: skip
+        outs.append(o[0].transpose(0, 1))
+        start += n
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 
 
 def _same_dtype(written: tuple[torch.Tensor, torch.Tensor | None], paged: LayerKV) -> bool:
@@ -262,7 +323,7 @@ class GQAAttention(nn.Module):
 
             o = paged_attend(
                 q, paged, expand, scale=self.arch.softmax_scale, window=self.arch.sliding_window,
-                written=(k, v),
+                written=(k, v), grouped=True,
             )  # fmt: skip
         return self._out(o)
 

@@ -5,8 +5,11 @@
   rows in expert order with the cumulative row counts as offsets. It reads only the weights of
   experts that received rows, and nothing waits for the device (no capacity to compute on the
   host), so a CUDA graph can capture it.
-- otherwise a padded batched matmul (every expert is one batch entry, its tokens padded to the
-  busiest expert's count), loop-free and exact on CPU; it reads the busiest count on the host.
+- CPU: two matrix products per expert that received rows, over its slice of the sorted rows
+  (no padding, no idle expert's weights read; the counts are on the host already).
+- otherwise (CUDA without grouped GEMMs) a padded batched matmul (every expert is one batch
+  entry, its tokens padded to the busiest expert's count), loop-free; it reads the busiest
+  count on the host.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def grouped_swiglu(
             GROUPED_MM_ERROR[0] = f"{type(exc).__name__}: {exc}"[:300]
     if counts is None:
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
+    if x_sorted.device.type == "cpu":
+        return _swiglu_per_expert(x_sorted, counts, w_gate_up, w_down)
     # Step 1: each row's expert and slot inside that expert's padded block.
     expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts)
     starts = torch.cumsum(counts, 0) - counts
@@ -63,6 +68,25 @@ def grouped_swiglu(
     gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
     out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))
     return out[expert, slot]
+
+
+def _swiglu_per_expert(
+    x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_swiglu` on the CPU: two matrix products per expert that received rows, over its
+    contiguous slice of x_sorted. Unlike the padded batch it reads no idle expert's weights (a
+    decode token uses K of E experts), pads no rows and copies none: on the CPU the row counts
+    are on the host already."""
+    out = x_sorted.new_empty(x_sorted.shape[0], w_down.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate, up = torch.mm(x_sorted[rows], w_gate_up[e].t()).chunk(2, dim=-1)
+        torch.mm(F.silu(gate) * up, w_down[e].t(), out=out[rows])
+        start += n
+    return out
 
 
 def grouped_mm_suits(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
