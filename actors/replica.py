@@ -18,15 +18,19 @@ stage: forward seconds (`stage_forward`), per op (attention, moe, dense_mlp) and
 the collective wait per axis (`wait_<axis>` where the worker reports it); `timing_stats()` shows
 them, `drain_stage_samples()` hands each step's per-stage figures to the metrics.
 
-`Replica` is also an engine runner (`actors/runner.py`): `allocate_kv`, `execute` (one Ray call
-per rank per step, issued together and gathered with one `ray.get`, or one compiled-graph
-execute; the step and the answers travel as bytes in the layout of `actors/step_wire.py`),
+`Replica` is also an engine runner (`actors/runner.py`): `allocate_kv`, `execute` (the step
+written to the step channel of every rank on the driver's node, `actors/step_channel.py`, and
+one Ray call to every other rank, issued together, then every answer read; or one Ray call per
+rank gathered with one `ray.get`; or one compiled-graph execute; the step and the answers travel
+as bytes in the layout of `actors/step_wire.py`),
 `read_block` / `write_block`
 (whole-model blocks assembled from / split into the ranks' parts), `kv_layout`, `arch`.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,9 +41,12 @@ from actors.comm.group import CommError, Rendezvous
 from actors.kv_cache import KVLayout
 from actors.rank_runner import run_ranks
 from actors.runner import StepInput, StepOutput
+from actors.step_channel import StepChannel, StepChannelError
 from actors.step_wire import pack_step, unpack_output
 from actors.worker import StepBatch, StepResult
 from placement.parallel_dims import Layout
+
+log = logging.getLogger(__name__)
 
 EMA_WEIGHT = 0.2
 """Weight of the newest step in the moving averages of `timing_stats`."""
@@ -102,6 +109,10 @@ class Replica:
     abort, the prefill `step`) stay plain actor calls; they run while the graph is live. Off by
     default: while a graph is live each actor polls its input channel even when idle (about 65%
     of a core each, measured on the 2-core CI box, Ray 2.60), which starves raylets there.
+    `step_channel` (on by default; ignored with `compiled_graph`): engine steps to the ranks on
+    the driver's Ray node go over a Unix socket each (`actors/step_channel.py`: no task per
+    step, a blocking read when idle, so no idle cost); other ranks keep plain calls. A broken
+    channel raises `CommError` until `build` opens fresh ones.
     """
 
     def __init__(
@@ -117,6 +128,7 @@ class Replica:
         timeout_s: float = 60.0,
         actors: Sequence | None = None,
         compiled_graph: bool = False,
+        step_channel: bool = True,
         bundles=None,
         placement_group=None,
     ) -> None:
@@ -136,6 +148,8 @@ class Replica:
         self._arch = None
         self.compiled_graph = compiled_graph
         self._dag = None
+        self.step_channel = step_channel and not compiled_graph
+        self._channels: list[StepChannel | None] = []
         self._parts: list[KVLayout] | None = None
         self._kv_layout: KVLayout | None = None
         self.placement = None
@@ -207,6 +221,7 @@ class Replica:
         """(Re)build every worker over a fresh rendezvous hosted by rank 0's node."""
         ray = self._ray
         self._teardown_graph()
+        self._close_channels()
         host = "127.0.0.1"
         if len(self.actors) > 1:
             node = ray.get(self.actors[0].rendezvous_host.remote(), timeout=self.timeout_s)
@@ -226,6 +241,36 @@ class Replica:
             for rank, actor in enumerate(self.actors)
         ]
         ray.get(refs, timeout=self.timeout_s * 2)
+        if self.step_channel:
+            self._open_channels()
+
+    def _open_channels(self) -> None:
+        """A step channel to every rank on the driver's Ray node (None for the others, and for
+        one whose socket cannot be reached from here: that rank keeps plain calls)."""
+        node = self._ray.get_runtime_context().get_node_id()
+        offers = self._ray.get(
+            [a.open_step_channel.remote(node) for a in self.actors], timeout=self.timeout_s
+        )
+        self._channels = []
+        for rank, offer in enumerate(offers):
+            channel = None
+            if offer is not None:
+                try:
+                    channel = StepChannel(offer[0], offer[1], rank=rank, timeout_s=self.timeout_s)
+                except (OSError, EOFError) as exc:
+                    log.warning("rank %d: no step channel (%s); plain calls instead", rank, exc)
+            self._channels.append(channel)
+
+    def _close_channels(self) -> None:
+        for channel in self._channels:
+            if channel is not None:
+                channel.close()
+        self._channels = []
+
+    @property
+    def channel_ranks(self) -> tuple[int, ...]:
+        """The ranks whose engine steps go through a step channel."""
+        return tuple(r for r, c in enumerate(self._channels) if c is not None)
 
     def step_async(self, batch: StepBatch) -> list:
         """One `step` call per worker; returns the object refs (rank order)."""
@@ -285,6 +330,8 @@ class Replica:
         blob = pack_step(step, owners, copies)
         if self.compiled_graph:
             packed = self._compiled_execute(blob)
+        elif self.channel_ranks:
+            packed = self._channel_execute(blob)
         else:
             packed = self._ray.get(
                 [a.execute_packed.remote(blob) for a in self.actors], timeout=self.timeout_s * 2
@@ -332,6 +379,42 @@ class Replica:
         while self._samples:
             out.append(self._samples.popleft())
         return out
+
+    def _channel_execute(self, blob: bytes) -> list:
+        """One step: a Ray call to every rank without a channel, the step written to every
+        channel, then every channel's reply read, then the Ray calls gathered (rank order).
+
+        A channel that fails (EOF, reset, no reply in time) raises `CommError`, as does a rank
+        whose step raised one; a rank whose step raised anything else raises `StepChannelError`
+        once every reply is in, so the channels stay in step."""
+        deadline = time.monotonic() + self.timeout_s * 2
+        refs = {
+            r: a.execute_packed.remote(blob)
+            for r, (a, c) in enumerate(zip(self.actors, self._channels, strict=True))
+            if c is None
+        }
+        channels = [(r, c) for r, c in enumerate(self._channels) if c is not None]
+        packed: list = [None] * len(self.actors)
+        failed: StepChannelError | None = None
+        try:
+            for _, channel in channels:
+                channel.send(blob)
+            for rank, channel in channels:
+                try:
+                    packed[rank] = channel.recv(deadline)
+                except StepChannelError as exc:
+                    failed = failed or exc
+        except CommError:
+            for _, channel in channels:  # replies may be pending: out of step until a build
+                channel.close()
+            raise
+        if refs:
+            got = self._ray.get(list(refs.values()), timeout=max(deadline - time.monotonic(), 1e-3))
+            for rank, out in zip(refs, got, strict=True):
+                packed[rank] = out
+        if failed is not None:
+            raise failed
+        return packed
 
     def _compiled(self):
         """The Ray compiled graph fanning one packed step out to every rank's `execute_packed`."""
@@ -401,6 +484,7 @@ class Replica:
         """Kill the actors this replica started (their process groups go with them); borrowed
         actors only leave the world."""
         self._teardown_graph()
+        self._close_channels()
         if self._owned:
             for actor in self.actors:
                 self._ray.kill(actor)

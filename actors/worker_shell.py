@@ -1,8 +1,13 @@
 """The Ray actor shell around `ShardWorker`: places, starts, steps, aborts. Imported lazily.
 
-Two concurrency groups: steps (prefill `step`, engine `execute` / `execute_packed`) and KV block reads/writes run
-one at a time in the default group, and the "control" group keeps its own thread so `abort` and
-`health` are served while a step blocks on a collective.
+Two concurrency groups: steps (prefill `step`, engine `execute` / `execute_packed`) and KV block
+reads/writes run one at a time in the default group, and the "control" group keeps its own thread
+so `abort` and `health` are served while a step blocks on a collective.
+
+A same-node driver may also send engine steps over a Unix socket (`open_step_channel`,
+`actors/step_channel.py`), served by a thread of its own. The default-group methods and that
+thread share one lock (`_lock`), so a step from the channel never overlaps a build, a KV block
+read or write, or another step; `abort` and `health` take no lock.
 """
 
 from __future__ import annotations
@@ -21,12 +26,16 @@ def shard_worker_actor():
         """Holds at most one ShardWorker; `build` makes a fresh one for each rendezvous."""
 
         def __init__(self, num_threads: int = 1) -> None:
+            import threading
+
             import torch
 
             # Ray sets OMP_NUM_THREADS=1; set torch's own thread count explicitly.
             torch.set_num_threads(num_threads)
             self.num_threads = num_threads
             self.worker = None
+            self.channel = None
+            self._lock = threading.Lock()
 
         def rendezvous_host(self) -> str:
             """This node's address, for a TCP store hosted by this actor (rank 0)."""
@@ -36,37 +45,58 @@ def shard_worker_actor():
             """Close the previous worker (if any), then build `ShardWorker(**kwargs)`."""
             from actors.worker import ShardWorker
 
-            if self.worker is not None:
-                self.worker.close()
-                self.worker = None
-            self.worker = ShardWorker(num_threads=self.num_threads, **kwargs)
-            return self.worker.health()
+            with self._lock:
+                if self.worker is not None:
+                    self.worker.close()
+                    self.worker = None
+                self.worker = ShardWorker(num_threads=self.num_threads, **kwargs)
+                return self.worker.health()
 
         def step(self, batch):
-            return self.worker.step(batch)
+            with self._lock:
+                return self.worker.step(batch)
 
         def execute(self, shard_step):
             """One engine step (`ShardStep`) over the paged cache -> `ShardStepOutput`."""
-            return self.worker.execute(shard_step)
+            with self._lock:
+                return self.worker.execute(shard_step)
 
         def execute_packed(self, blob: bytes) -> bytes:
             """One engine step in the fixed binary layout of `actors/step_wire.py` (what the
             Replica sends: no Python objects to pickle either way) -> this rank's packed output."""
-            from actors.step_wire import pack_output, unpack_step
-            from actors.worker import ShardStep
+            from actors.step_channel import run_packed
 
-            step, owners, copies = unpack_step(blob)
-            out = self.worker.execute(ShardStep(step=step, owners=owners, copies=copies))
-            return pack_output(out.rank, out.rows, out.token_ids, out.logprobs, out.timings_s)
+            with self._lock:
+                return run_packed(self.worker, blob)
+
+        def open_step_channel(self, driver_node_id: str) -> tuple[str, bytes] | None:
+            """(socket path, token) of a fresh step channel when the driver runs on this actor's
+            Ray node, else None (the driver keeps plain calls). A channel opened before is
+            closed first (its driver sees EOF)."""
+            from actors.step_channel import StepChannelServer, run_packed
+
+            self.close_step_channel()
+            if driver_node_id != ray.get_runtime_context().get_node_id():
+                return None
+            self.channel = StepChannelServer(lambda blob: run_packed(self.worker, blob), self._lock)
+            return self.channel.path, self.channel.token
+
+        def close_step_channel(self) -> None:
+            if self.channel is not None:
+                self.channel.close()
+                self.channel = None
 
         def allocate_kv(self, num_blocks: int, block_size: int):
-            return self.worker.allocate_kv(num_blocks, block_size)
+            with self._lock:
+                return self.worker.allocate_kv(num_blocks, block_size)
 
         def read_kv_block(self, block_id: int):
-            return self.worker.read_kv_block(block_id)
+            with self._lock:
+                return self.worker.read_kv_block(block_id)
 
         def write_kv_block(self, block_id: int, data) -> None:
-            self.worker.write_kv_block(block_id, data)
+            with self._lock:
+                self.worker.write_kv_block(block_id, data)
 
         @ray.method(concurrency_group="control")
         def abort(self) -> bool:
@@ -74,13 +104,23 @@ def shard_worker_actor():
 
         @ray.method(concurrency_group="control")
         def health(self) -> dict[str, object]:
+            channel = self.channel
+            served = {"channel_steps": channel.steps if channel is not None else None}
             if self.worker is None:
-                return {"built": False}
-            return {"built": True, **self.worker.health()}
+                return {"built": False, **served}
+            return {"built": True, **self.worker.health(), **served}
+
+        def pid(self) -> int:
+            """This actor's process id (tests watch its CPU time)."""
+            import os
+
+            return os.getpid()
 
         def close(self) -> None:
-            if self.worker is not None:
-                self.worker.close()
-                self.worker = None
+            self.close_step_channel()
+            with self._lock:
+                if self.worker is not None:
+                    self.worker.close()
+                    self.worker = None
 
     return ShardWorkerActor

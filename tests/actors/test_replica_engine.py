@@ -125,7 +125,10 @@ def test_replica_engine_matches_in_process(ckpts, actor_pool, family, layout):
             assert gl.logprob == pytest.approx(wl.logprob, abs=1e-4)
         assert want["d"][-1].cached_tokens == 20  # 3 blocks of "a" + 2 of "b"
         replica = engine.runner
-        assert replica._dag is None  # plain actor calls, the default
+        assert replica._dag is None  # no compiled graph, the default
+        # The pool's ranks 0 and 3 share the driver's node: their steps go over step channels
+        # (actors/step_channel.py), the other ranks' over plain actor calls, in one fan-out.
+        assert replica.channel_ranks == tuple(r for r in (0, 3) if r < replica.layout.dims.world)
         if replica.layout.dims.dp > 1:
             # "a" and "b" ran on different DP ranks; "d" needed b's blocks where a's were.
             assert replica.placement.copies >= 2
@@ -239,7 +242,7 @@ def test_compiled_graph_steps_match(ckpts, actor_pool):
     engine = replica_engine(ckpts, "qwen3_moe", "ep2xpp2", actor_pool, compiled_graph=True)
     try:
         got = scenario(engine)
-        assert engine.runner._dag is not None
+        assert engine.runner._dag is not None and engine.runner.channel_ranks == ()
         for rid in want:
             assert tokens(got[rid]) == tokens(want[rid]), rid
         for g, w in zip(got["e"], want["e"], strict=True):
