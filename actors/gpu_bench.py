@@ -41,7 +41,7 @@ from actors.runner import LocalRunner
 
 DECODE_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 8192), (8, 8192), (32, 8192), (128, 1024))
 TINY_DECODE_SHAPES = ((1, 40), (3, 72))
-PROFILE_SHAPES = ((1, 1024), (32, 1024), (1, 40))
+PROFILE_SHAPES = ((1, 1024), (32, 1024), (32, 8192), (1, 40))
 
 
 @dataclass
@@ -60,6 +60,9 @@ class Row:
     predicted_ms: float | None = None
     bytes_GB: dict | None = None
     experts_hit: float | None = None
+    device_ms: float | None = None
+    """Decode: one step's CUDA graph replayed alone (the step minus the host's work)."""
+    device_roofline_fraction: float | None = None
     note: str = ""
 
 
@@ -112,6 +115,7 @@ class EngineBench:
             e.step()
         ctx0 = sum(e.seqs[i].num_tokens for i in ids)
         times = [self._timed_step() for _ in range(steps)]
+        device_ms = self._replay_ms()
         if (batch, context) in PROFILE_SHAPES:
             graphs, self.runner.graphs = self.runner.graphs, None
             self.profiles.append(self.profile(f"eager decode b{batch} ctx{context}", e.step))
@@ -125,10 +129,29 @@ class EngineBench:
             e.abort(i)
         e.step()
         return {
+            "device_ms": device_ms,
             "ms": 1e3 * sorted(times)[len(times) // 2],
             "context_tokens": ctx0 + batch * steps / 2,
             "experts_hit": hit,
         }
+
+    def _replay_ms(self) -> float | None:
+        """Device time of one decode step: the median of 5 replays of the CUDA graph the last
+        step ran (same inputs: it rewrites the same K/V; the routing counts are reset after),
+        timed with events. Wall time minus this is the host's share of a step."""
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is None or graphs.last not in graphs.graphs:
+            return None
+        graph = graphs.graphs[graphs.last][0]
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return sorted(times)[2]
 
     def profile(self, what: str, fn) -> str:
         """The top device kernels of one call of fn (torch.profiler), as a table."""
@@ -409,6 +432,9 @@ def _our_row(bench: EngineBench, r: Row, *, warm, steps, hbm, tflops, tiny) -> N
         r.roofline_ms = round(sum(by.values()) / (hbm * 1e9) * 1e3, 3)
         r.bytes_GB = {k: round(v / 1e9, 9) for k, v in by.items()}
         r.experts_hit = d["experts_hit"]
+        if d["device_ms"] is not None:
+            r.device_ms = round(d["device_ms"], 3)
+            r.device_roofline_fraction = round(r.roofline_ms / d["device_ms"], 4)
     else:
         ms = bench.prefill(r.context, runs=2 if tiny else 3)
         flops = parts.prefill_flops(bench.model, r.context)
@@ -469,8 +495,8 @@ def _hf_rows(name, cfg, rows, *, device, dtype, tiny, deadline) -> None:
 def table(result: dict[str, Any]) -> str:
     """The one table: a Markdown table of every row."""
     head = ("| model | phase | batch | context | ms/step | tokens/s | roofline ms | of roofline "
-            "| MFU | planner ms | transformers ms | speedup |")  # fmt: skip
-    lines = [head, "|" + "---|" * 12]
+            "| MFU | planner ms | transformers ms | speedup | device ms | of roofline (device) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 14]
 
     def f(x, spec="{:.2f}"):
         return "-" if x is None else spec.format(x)
@@ -480,7 +506,8 @@ def table(result: dict[str, Any]) -> str:
             f"| {r['model']} | {r['phase']} | {r['batch']} | {r['context']} | "
             f"{f(r['ms_per_step'])} | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['roofline_ms'])} | "
             f"{f(r['roofline_fraction'], '{:.0%}')} | {f(r['mfu'], '{:.0%}')} | "
-            f"{f(r['predicted_ms'])} | {f(r['hf_ms_per_step'])} | {f(r['speedup_vs_hf'], '{:.1f}x')} |"
+            f"{f(r['predicted_ms'])} | {f(r['hf_ms_per_step'])} | {f(r['speedup_vs_hf'], '{:.1f}x')} | "
+            f"{f(r.get('device_ms'))} | {f(r.get('device_roofline_fraction'), '{:.0%}')} |"
         )
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ import torch
 
 from actors import gpu_bench_parts as parts
 from actors.gpu_bench_parts import log, sync, to_device
+from actors.gpu_tune import decode_tune, graph_us, plan_timing, router_timing, small_warps_timing
 from actors.runner import LocalRunner, StepInput
 from actors.sampler import RowSampling
 
@@ -90,25 +91,34 @@ def correctness(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dic
     return out
 
 
-def triton_check(device: torch.device) -> tuple[bool, str]:
-    """The Triton decode kernel against the torch fallback at the Qwen3 head shapes, bf16."""
+def triton_check(device: torch.device, *, tune: bool = True) -> tuple[bool, str]:
+    """The Triton decode kernel against the torch fallback at the Qwen3 head shapes, bf16: the
+    tiles tuned first (`gpu_tune.decode_tune`), then the chosen tiles of both classes checked on ragged
+    contexts. The note is a JSON object."""
     from actors.kernels import paged_decode, triton_available
 
     if device.type != "cuda" or not triton_available():
         return False, "not used (no CUDA or no triton)"
+    out: dict[str, Any] = {}
     try:
+        if tune:
+            decode_tune(device, out)
+        ok = True
         gen = torch.Generator(device=device).manual_seed(3)
         k = torch.randn(300, 16, 4, 128, device=device, dtype=torch.bfloat16, generator=gen)
         v = torch.randn_like(k)
-        q = torch.randn(5, 32, 128, device=device, dtype=torch.bfloat16, generator=gen)
         tables = torch.randint(0, 300, (5, 64), device=device, dtype=torch.int32, generator=gen)
         lens = torch.tensor([1, 17, 500, 1024, 333], device=device, dtype=torch.int32)
-        ref = paged_decode.gqa_decode_torch(q, k, v, tables, lens, 0.088)
-        got = paged_decode.gqa_decode_triton(q, k, v, tables, lens, 0.088)
-        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        for cls, tiles in paged_decode.DECODE_TILES.items():
+            q = torch.randn(5, 32, 128, device=device, dtype=torch.bfloat16, generator=gen)
+            ref = paged_decode.gqa_decode_torch(q, k, v, tables, lens, 0.088)
+            got = paged_decode.gqa_decode_triton(q, k, v, tables, lens, 0.088, tiles=tiles)
+            err = float((got.float() - ref.float()).norm() / ref.float().norm())
+            ok = ok and err < 1e-2
+            out[f"rel_err_{cls}"] = float(f"{err:.3g}")
     except Exception as exc:  # a kernel that fails to build is switched off and reported
-        return False, f"failed: {type(exc).__name__}: {exc}"[:300]
-    return err < 1e-2, f"rel err {err:.2e}"
+        return False, json.dumps({**out, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return ok, json.dumps(out)
 
 
 def fused_check(device: torch.device) -> tuple[bool, str]:
@@ -144,13 +154,17 @@ def fused_check(device: torch.device) -> tuple[bool, str]:
         errs["ids"] = float((ids.sort(1).values != rids.sort(1).values).sum())
         errs["wts"] = rel(wts.sort(1).values, rw.sort(1).values)
         flat = ids.reshape(-1)
-        routed = torch.zeros(128, dtype=torch.int64, device=device)
-        src, pos, offs = fused.dispatch_plan(flat, 8, 128, routed)
         order = torch.argsort(flat, stable=True)
         cnt = expert_counts(flat, 128)
-        errs["plan"] = float(
-            (src != order // 8).sum() + (offs.long() != cnt.cumsum(0)).sum() + (routed != cnt).sum()
-        )
+        arange = torch.arange(flat.numel(), device=device)
+        for sort in (False, True):  # both plan kernels; the sort one is kept on
+            fused.PLAN_SORT[0] = sort
+            routed = torch.zeros(128, dtype=torch.int64, device=device)
+            src, pos, offs = fused.dispatch_plan(flat, 8, 128, routed)
+            errs["plan_sort" if sort else "plan"] = float(
+                (src != order // 8).sum() + (order[pos] != arange).sum()
+                + (offs.long() != cnt.cumsum(0)).sum() + (routed != cnt).sum()
+            )  # fmt: skip
         ys = rnd(flat.numel(), 2048)
         out = fused.combine(ys, pos.view(32, 8), wts, residual=r)
         want = r.float() + (ys[pos].float().view(32, 8, -1) * wts[..., None]).sum(1)
@@ -180,9 +194,27 @@ def fused_check(device: torch.device) -> tuple[bool, str]:
         errs["kmax"] = rel(kmax[blocks], kc2[blocks].amax(1))
     except Exception as exc:  # a kernel that fails to build is switched off and reported
         return False, f"failed: {type(exc).__name__}: {exc}"[:300]
+    ints = ("ids", "plan", "plan_sort")
     ints_ok = errs["ids"] == 0 and errs["plan"] == 0
-    ok = ints_ok and max(v for key, v in errs.items() if key not in ("ids", "plan")) < 1e-2
-    return ok, json.dumps({key: float(f"{v:.3g}") for key, v in errs.items()})
+    ok = ints_ok and max(v for key, v in errs.items() if key not in ints) < 1e-2
+    note = {key: float(f"{v:.3g}") for key, v in errs.items()}
+    fused.PLAN_SORT[0] = errs["plan_sort"] == 0  # a wrong sort plan falls back to the scan
+    if ok and fused.PLAN_SORT[0]:
+        try:
+            note.update(plan_timing(device))
+        except Exception as exc:  # timing failed: the scan kernel (round 6's) stays on
+            fused.PLAN_SORT[0] = False
+            note["plan_timing_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    if ok:
+        saved = (dict(fused.ROUTER_TILES), dict(fused.SMALL_WARPS))
+        try:
+            note.update(router_timing(device))
+            note.update(small_warps_timing(device))
+        except Exception as exc:  # timing failed: round 6's tiles stay
+            fused.ROUTER_TILES.update(saved[0])
+            fused.SMALL_WARPS.update(saved[1])
+            note["router_timing_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return ok, json.dumps(note)
 
 
 EXPERT_CANDIDATES = {
@@ -238,28 +270,7 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
             sets = [plan(t) for _ in range(4)]
 
             def timed(fn, sets=sets) -> float:
-                """Median us per call over 5 replays of a CUDA graph of 20 calls (the launches
-                of one call cost more host time than its kernels take on the device)."""
-                for s in sets:
-                    fn(s)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for i in range(20):
-                        fn(sets[i % 4])
-                graph.replay()
-                times = []
-                for _ in range(5):
-                    a, b = (
-                        torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True),
-                    )
-                    a.record()
-                    graph.replay()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1e3 / 20)
-                return sorted(times)[2]
+                return graph_us(fn, sets)
 
             def ours(s):
                 return fused.moe_experts(s[0], s[1], s[3], wgu, wd)

@@ -140,6 +140,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
+        self.last: tuple[int, int] | None = None
+        """The (B, NB) key of the graph `run` replayed last."""
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """inputs: tokens [B] int64, positions [B] int64, slots [B] int64, block_tables [B, NB]
@@ -151,6 +153,7 @@ class DecodeGraphs:
                 self.graphs.clear()
             entry = self._capture(inputs)
             self.graphs[key] = entry
+        self.last = key
         graph, static, logits = entry
         for name, tensor in inputs.items():
             static[name].copy_(tensor, non_blocking=True)

@@ -37,6 +37,17 @@ from actors.kernels import triton_available, triton_interpreted
 FUSED_ENABLED = [True]
 PLAN_MAX_ROWS = 4096
 """The single-program dispatch plan serves up to this many (token, expert) rows (decode)."""
+PLAN_SORT = [True]
+"""`dispatch_plan` by `_plan_sort` (histogram + one sort) instead of `_plan` (two scans over the
+ids in chunks); the benchmark times both on the device and keeps the faster."""
+ROUTER_TILES = {"small": (2, 2048, 4), "mid": (2, 2048, 4), "large": (2, 2048, 4)}
+"""(experts per program, hidden columns a step, num_warps) of the router logits kernel for up to
+4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens, round 7:
+a whole 2048-wide row of two experts per program); the benchmark times candidates and may
+retune."""
+SMALL_WARPS = {"softmax_topk": 4, "qk_rope_write": 4}
+"""num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
+one warp they need no shared memory); the benchmark times candidates and may retune."""
 EXPERT_MAX_ROWS = 1024
 """`moe_experts` serves up to this many routed rows (decode batches); beyond, grouped GEMMs."""
 EXPERTS_ENABLED = [True]
@@ -226,6 +237,26 @@ if triton_available():
         tl.store(src_ptr + pos, (i // K).to(tl.int64), mask=im)
 
     @triton.jit
+    def _plan_sort(ids_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr, R: tl.constexpr, E,
+                   K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
+        """`_plan`'s outputs from one load of the ids and no loops: counts by a histogram, the
+        order by sorting the keys id * R_PAD + index (unique, so the order is the stable one)."""
+        i = tl.arange(0, R_PAD)
+        im = i < R
+        idi = tl.load(ids_ptr + i, mask=im, other=0).to(tl.int32)
+        counts = tl.histogram(idi, E_PAD, mask=im)
+        e = tl.arange(0, E_PAD)
+        em = e < E
+        tl.store(offs_ptr + e, tl.cumsum(counts, 0), mask=em)
+        routed = tl.load(routed_ptr + e, mask=em, other=0)
+        tl.store(routed_ptr + e, routed + counts.to(routed.dtype), mask=em)
+        srt = tl.sort(tl.where(im, idi, E_PAD) * R_PAD + i)
+        row = srt % R_PAD
+        # Sorted position i holds pair `row`: its token is row // K, its place in the order i.
+        tl.store(src_ptr + i, (row // K).to(tl.int64), mask=im)
+        tl.store(pos_ptr + row, i.to(tl.int64), mask=im)
+
+    @triton.jit
     def _combine(y_ptr, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
                  K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
@@ -380,7 +411,7 @@ def qk_norm_rope_write(
         q_weight if has_norm else q, k_weight if has_norm else q,
         cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, key_min, key_max, slots, eps,
         q.stride(0), k.stride(0), v.stride(0), H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv),
-        D=d, BS=bs, HAS_NORM=has_norm,
+        D=d, BS=bs, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"],
     )  # fmt: skip
     return q_out
 
@@ -437,14 +468,15 @@ def router_softmax_topk(
     ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
     wts = torch.empty(t, k, dtype=torch.float32, device=x.device)
     # Few tokens: few experts per program, so the router weights spread over many programs.
-    e_block = 2 if t <= 4 else 4 if t <= 16 else 16
+    e_block, h_block, warps = ROUTER_TILES["small" if t <= 4 else "mid" if t <= 16 else "large"]
     _router_logits[(t, triton.cdiv(e, e_block))](
         x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block,
-        H_BLOCK=512 if e_block <= 4 else 256,
+        H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps,
     )  # fmt: skip
     _softmax_topk[(t,)](
-        logits, ids, wts, e, E_PAD=_pow2(e), K=k, K_PAD=_pow2(k), NORM=norm_topk_prob
-    )
+        logits, ids, wts, e, E_PAD=_pow2(e), K=k, K_PAD=_pow2(k), NORM=norm_topk_prob,
+        num_warps=SMALL_WARPS["softmax_topk"],
+    )  # fmt: skip
     return logits, ids, wts
 
 
@@ -512,6 +544,12 @@ def dispatch_plan(
     offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
     start = torch.empty(num_experts, dtype=torch.int32, device=dev)
     r_pad = max(16, _pow2(r))
+    if PLAN_SORT[0]:
+        _plan_sort[(1,)](
+            ids, src, pos, offsets, routed_counts, r, num_experts, K=k,
+            E_PAD=_pow2(num_experts), R_PAD=r_pad, num_warps=8 if r_pad >= 1024 else 4,
+        )  # fmt: skip
+        return src, pos, offsets
     _plan[(1,)](
         ids, src, pos, offsets, start, routed_counts, r, num_experts,
         K=k, E_PAD=_pow2(num_experts), R_PAD=r_pad, CHUNK=min(32, r_pad),

@@ -11,10 +11,12 @@ Two implementations with that signature:
   shapes (so CUDA graphs can capture it) but it moves the KV three times (gather read + write,
   then the products read the copy).
 - `gqa_decode_triton` (flash-decoding, after Dao et al.'s "Flash-Decoding for long-context
-  inference", 2023): grid (B, KV, S); program (b, g, s) reads blocks [s*P, (s+1)*P) of sequence
-  b once, straight from the paged cache, for all H/KV query heads of group g, keeping an online
-  softmax (running max m, sum l, accumulator); a second kernel merges the S partial results.
-  S is chosen so B*KV*S fills the chip even at batch 1.
+  inference", 2023): grid (B, KV, S); program (b, g, s) reads tokens [s*P*TILE, (s+1)*P*TILE)
+  of sequence b once, straight from the paged cache, TILE tokens (several cache blocks) a step,
+  for all H/KV query heads of group g, keeping an online softmax (running max m, sum l,
+  accumulator); a second kernel merges the S partial results. `split_plan` picks S so that about
+  `per_sm` programs per SM run (B*KV*S fills the chip at batch 1 and leaves a short last wave at
+  batch 32); the tile shape is tuned on the device (`DECODE_TILES`).
 
 MLA decode (`mla_decode_torch`) runs in the latent space (weight absorption, DeepSeek-V2 paper
 section 2.1.2): q_lat [B, H, R + P] (q_nope absorbed through kv_b's key half, then the rotary
@@ -24,11 +26,14 @@ attention-weighted latent [B, H, R] (the caller applies kv_b's value half).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from actors.kernels import triton_available
+
+LOG2E = 1.4426950408889634
 
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -79,10 +84,29 @@ def mla_decode_torch(
     return torch.matmul(torch.softmax(scores, dim=-1), c[..., :rank]).to(q_lat.dtype)
 
 
-def num_splits(batch: int, kv_heads: int, table_width: int, *, sms: int = 132) -> int:
-    """Splits of the context per (sequence, KV head) so that about 2 programs run per SM."""
-    want = max(1, math.ceil(2 * sms / max(1, batch * kv_heads)))
-    return max(1, min(want, table_width))
+DECODE_TILES = {"small": (16, 2, 4, 3), "large": (64, 4, 4, 3)}
+"""(TILE tokens read per loop step, programs per SM aimed at, num_warps, num_stages) of the
+partial kernel, for batches up to DECODE_SMALL_BATCH ("small") and beyond ("large"); the
+benchmark times candidates on the device (`gpu_checks.triton_check`) and may retune."""
+DECODE_SMALL_BATCH = 4
+
+
+def split_plan(
+    batch: int, kv_heads: int, tokens: int, tile: int, per_sm: int, sms: int = 132
+) -> tuple[int, int]:
+    """(splits S, tiles per split) over a padded context of `tokens`: about per_sm * sms
+    programs in all (so the last wave is short), each reading whole tiles."""
+    n_tiles = max(1, math.ceil(tokens / tile))
+    want = max(1, math.ceil(per_sm * sms / max(1, batch * kv_heads)))
+    per = math.ceil(n_tiles / min(want, n_tiles))
+    return math.ceil(n_tiles / per), per
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 if triton_available():
@@ -93,40 +117,49 @@ if triton_available():
     def _gqa_partial(
         q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
         stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_btb,
-        scale,
+        qk_scale,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
-        BS: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
+        BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
     ):  # fmt: skip
+        """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
+        step (spanning TILE / BS cache blocks, each row found through the block table), for the
+        REP query heads of KV head g. Scores in base 2 (qk_scale includes log2 e)."""
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
         ctx = tl.load(lens_ptr + b)
-        n_blocks = (ctx + BS - 1) // BS
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
-        t = tl.arange(0, BS)
+        t = tl.arange(0, TILE)
         head = g * REP + r
         q = tl.load(
             q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
             mask=(r < REP)[:, None],
             other=0.0,
         )
-        # A finite floor for the running max: fully masked blocks then add exactly nothing.
+        # A finite floor for the running max: fully masked steps then add exactly nothing.
         m = tl.full([REP_PAD], -1.0e30, tl.float32)
         l_sum = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
+        lo = s * (PER_SPLIT * TILE)
+        hi = tl.minimum(ctx, lo + PER_SPLIT * TILE)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        # A fixed trip count (masked past the end): the loop is pipelined, and the interpreter
+        # takes no tensor loop bounds.
         for j in range(0, PER_SPLIT):
-            i = s * PER_SPLIT + j
-            live = i < n_blocks
-            blk = tl.load(bt_ptr + b * stride_btb + i, mask=live, other=0).to(tl.int64)
-            offs = blk * stride_kn + t[:, None] * stride_kt + g * stride_kh + d[None, :]
-            valid = (i * BS + t) < ctx
+            pos = lo + j * TILE + t
+            valid = pos < hi
+            blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
+            offs = (
+                blk[:, None] * stride_kn + (pos % BS)[:, None] * stride_kt + g * stride_kh
+                + d[None, :]
+            )  # fmt: skip
             k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k)) * qk_scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
-            alpha = tl.exp(m - m_new)
+            p = tl.where(valid[None, :], tl.exp2(scores - m_new[:, None]), 0.0)
+            alpha = tl.exp2(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -146,7 +179,7 @@ if triton_available():
         m = tl.load(ml_ptr + (bh * S + s) * 2, mask=inside, other=float("-inf"))
         l_sum = tl.load(ml_ptr + (bh * S + s) * 2 + 1, mask=inside, other=0.0)
         top = tl.max(m, 0)
-        w = tl.where(inside & (l_sum > 0), tl.exp(m - top), 0.0)
+        w = tl.where(inside & (l_sum > 0), tl.exp2(m - top), 0.0)
         acc = tl.load(
             acc_ptr + (bh * S + s)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0
         )
@@ -163,16 +196,24 @@ def gqa_decode_triton(
     scale: float,
     *,
     splits: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Flash-decoding over the paged cache (module docstring); same contract as the torch version."""
+    """Flash-decoding over the paged cache (module docstring); same contract as the torch version.
+    tiles: (TILE, programs per SM, warps, stages), default `DECODE_TILES` by batch; splits:
+    a fixed split count instead of the plan's."""
     if not triton_available():
         raise RuntimeError("triton is not installed")
     b, h, d = q.shape
     _, bs, kv, _ = k_cache.shape
     rep = h // kv
     width = block_tables.shape[1]
-    s = splits or num_splits(b, kv, width)
-    per_split = math.ceil(width / s)
+    tile, per_sm, warps, stages = (
+        tiles or DECODE_TILES["small" if b <= DECODE_SMALL_BATCH else "large"]
+    )
+    s, per = split_plan(b, kv, width * bs, tile, per_sm, _sm_count(q.device))
+    if splits:
+        per = math.ceil(math.ceil(width * bs / tile) / splits)
+        s = math.ceil(math.ceil(width * bs / tile) / per)
     q = q.contiguous()
     acc = torch.empty(b * h * s, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(b * h * s, 2, dtype=torch.float32, device=q.device)
@@ -180,9 +221,9 @@ def gqa_decode_triton(
     _gqa_partial[(b, kv, s)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), scale,
+        block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
-        PER_SPLIT=per_split, S=s,
+        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _gqa_merge[(b * h,)](acc, ml, out, D=d, S=s, S_PAD=max(2, triton.next_power_of_2(s)))
     return out

@@ -13,7 +13,7 @@ pytestmark = [
 
 
 def test_device_decode_path_matches_cpu_float32():
-    from actors.gpu_bench import correctness, triton_check
+    from actors.gpu_checks import correctness, triton_check
 
     device = torch.device("cuda")
     ok, _ = triton_check(device)
@@ -23,7 +23,7 @@ def test_device_decode_path_matches_cpu_float32():
 
 
 def test_triton_decode_kernel_matches_torch_on_device():
-    from actors.gpu_bench import triton_check
+    from actors.gpu_checks import triton_check
     from actors.kernels import triton_available
 
     if not triton_available():

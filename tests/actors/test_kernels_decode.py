@@ -128,8 +128,11 @@ from actors.kernels.paged_decode import gqa_decode_torch, gqa_decode_triton
 from tests.actors.test_kernels_decode import _gqa_case
 q, k, v, tables, lens = _gqa_case(seed=3)
 ref = gqa_decode_torch(q, k, v, tables, lens, 0.3)
-errs = [float((gqa_decode_triton(q, k, v, tables, lens, 0.3, splits=s) - ref).abs().max())
-        for s in (1, 3)]
+# Splits of one block a step and tiles spanning 2 and 4 cache blocks (one split, several, and
+# the split plan's own choice).
+cases = [(1, None), (3, None), (None, (32, 8, 4, 3)), (2, (32, 2, 4, 2)), (1, (64, 4, 4, 3))]
+errs = [float((gqa_decode_triton(q, k, v, tables, lens, 0.3, splits=s, tiles=t) - ref).abs().max())
+        for s, t in cases]
 print(json.dumps(errs))
 """
 

@@ -33,14 +33,17 @@ x = torch.randn(3, 40); W = torch.randn(12, 40)
 lg, ids, wt = fused.router_softmax_topk(x, W, 4, norm_topk_prob=True)
 rids, rw = softmax_topk(x @ W.T, 4, norm_topk_prob=True)
 errs["logits"] = float((lg - x @ W.T).abs().max()); errs["ids"] = int((ids != rids).sum()); errs["wts"] = float((wt-rw).abs().max())
-# plan
+# plan: the sort kernel and the scan kernel
 ids = torch.randint(0, 12, (37, 4)); flat = ids.reshape(-1)
-routed = torch.full((12,), 5, dtype=torch.int64)
-src, pos, offs = fused.dispatch_plan(flat, 4, 12, routed)
 order = torch.argsort(flat, stable=True)
 cnt = expert_counts(flat, 12)
-errs["src"] = int((src != order // 4).sum()); errs["pos"] = int((order[pos] != torch.arange(flat.numel())).sum())
-errs["offs"] = int((offs.long() != cnt.cumsum(0)).sum()); errs["routed"] = int((routed != cnt + 5).sum())
+for sort in (False, True):
+    fused.PLAN_SORT[0] = sort
+    routed = torch.full((12,), 5, dtype=torch.int64)
+    src, pos, offs = fused.dispatch_plan(flat, 4, 12, routed)
+    tag = "_sort" if sort else ""
+    errs["src" + tag] = int((src != order // 4).sum()); errs["pos" + tag] = int((order[pos] != torch.arange(flat.numel())).sum())
+    errs["offs" + tag] = int((offs.long() != cnt.cumsum(0)).sum()); errs["routed" + tag] = int((routed != cnt + 5).sum())
 # combine
 y = torch.randn(flat.numel(), 24); wts = torch.rand(37, 4); res = torch.randn(37, 24)
 out = fused.combine(y, pos.view(37, 4), wts, residual=res)
@@ -151,7 +154,8 @@ def _run(script: str) -> dict:
 @needs_triton
 def test_fused_kernels_match_torch_references():
     errs = _run(KERNELS)
-    for name in ("ids", "src", "pos", "offs", "routed"):
+    for name in ("ids", "src", "pos", "offs", "routed", "src_sort", "pos_sort", "offs_sort",
+                 "routed_sort"):  # fmt: skip
         assert errs[name] == 0, (name, errs)
     for name in ("rms", "rms_h", "logits", "wts", "combine", "q", "kc", "vc", "kmin", "kmax",
                  "pq", "pk", "pq0", "pk0", "experts1", "experts37", "strided"):  # fmt: skip
