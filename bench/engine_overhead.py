@@ -1,7 +1,8 @@
 """Thin wrapper: `python bench/engine_overhead.py [--batches 1,8] [--steps N] [--passes N]`.
 
 The logic lives in `actors.overhead_bench`: Ray orchestration overhead per engine decode step
-(one ShardWorker actor, world size 1) against the same engine in-process.
+(one ShardWorker actor, world size 1) against the same engine in-process, for plain Ray calls,
+the same-node step channel (`actors/step_channel.py`) and a Ray compiled graph.
 """
 
 from __future__ import annotations
