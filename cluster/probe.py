@@ -125,8 +125,13 @@ def _run_once(dist, torch, op: str, rank: int, world: int, buf, count: int):
         if world == 1:
             out.copy_(buf)
             return out
-        reqs = [dist.isend(buf, (rank + 1) % world), dist.irecv(out, (rank - 1) % world)]
-        for req in reqs:
+        # One group of both ops: unbatched, NCCL runs a pair's send and recv on one stream in
+        # order, so with world 2 each rank's send waits for a recv queued behind the peer's send.
+        ops = [
+            dist.P2POp(dist.isend, buf, (rank + 1) % world),
+            dist.P2POp(dist.irecv, out, (rank - 1) % world),
+        ]
+        for req in dist.batch_isend_irecv(ops):
             req.wait()
         return out
     raise InputError(f"unknown op {op}")
