@@ -18,6 +18,9 @@ Wire (little-endian; no pickle, the payloads are `actors/step_wire.py` bytes):
 Security: the socket lives in a fresh `mkdtemp` directory (mode 0700) and is itself 0600; the
 actor accepts only a peer of its own uid (SO_PEERCRED) that then sends the 32-byte random
 token, compared in constant time. Anything else closes the connection without running a step.
+Once the driver is in, the socket file and its directory are removed (nobody else can connect,
+and an actor killed later leaves nothing behind in the temp dir); the thread serves that one
+connection and ends with it. A new channel is a new `StepChannelServer`.
 
 Concurrency: the actor serves one connection at a time from one daemon thread. Every step runs
 under the lock the actor shell's default-group methods take (build, KV block reads and writes,
@@ -108,6 +111,8 @@ class StepChannelServer:
             self.path = os.path.join(self._dir, SOCKET_NAME)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.steps = 0
+        self.connected = False
+        """Whether a driver passed the hello (the socket file is then gone)."""
         self._closed = False
         self._conn: socket.socket | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -123,6 +128,7 @@ class StepChannelServer:
         self._thread.start()
 
     def _serve(self) -> None:
+        """Accept until a peer passes the hello, then serve it until it goes away."""
         while not self._closed:
             try:
                 conn, _ = self._listener.accept()
@@ -131,12 +137,19 @@ class StepChannelServer:
             self._conn = conn
             try:
                 if not self._closed and self._hello(conn):
+                    self.connected = True
+                    self._remove_path()
                     self._serve_connection(conn)
             except (OSError, EOFError, ValueError):
-                pass  # the driver went away or spoke out of turn: wait for the next one
+                pass  # a peer that failed the hello, or the driver went away
             finally:
                 self._conn = None
                 conn.close()
+            if self.connected:
+                return  # one driver per channel
+
+    def _remove_path(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _hello(self, conn: socket.socket) -> bool:
         """Same uid (SO_PEERCRED) and the token; then the ack. False: drop the connection."""
@@ -180,7 +193,7 @@ class StepChannelServer:
                     sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(join_timeout_s)
         self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_path()
 
 
 class StepChannel:

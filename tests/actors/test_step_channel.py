@@ -165,7 +165,8 @@ def test_idle_channel_costs_no_cpu(ray_session, ckpt):
 
 def test_socket_is_private_and_token_gated(ray_session, ckpt):
     """The socket is 0600 in a fresh 0700 directory; a wrong token is dropped before any step;
-    an actor on another node offers no channel; shutdown removes the directory."""
+    the right one gets in, and then the socket and its directory are gone; an actor on another
+    node offers no channel."""
     ray = ray_session
     engine = engine_on(ray, ckpt, "single")
     replica = engine.runner
@@ -182,8 +183,13 @@ def test_socket_is_private_and_token_gated(ray_session, ckpt):
             sock.connect(path)
             sock.sendall(bytes(len(token)))
             assert sock.recv(len(ACK)) == b""  # closed without an ack
-        StepChannel(path, token, rank=0, timeout_s=10).close()  # the right token is let in
+        assert os.path.exists(path)
+        channel = StepChannel(path, token, rank=0, timeout_s=10)  # the right token is let in
+        deadline = time.monotonic() + 10
+        while os.path.exists(folder):
+            assert time.monotonic() < deadline, "the socket outlived the hello"
+            time.sleep(0.01)
+        channel.close()
         assert ray.get(actor.open_step_channel.remote("not-this-node")) is None
-        assert not os.path.exists(folder)  # the previous channel's directory is gone
     finally:
         replica.shutdown()
