@@ -17,7 +17,7 @@ from actors.comm.group import CommError
 from actors.engine import Engine, SamplingParams
 from actors.recovery import RecoveringEngine, RecoveryPolicy, ReplicaRebuilder, is_worker_fault
 from actors.replica import Replica
-from actors.step_channel import ACK, StepChannel
+from actors.step_channel import ACK, StepChannel, StepChannelError
 from actors.weights import CheckpointIndex
 from placement.parallel_dims import Layout, parse_layout
 from tests.actors.checkpoints import make_tiny_checkpoint
@@ -97,6 +97,13 @@ def test_channel_tokens_equal_plain_calls(ray_session, ckpt, reference):
         for block in range(4):
             a = via_channel.runner.read_block(block)
             assert a.equal(plain.runner.read_block(block))
+        # A step the worker refuses comes back as a reply (not a fault); the channel stays in step.
+        channel = via_channel.runner._channels[1]
+        channel.send(bytes(64))
+        with pytest.raises(StepChannelError, match="rank 1: ValueError: packed step"):
+            channel.recv(time.monotonic() + 30)
+        again = run(via_channel, {"again": REQUESTS["greedy"]})["again"]
+        assert tokens(again) == tokens(reference["greedy"])
     finally:
         via_channel.runner.shutdown()
         plain.runner.shutdown()
