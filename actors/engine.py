@@ -215,7 +215,8 @@ class Engine:
         **kw: Any,
     ) -> Engine:
         """An engine over `runner`, by default an in-process runner holding every layer of the
-        checkpoint (a multi-rank `actors.replica.Replica` is passed by `replica_runner`).
+        checkpoint (a multi-rank `actors.replica.Replica` is passed by `replica_runner`);
+        `torch_threads` (kw): that runner's torch thread count (LocalRunner.from_checkpoint).
 
         The tokenizer is the checkpoint's tokenizer.json (None when absent); EOS comes from
         generation_config.json or config.json. Without `cache_key_secret` the secret comes from
@@ -249,8 +250,9 @@ class Engine:
                         kw["eos_token_id"] = int(eos)
                         break
         kw.setdefault("weights_fingerprint", weights_fingerprint(root))
+        threads = kw.pop("torch_threads", None)
         if runner is None:
-            runner = LocalRunner.from_checkpoint(root, device=device)
+            runner = LocalRunner.from_checkpoint(root, device=device, num_threads=threads)
         return cls(runner, cache_key_secret=cache_key_secret, **kw)
 
     # ------------------------------------------------------------------ requests

@@ -140,8 +140,20 @@ class LocalRunner:
         self.graph_error: str | None = None
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, *, device: str = "cpu") -> LocalRunner:
+    def from_checkpoint(
+        cls, model_dir: str | Path, *, device: str = "cpu", num_threads: int | None = None
+    ) -> LocalRunner:
+        """`num_threads`: torch's intra-op threads for this process (None: leave them). On a
+        CPU shared with other work, 1: with more, every parallel region waits for all of its
+        OpenMP threads, and one the OS has descheduled stalls it for a time slice (measured
+        on 2 busy cores: decode steps 10-50x slower at 2 threads, bench/notes/cpu_engine_speed.md),
+        as ShardWorker(num_threads=1) does for a Ray rank."""
         from actors.weights import load_stage_model
+
+        if num_threads is not None:
+            if num_threads < 1:
+                raise InputError(f"num_threads={num_threads} must be at least 1")
+            torch.set_num_threads(num_threads)
 
         arch_layers = _num_layers(model_dir)
         model, _ = load_stage_model(model_dir, layer_range=(0, arch_layers), device=device)

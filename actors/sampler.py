@@ -155,8 +155,13 @@ def sample(
         raise InputError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
+    greedy = None
+    if sum(row.temperature == 0 for row in rows) > 1:  # one argmax for the batch's greedy rows
+        greedy = torch.argmax(logits, dim=-1).tolist()
     for r, row in enumerate(rows):
-        token = sample_row(logits[r], row)
+        token = (
+            greedy[r] if greedy is not None and row.temperature == 0 else sample_row(logits[r], row)
+        )
         tokens.append(token)
         logprobs.append(
             None if row.logprobs is None else row_logprobs(logits[r], token, row.logprobs)

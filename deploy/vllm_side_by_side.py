@@ -175,6 +175,7 @@ def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, An
 
             raise EnvironmentMissing("the vLLM venv is not built: python -m deploy.vllm_env ensure")
         python = str(found)
+    load = os.getloadavg()[0]
     done = subprocess.run(
         [python, "-m", "deploy.vllm_side_by_side", "--engine", engine, "--model", str(model)],
         capture_output=True,
@@ -185,7 +186,9 @@ def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, An
     )
     if done.returncode != 0:
         raise RuntimeError(f"{engine}: exit {done.returncode}: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    # the machine is shared: each row's 1-minute load average before and after it ran
+    return {**row, "loadavg_1m": (load, os.getloadavg()[0])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +257,10 @@ def _render_inproc(result: dict[str, Any]) -> None:
     print(f"{'in-process':<20}" + "".join(f"{r['engine']:>12}" for r in rows))
     for key, label, scale in keys:
         print(f"{label:<20}" + "".join(f"{r[key] * scale:>12.2f}" for r in rows))
+    loads = [
+        f"{r['loadavg_1m'][0]:.1f}/{r['loadavg_1m'][1]:.1f}" for r in rows if "loadavg_1m" in r
+    ]
+    print(f"{'load 1m before/after':<20}" + "".join(f"{x:>12}" for x in loads))
     print(f"load average before {load}, after {load_after}")
 
 
