@@ -26,11 +26,15 @@ move in a few large copies instead of one small copy per layer and block.
   with a cache that reports its tiers' hits per read (TieredCache's `tier_hits`) no stats().
   Every call waits for its copies before it returns (scratch and fetched rows are then free).
 - `KVTiers.trace`: a dict to fill with the time points of the last call (host clock and CUDA
-  events: start, first copy, copies done, verified, end), for bench/offload_profile.py.
+  events: start, first copy, copies done, verified, end), for bench/offload_profile.py; with
+  MOE_KV_TRACE=<file> in the environment every batched call appends its split (`split_ms`) to
+  that file as one JSON line (for benches that make their own KVTiers, e.g. bench/gpu_moe.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -74,6 +78,9 @@ of ~20 kernels per call, each overlapping the copies still in flight."""
 LOAD_TAIL_BYTES = 1 << 24
 """The last span of a large load is at most ~16 MiB: only its verification follows the last
 copy."""
+STAGING_SLOTS = 4
+"""Device staging buffers of a store (one piece each, <= STORE_CHUNK_BYTES): the staging of
+later pieces runs ahead of the device->host copies."""
 SMALL_LOAD_BYTES = 1 << 26
 """A load of at most ~64 MiB is one span: one fetch, one verification launch group (small blocks
 are bound by per-call costs, not by the copy)."""
@@ -89,7 +96,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
     cuda = src.device.type == "cuda"
     mix = t._mix64(src.device) and src.shape[1] % 8 == 0
     arena = host_arena(t.cache) if adopt else None
-    marks = _Marks(t.trace, src.device if cuda else None)
+    marks = _Marks(_trace(t), src.device if cuda else None)
     lease = arena.take(width, n) if arena is not None else None
     try:
         pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
@@ -100,6 +107,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
     if not adopt:
         t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
     marks.mark("end")
+    marks.log("store", n, width)
     return out
 
 
@@ -129,19 +137,36 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
     landed: list[Any] = []
     sums, summed = None, None
     if cuda:
+        # The payloads go into a ring of STAGING_SLOTS device buffers (each row's header gap
+        # left) on a third stream, ahead of the copy stream, which then runs only the
+        # device->host copies, back to back: piece c is staged once the copy of piece
+        # c - STAGING_SLOTS left its slot, and copied down once staged.
         stream = t._side_stream(src.device)
+        staging_stream = t._side_stream(src.device, 2)
         current = torch.cuda.current_stream(src.device)
         stream.wait_event(t._event(src.device, 0, current))
+        staging_stream.wait_event(t._event(src.device, 0, current))
         per = max(b - a for a, b, *_ in pieces)
-        staging = torch.empty((per, width), dtype=torch.uint8, device=src.device)
-        with torch.cuda.stream(stream):
-            for c, (a, b, host, first, _) in enumerate(pieces):
-                staging[: b - a, HEADER_BYTES:].copy_(src[a:b])
+        slots = min(STAGING_SLOTS, len(pieces))
+        staging = torch.empty((slots, per, width), dtype=torch.uint8, device=src.device)
+        wide = torch.int64 if src.shape[1] % 8 == 0 else torch.uint8  # the strided copy, wider
+        step = wide.itemsize
+        src_w, staging_w = src.view(wide), staging.view(wide)
+        staged_at = 1 + 2 * len(pieces)  # pooled event indices: landed 1.., staged after sums
+        for c, (a, b, host, first, _) in enumerate(pieces):
+            slot = c % slots
+            with torch.cuda.stream(staging_stream):
+                if c >= slots:
+                    staging_stream.wait_event(landed[c - slots])
+                staging_w[slot, : b - a, HEADER_BYTES // step :].copy_(src_w[a:b])
+                staged = t._event(src.device, staged_at + c, staging_stream)
+            with torch.cuda.stream(stream):
+                stream.wait_event(staged)
                 if c == 0:
                     marks.mark("first_copy", stream)
-                host[first : first + b - a].copy_(staging[: b - a], non_blocking=True)
+                host[first : first + b - a].copy_(staging[slot, : b - a], non_blocking=True)
                 landed.append(t._event(src.device, 1 + c, stream))
-            marks.mark("copies_done", stream)
+        marks.mark("copies_done", stream)
         if mix:
             # The sums a group of pieces at a time (~VERIFY_GROUP_BYTES), each group with its
             # event: the first piece's headers wait for its group only.
@@ -221,7 +246,7 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     for dim in shape:
         payload *= dim
     width = row_bytes(payload)
-    marks = _Marks(t.trace, device if device.type == "cuda" else None)
+    marks = _Marks(_trace(t), device if device.type == "cuda" else None)
     staging = torch.empty((n, width), dtype=torch.uint8, device=device)
     stream = None
     if device.type == "cuda":
@@ -245,6 +270,7 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     t.counts["hits"] += m
     t._credit(before, hits if hits is not None else t._tier_counters(), m)
     marks.mark("end")
+    marks.log("load", n, width)
     return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
 
 
@@ -280,22 +306,29 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     device, flat = staging.device, staging.view(-1)
     context = nullcontext() if stream is None else torch.cuda.stream(stream)
     checks = None if stream is None else t._side_stream(device, 1)
-    # Step 1: what every row's first 80 header bytes must be, on the device once.
-    heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
-    head = heads.shape[1]
-    if stream is None:
-        want = torch.from_numpy(heads)
-    else:
-        host = t._scratch("want", n * head, torch.uint8)
-        host.numpy()[:] = heads.reshape(-1)
-        with context:
-            want = host.to(device, non_blocking=True).view(n, head)
     hosted: list[int] = []  # rows verified on the host (XXH3 blocks)
     verdict = torch.empty(n, dtype=torch.bool, device=device)
+    want: Any = None
+
+    def verify(a: int, ok: int, s: int) -> None:
+        """Step 3: span s (rows a .. a + ok) verified where it landed, after its copies."""
+        if checks is not None:
+            checks.wait_event(t._event(device, 1 + s, None))
+        with nullcontext() if checks is None else torch.cuda.stream(checks):
+            rows = staging[a : a + ok]
+            good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
+            mine = [r - a for r in hosted if a <= r < a + ok]
+            if mine:
+                mask = torch.zeros(ok, dtype=torch.bool)
+                mask[mine] = True
+                good |= mask.to(device)
+            verdict[a : a + ok] = good
+
     m, stop = 0, None
     keep = []  # every fetched span's blocks stay referenced until the copies are done
+    pending: list[tuple[int, int, int]] = []  # spans copied, not yet verified
     for s, (a, b) in enumerate(_spans(n, width)):
-        # Step 2: fetch the span; cheap host checks; its copies (adjacent rows in one copy).
+        # Step 1: fetch the span; cheap host checks; its copies (adjacent rows in one copy).
         try:
             datas = get_many(t.cache, keys[a:b], unverified=unverified, tier_hits=hits)
         except Exception:  # the cache boundary: a fault is a counted miss
@@ -334,19 +367,25 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 flat[row * width : row * width + end - start].copy_(
                     owner[start:end], non_blocking=True
                 )
-        # Step 3: the span verified where it landed, after its copies.
+            if want is None:
+                # Step 2 (once, after the first copies are queued): what every row's first 80
+                # header bytes must be, on the device.
+                heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
+                head = heads.shape[1]
+                if stream is None:
+                    want = torch.from_numpy(heads)
+                else:
+                    host = t._scratch("want", n * head, torch.uint8)
+                    host.numpy()[:] = heads.reshape(-1)
+                    want = host.to(device, non_blocking=True).view(n, head)
+            if stream is not None:
+                t._event(device, 1 + s, stream)  # span s (and `want`) landed
+        # The previous span is verified now, after this one's copies are queued, so the copy
+        # engine is never idle while the host launches a verification.
+        if pending:
+            verify(*pending.pop())
         if ok:
-            if checks is not None:
-                checks.wait_event(t._event(device, 1 + s, stream))
-            with nullcontext() if checks is None else torch.cuda.stream(checks):
-                rows = staging[a : a + ok]
-                good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
-                mine = [r - a for r in hosted if a <= r < a + ok]
-                if mine:
-                    mask = torch.zeros(ok, dtype=torch.bool)
-                    mask[mine] = True
-                    good |= mask.to(device)
-                verdict[a : a + ok] = good
+            pending.append((a, ok, s))
         m = a + ok
         if stop is None and ok < b - a:
             stop = "misses"
@@ -354,6 +393,9 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
             break
     if stream is not None:
         marks.mark("copies_done", stream)
+    while pending:
+        verify(*pending.pop())
+    if stream is not None:
         if checks is not None:
             marks.mark("verified", checks)
         # The verdicts and rows were written on the side streams: the caller's stream (which
@@ -446,6 +488,33 @@ def _add_row(runs: list, data: Any, width: int, row: int) -> None:
         runs.append([0, torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])
 
 
+def _trace(t: KVTiers) -> dict | None:
+    """The dict this call's time points go to: KVTiers.trace, or a fresh one under MOE_KV_TRACE."""
+    if t.trace is not None:
+        return t.trace
+    return {} if os.environ.get("MOE_KV_TRACE") else None
+
+
+def split_ms(trace: dict) -> dict:
+    """One call's time points (`_Marks`) as ms: "all" (host, start to end); with CUDA also
+    "before_first_copy" (the device idle before the first copy), "copies" (first copy start to
+    the last copy's end), "after_copies_on_device" (verification that followed), and
+    "host_after_device" (host time after the device's last event)."""
+    t0, start = trace["start"]
+    out = {"all": 1e3 * (trace["end"][0] - t0)}
+    if start is None or "first_copy" not in trace:
+        return out
+    first, done = trace["first_copy"][1], trace["copies_done"][1]
+    last = trace.get("verified", trace["copies_done"])[1]
+    last.synchronize()
+    done.synchronize()
+    out["before_first_copy"] = start.elapsed_time(first)
+    out["copies"] = first.elapsed_time(done)
+    out["after_copies_on_device"] = max(0.0, done.elapsed_time(last))
+    out["host_after_device"] = out["all"] - start.elapsed_time(last)
+    return out
+
+
 class _Marks:
     """Time points of one call into `trace` (a dict, or None: nothing recorded): name -> (host
     perf_counter seconds, a timing CUDA event recorded on the given stream or None)."""
@@ -464,3 +533,12 @@ class _Marks:
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
         self.trace[name] = (time.perf_counter(), event)
+
+    def log(self, op: str, n: int, width: int) -> None:
+        """Append this call's split to the MOE_KV_TRACE file, if set (one JSON line)."""
+        path = os.environ.get("MOE_KV_TRACE")
+        if self.trace is None or not path:
+            return
+        row = {"op": op, "blocks": n, "row_bytes": width, **split_ms(self.trace)}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")

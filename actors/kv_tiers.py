@@ -244,12 +244,14 @@ class KVTiers:
         return out
 
     def _event(self, device: torch.device, index: int, stream: Any) -> Any:
-        """Pooled CUDA event `index` of `device`, recorded on `stream` now (a call re-records the
-        same events; a wait or synchronize refers to the record before it)."""
+        """Pooled CUDA event `index` of `device`, recorded on `stream` now (None: as last
+        recorded). A call re-records the same events; a wait or synchronize refers to the
+        record before it."""
         pool = self._events.setdefault(device, [])
         while len(pool) <= index:
             pool.append(torch.cuda.Event())
-        pool[index].record(stream)
+        if stream is not None:
+            pool[index].record(stream)
         return pool[index]
 
     def _scratch(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from actors.kv_cache import KVCache, KVLayout
+from actors.kv_offload import split_ms
 from actors.kv_tiers import KVTiers
 from cache_service.block_key import prefix_block_keys
 from cache_service.codec import is_buffer_block
@@ -125,7 +126,7 @@ def main() -> int:
                     if r:
                         times[what].append(1e3 * (time.perf_counter() - t0))
                         if tiers.trace:
-                            splits[what].append(_split(tiers.trace))
+                            splits[what].append(split_ms(tiers.trace))
                     tiers.trace = None
             ok = bool(torch.equal(held["got"], held["want"])) and len(held["got"]) == args.blocks
             cache.evict(keys)
@@ -196,23 +197,6 @@ def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout
     }  # fmt: skip
     out["ok"] = out["stored"] and out["loaded"] == 5 and out["prefix_exact"] and out["dropped"]
     cache.evict(keys)
-    return out
-
-
-def _split(trace: dict) -> dict:
-    """One call's time points (kv_offload `_Marks`) as ms: GPU idle before the first copy, the
-    copies, what followed them on the device (verification), host time after, all."""
-    t0, start = trace["start"]
-    end = trace["end"][0]
-    out = {"all": 1e3 * (end - t0)}
-    if start is None or "first_copy" not in trace:
-        return out
-    first, done = trace["first_copy"][1], trace["copies_done"][1]
-    last = trace.get("verified", trace["copies_done"])[1]
-    out["before_first_copy"] = start.elapsed_time(first)
-    out["copies"] = first.elapsed_time(done)
-    out["after_copies_on_device"] = max(0.0, done.elapsed_time(last))
-    out["host_after_device"] = out["all"] - start.elapsed_time(last)
     return out
 
 

@@ -93,10 +93,11 @@ class PinnedArena:
         self._slabs: list[_Slab] = []
         self._by_ptr: dict[int, int] = {}
         """Slab index by the data pointer of its first byte."""
-        self._refs: dict[tuple[int, int], weakref.ref] = {}
-        """(slab, row) -> the weak reference to the block that owns the row."""
-        self._returned: deque[tuple[int, int]] = deque()
-        """Rows freed by callbacks or `Lease.close`, not yet marked free (drained by `take`)."""
+        self._slots: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
+        """id(weak reference to a block) -> (that reference, the block's (slab, row))."""
+        self._returned: deque = deque()
+        """Dead block references (callbacks) and (slab, row)s (`Lease.close`) not yet marked free
+        (drained by `take`)."""
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         self.reused_rows = 0
@@ -159,23 +160,39 @@ class PinnedArena:
         return len(self._slabs) - 1
 
     def _adopt(self, blocks: Sequence, adopted: set) -> None:
+        if not blocks:
+            return
         with self._lock:  # the callbacks never take it: they only append to `returned`
-            returned, refs = self._returned, self._refs
+            returned, slots = self._returned, self._slots
+            owner = blocks[0].owner
+            index = self._by_ptr.get(owner.data_ptr())
+            if index is None:
+                raise ValueError("adopt: a block outside this arena's slabs")
+            width = self._slabs[index].width
             for block in blocks:
-                index = self._by_ptr.get(block.owner.data_ptr())
-                if index is None:
-                    raise ValueError("adopt: a block outside this arena's slabs")
-                slot = (index, block.offset // self._slabs[index].width)
+                if block.owner is not owner and block.owner.data_ptr() != owner.data_ptr():
+                    raise ValueError("adopt: blocks of one call come from one slab")
+                slot = (index, block.offset // width)
                 adopted.add(slot)
-                refs[slot] = weakref.ref(block, lambda _, slot=slot: returned.append(slot))
+                # The callback is the deque's own append (no Python frame per block): it hands
+                # the dead reference over, and `_drain` finds its slot by the reference's id.
+                ref = weakref.ref(block, returned.append)
+                slots[id(ref)] = (ref, slot)
 
     def _drain(self) -> None:
         """Mark the rows freed since the last call free (under the lock)."""
-        returned = self._returned
+        returned, slots = self._returned, self._slots
+        rows: dict[int, list[int]] = {}
         while returned:
-            index, row = returned.popleft()
-            self._refs.pop((index, row), None)
-            self._slabs[index].free[row] = True
+            item = returned.popleft()
+            if isinstance(item, weakref.ref):
+                entry = slots.pop(id(item), None)
+                if entry is None:
+                    continue
+                item = entry[1]
+            rows.setdefault(item[0], []).append(item[1])
+        for index, free in rows.items():
+            self._slabs[index].free[free] = True
 
     def free_rows(self, width: int) -> int:
         with self._lock:
@@ -188,7 +205,7 @@ class PinnedArena:
     def close(self) -> None:
         """Forget the slabs (blocks still alive keep their memory through their own views)."""
         with self._lock:
-            self._slabs, self._by_ptr, self._refs = [], {}, {}
+            self._slabs, self._by_ptr, self._slots = [], {}, {}
             self._returned = deque()  # callbacks of blocks still alive append to the old one
             self._generation += 1
             self.allocated_bytes = 0
