@@ -45,9 +45,10 @@ ROUTER_TILES = {"small": (2, 2048, 4), "mid": (2, 2048, 4), "large": (2, 2048, 4
 4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens, round 7:
 a whole 2048-wide row of two experts per program); the benchmark times candidates and may
 retune."""
-SMALL_WARPS = {"softmax_topk": 4, "qk_rope_write": 4}
+SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
-one warp they need no shared memory); the benchmark times candidates and may retune."""
+one warp they need no shared memory). One warp was fastest of 1/2/4/8 on the H200 (round 7:
+rope write 7.4 -> 3.4 us, router + top-k 5.3 -> 4.2 us at 1 token); the benchmark retimes."""
 EXPERT_MAX_ROWS = 1024
 """`moe_experts` serves up to this many routed rows (decode batches); beyond, grouped GEMMs."""
 EXPERTS_ENABLED = [True]
