@@ -200,3 +200,35 @@ def test_socket_is_private_and_token_gated(ray_session, ckpt):
         assert ray.get(actor.open_step_channel.remote("not-this-node")) is None
     finally:
         replica.shutdown()
+
+
+def test_no_reply_in_time_is_a_comm_error_then_abort_and_rebuild(ray_session, ckpt, reference):
+    """A step sent to rank 0 alone blocks in its all-to-all: no reply by the deadline is a
+    CommError (a worker fault); abort through the control slot ends the blocked step, and a
+    build (which waits for the channel thread to let go of the worker) makes the replica whole."""
+    ray = ray_session
+    engine = engine_on(ray, ckpt, "ep2")
+    replica = engine.runner
+    blobs: list[bytes] = []
+    through = replica._channel_execute
+    replica._channel_execute = lambda blob: (blobs.append(blob), through(blob))[1]
+    try:
+        run(engine, {"warm": REQUESTS["greedy"]})
+        channel = replica._channels[0]
+        channel.send(blobs[-1])  # rank 1 never gets this step
+        start = time.monotonic()
+        with pytest.raises(CommError, match="rank 0: reply: TimeoutError") as caught:
+            channel.recv(start + 1.0)
+        assert is_worker_fault(caught.value) and channel.closed
+        deadline = time.monotonic() + 20
+        while not replica.health()[0]["in_step"]:
+            assert time.monotonic() < deadline, "the step never started"
+            time.sleep(0.05)
+        assert replica.abort() == [True, False]
+        replica.build()
+        assert replica.channel_ranks == (0, 1)
+        engine.reset()
+        again = run(engine, {"again": REQUESTS["greedy"]})["again"]
+        assert tokens(again) == tokens(reference["greedy"])
+    finally:
+        replica.shutdown()
