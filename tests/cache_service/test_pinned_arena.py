@@ -90,7 +90,10 @@ def test_host_tier_has_an_arena_with_cuda_or_when_asked():
                               namespace=namespace("arena"))  # fmt: skip
 
 
-def test_a_run_of_rows_is_admitted_at_once_and_a_wrong_row_is_still_refused():
+def test_a_run_of_rows_is_admitted_at_once_and_a_wrong_row_is_still_refused(monkeypatch):
+    from cache_service import store
+
+    monkeypatch.setattr(store, "RUN_CHECK_MIN_ROWS", 2)
     cache = TieredCache.from_urls(["host://?arena=1"], capacities=[1 << 20],
                                   namespace=namespace("arena"))  # fmt: skip
     arena = cache.tiers[0].arena
@@ -115,9 +118,16 @@ def test_a_run_is_checked_once_not_row_by_row(monkeypatch):
     calls = []
     real = store.check_header
     monkeypatch.setattr(store, "check_header", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(store, "RUN_CHECK_MIN_ROWS", 2)
     cache = TieredCache.from_urls(["host://?arena=1"], capacities=[1 << 20],
                                   namespace=namespace("arena"))  # fmt: skip
     keys = keys_for(6, seed=3)
     blocks = fill(cache.tiers[0].arena, keys, seed=3)
     assert cache.put_many(list(zip(keys, blocks, strict=True))) == [True] * 6
     assert len(calls) == 1
+    # A run shorter than RUN_CHECK_MIN_ROWS is checked row by row (cheaper for a few rows).
+    monkeypatch.setattr(store, "RUN_CHECK_MIN_ROWS", 64)
+    calls.clear()
+    more = keys_for(6, seed=4)
+    assert cache.put_many(list(zip(more, fill(cache.tiers[0].arena, more, seed=4), strict=True)))
+    assert len(calls) == 6
