@@ -1,13 +1,13 @@
 """Ray orchestration overhead per engine decode step (issue 7: goal under 1 ms per step).
 
-The same Engine drives the same tiny model four ways, side by side in one run:
+The same Engine drives the same tiny model five ways, side by side in one run:
 - `in-process`: `LocalRunner` (world size 1, no Ray);
 - `worker`: the ShardWorker (world size 1) called in this process through the same `ShardStep`
   (`WorkerRunner`): the worker's own bookkeeping, without Ray;
 - `ray`: a `Replica` of one ShardWorker Ray actor (world size 1) with plain calls
   (`step_channel=False`): one `execute_packed.remote` per step and one `ray.get`, the step out
   and the sampled token ids back as bytes (`actors/step_wire.py`);
-- `channel`: a `Replica` of another actor on the driver's node through its step channel
+- `channel`: a `Replica` of one actor on the driver's node through its step channel
   (`actors/step_channel.py`: the same bytes over a Unix socket, a blocking read when idle): the
   Replica's default for same-node actors;
 - `compiled`: an actor driven through a Ray compiled graph (`ray.dag`, shared-memory channels
@@ -16,7 +16,8 @@ All run the same per-sequence forwards (batch-invariant mode), so the difference
 milliseconds per decode step is the orchestration cost. Overhead (the issue's figure) = median
 ms per step through the Replica - median ms per step of the in-process runner; the paired
 figure is the median over steps of (Replica step k - in-process step k), the same step of the
-same requests. `ray - worker` is the Ray call and (de)serialisation alone.
+same requests. `ray - worker` (`channel - worker`) is the Ray call (the channel) and the step's
+(de)serialisation alone.
 
 Step 1: B requests with 16-token prompts on every engine; the first step prefills them (not
 timed).
@@ -28,8 +29,8 @@ Phases: each actor contender runs alone beside the in-process runners, its overh
 against the in-process steps of its own phase: in-process, worker and ray; then in-process,
 worker and channel; then in-process and compiled (a live compiled graph's actor polls its
 channel even when idle, most of a core on a 2-core machine, which would slow the contenders
-beside it; a plain Ray call leaves work behind in the raylet and GCS after each step, which
-lands on whichever contender steps next).
+beside it; and a plain Ray call's per-task work in the raylet and GCS, not all of it done when
+`ray.get` returns, would land on whichever contender steps next).
 """
 
 from __future__ import annotations
