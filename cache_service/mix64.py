@@ -27,8 +27,12 @@ def mix64(words: torch.Tensor, *, first: int = 0) -> torch.Tensor:
     bytes. Returns [...] int64: the sum over the last dim of the mixed words, modulo 2^64. Sums
     of disjoint position ranges add (modulo 2^64) to the sum of the whole, so a header and a
     payload can be summed on different devices. Memory: one temporary the size of `words`
-    (and one of its shifted copy).
+    (and one of its shifted copy). A small CPU input (at most NUMPY_WORDS words: the header
+    words of a store piece, summed on the host per piece) goes through numpy, whose per-call
+    cost is a fraction of torch's on such sizes; the arithmetic is the same (uint64, wrapping).
     """
+    if words.device.type == "cpu" and words.numel() <= NUMPY_WORDS:
+        return _mix64_numpy(words, first)
     x = words + _positions(first, words.shape[-1], words.device)
     x.mul_(_signed(MIX_M1))
     shifted = x >> 32  # arithmetic on int64; the mask makes it a logical shift
@@ -37,6 +41,38 @@ def mix64(words: torch.Tensor, *, first: int = 0) -> torch.Tensor:
     del shifted
     x.mul_(_signed(MIX_M2))
     return x.sum(dim=-1)
+
+
+NUMPY_WORDS = 1 << 14
+"""CPU inputs up to this many words are summed with numpy (see `mix64`)."""
+
+
+def _mix64_numpy(words: torch.Tensor, first: int) -> torch.Tensor:
+    """`mix64` in numpy uint64 arithmetic (wraps modulo 2^64, as torch's int64 does)."""
+    w = words.numpy().view(np.uint64)  # any strides (the header columns of rows, say)
+    with np.errstate(over="ignore"):
+        x = w + _positions_numpy(first, w.shape[-1])
+        x *= np.uint64(MIX_M1)
+        x ^= x >> np.uint64(32)
+        x *= np.uint64(MIX_M2)
+        total = x.sum(axis=-1, dtype=np.uint64)
+    return torch.from_numpy(np.array(total, dtype=np.uint64).view(np.int64))
+
+
+_POSITIONS_NUMPY: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _positions_numpy(first: int, count: int) -> np.ndarray:
+    """(i + 1) * P modulo 2^64 for i in first .. first + count - 1: [count] uint64 (cached)."""
+    table = _POSITIONS_NUMPY.get((first, count))
+    if table is None:
+        with np.errstate(over="ignore"):
+            table = np.arange(first + 1, first + count + 1, dtype=np.uint64) * np.uint64(MIX_P)
+        with _POSITIONS_LOCK:
+            while len(_POSITIONS_NUMPY) >= 8:
+                _POSITIONS_NUMPY.pop(next(iter(_POSITIONS_NUMPY)))
+            _POSITIONS_NUMPY[(first, count)] = table
+    return table
 
 
 def _signed(value: int) -> int:

@@ -165,3 +165,23 @@ def test_row_headers_are_the_headers_encode_rows_writes():
     want = codec.row_headers(keys, dtype=block.dtype, shape=block.shape, checksum="mix64")
     assert torch.equal(rows[:, : want.shape[1]], torch.from_numpy(want))
     assert bool(verify_rows(rows).all())
+
+
+@pytest.mark.parametrize("shape", [(7,), (10, 10), (3, 5, 12), (0, 10), (2, 4096)])
+def test_small_cpu_sums_in_numpy_equal_the_torch_ops(shape, monkeypatch):
+    """Small CPU inputs (a store piece's header words) are summed with numpy: the same values as
+    the torch ops, contiguous or not, at any first position."""
+    from cache_service import mix64 as m
+
+    words = torch.randint(-(2**63), 2**63 - 1, shape, dtype=torch.int64)
+    views = [words] + ([words[..., 1:4]] if shape[-1] >= 4 else [])
+    real, used = m._mix64_numpy, []
+    for first in (0, 12, 999):
+        monkeypatch.setattr(m, "_mix64_numpy", lambda *a: used.append(1) or real(*a))
+        fast = [m.mix64(v, first=first) for v in views]
+        monkeypatch.setattr(m, "NUMPY_WORDS", -1)  # the torch ops for everything
+        slow = [m.mix64(v, first=first) for v in views]
+        monkeypatch.undo()
+        for f, s in zip(fast, slow, strict=True):
+            assert f.dtype == torch.int64 and f.shape == s.shape and torch.equal(f, s)
+    assert len(used) == 3 * len(views)  # every one of these went through numpy
