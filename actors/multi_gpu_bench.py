@@ -240,6 +240,14 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
         t = time.perf_counter()
         hf = report.transformers_capture(ckpt, job.align_tokens, device="cpu")
         phase["transformers"] = time.perf_counter() - t
+        # Step 5: transformers in bfloat16 against its own float32 run: the routing flips the
+        # reference implementation itself shows in bf16 (the noise floor of the alignment).
+        t = time.perf_counter()
+        hf_low = report.transformers_capture(
+            ckpt, job.align_tokens, device="cpu", dtype=torch.bfloat16
+        )
+        floor = report.noise_floor(hf, hf_low, s.model["num_hidden_layers"], "bfloat16")
+        phase["transformers_bf16"] = time.perf_counter() - t
     result: dict[str, Any] = {
         "bench": "multi_gpu",
         "mode": "gpu" if s.device == "cuda" else "cpu-dry-run",
@@ -255,9 +263,11 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
     result["collectives"] = report.collectives(runs, source)
     result["topology"] = report.topology(runs)
     result["ep"] = report.ep(per_rank, result["collectives"], s.ep)
+    result["noise_floor"] = floor
     result["reference"], result["layouts"] = report.alignment(
         per_rank, hf, names, world=world, dtype=s.dtype, num_layers=s.model["num_hidden_layers"],
         tolerance=ALIGN_TOLERANCE[s.dtype], flip_budget=FLIP_BUDGET[s.dtype],
+        floor=floor,
     )  # fmt: skip
     report.planner(result, cfg, s, per_rank)
     result["goals"] = report.goals(result, judge_speed=s.device == "cuda")

@@ -12,7 +12,10 @@ Phase 3: rank 0 alone runs the single-device reference of the checkpoint (world 
 Phase 4: each layout, largest world first; ranks outside a layout's world skip it. Each builds a
          `ShardWorker` on its GPU, captures every module output of one step over the alignment
          sequences (the `capture` hook of `StageModel.forward`, as `moectl validate` does), then
-         times prefill steps of the performance batch.
+         times prefill steps of the performance batch twice: the stateless `step` (every
+         token's logits to the host) and the serving path, `execute` of one engine prefill step
+         over the paged KV cache (logits of each sequence's last token, greedy sampling), each
+         with one more step under torch.profiler (kernel time by kind, per rank).
 
 Imports only torch and our packages (no pydantic, ray, redis), so it runs on a bare GPU machine.
 Results are plain containers (they travel through `torch.save`, weights_only).
@@ -227,6 +230,11 @@ def layout_pass(rank: int, world: int, rendezvous, layout, job: RankJob) -> dict
             _sync(device)
             if i:
                 steps.append(time.perf_counter() - t0)
+        profiles = {"step": profile_summary(lambda: worker.step(batch), device)}
+        # Step 3: the serving path on the same batch (`execute`: paged KV, logits of the last
+        # token of each sequence only, greedy sampling on the last stage).
+        served = execute_pass(worker, layout, job, device)
+        profiles["execute"] = served.pop("profile")
         stage = layout.layer_range(worker.coord.pp)
         return {
             "outputs": outputs,
@@ -235,11 +243,136 @@ def layout_pass(rank: int, world: int, rendezvous, layout, job: RankJob) -> dict
             "memory_bytes": dict(result.memory_bytes),
             "layers": [stage.start, stage.stop],
             "coord": [worker.coord.pp, worker.coord.dp, worker.coord.tp],
+            **served,
+            "profile": profiles,
         }
     finally:
         worker.close()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def prefill_shard_step(tokens, layout, block_size: int):
+    """The engine step of a fresh prefill of `tokens` (one sequence each, no cached context),
+    built alike on every rank: blocks handed out in order, owners as the Replica's
+    `KVPlacement` assigns them, every sequence sampled greedily. Returns (step, num_blocks)."""
+    from actors.replica_runner import KVPlacement
+    from actors.runner import StepInput
+    from actors.sampler import RowSampling
+    from actors.worker import ShardStep
+
+    tables, slots, next_block = [], [], 0
+    for seq in tokens:
+        blocks = tuple(range(next_block, next_block + -(-len(seq) // block_size)))
+        next_block += len(blocks)
+        tables.append(blocks)
+        slots += [blocks[i // block_size] * block_size + i % block_size for i in range(len(seq))]
+    lens = tuple(len(seq) for seq in tokens)
+    step = StepInput(
+        token_ids=torch.tensor([t for seq in tokens for t in seq], dtype=torch.int64),
+        positions=torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64),
+        query_lens=lens, context_lens=lens, block_tables=tuple(tables),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        sample_seqs=tuple(range(len(tokens))),
+        sampling=tuple(
+            RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=i, step=0)
+            for i in range(len(tokens))
+        ),
+    )  # fmt: skip
+    placement = KVPlacement(dp=layout.dims.dp, num_blocks=next_block, block_size=block_size)
+    owners, copies = placement.assign(step)
+    return ShardStep(step=step, owners=owners, copies=copies), next_block
+
+
+def execute_pass(worker, layout, job: RankJob, device: torch.device) -> dict:
+    """The performance batch as one engine prefill step through `ShardWorker.execute` (what the
+    Replica sends every rank): one warm-up, `perf_steps` timed (each after a world barrier,
+    ended by a device sync), then one profiled. Returns {"execute_s", "execute_timings_s",
+    "execute_tokens" (sampled ids, for a check across layouts), "profile"}."""
+    shard, num_blocks = prefill_shard_step(job.perf_tokens, layout, EXEC_BLOCK_SIZE)
+    worker.allocate_kv(num_blocks, EXEC_BLOCK_SIZE)
+    times: list[float] = []
+    out = None
+    for i in range(1 + job.perf_steps):
+        worker.world.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = worker.execute(shard)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    profile = profile_summary(lambda: worker.execute(shard), device)
+    worker.kv = None
+    return {
+        "execute_s": times,
+        "execute_timings_s": dict(out.timings_s),
+        "execute_tokens": dict(zip(out.rows, out.token_ids, strict=True)),
+        "profile": profile,
+    }
+
+
+EXEC_BLOCK_SIZE = 16
+"""KV block size of the timed engine step (the engine's default)."""
+
+
+def profile_summary(fn, device: torch.device, *, top: int = 12) -> dict:
+    """One call of `fn` under torch.profiler: wall ms, device busy ms (sum of kernel and copy
+    times), ms per kind (gemm, attention, nccl, memcpy, triton, other) and the `top` kernels.
+    On CPU the same from CPU ops' self time (no kernels)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        _sync(device)
+    wall = time.perf_counter() - t0
+    rows = []
+    try:
+        for evt in prof.key_averages():
+            if cuda:
+                if evt.device_type != DeviceType.CUDA:
+                    continue
+                us = getattr(evt, "self_device_time_total", 0.0)
+            else:
+                us = evt.self_cpu_time_total
+            if us > 0:
+                rows.append((evt.key, us / 1e3, evt.count))
+    except (AttributeError, RuntimeError) as exc:  # a profiler API change costs the summary only
+        return {
+            "wall_ms": 1e3 * wall,
+            "busy_ms": 0.0,
+            "by_kind_ms": {},
+            "top": [],
+            "error": repr(exc),
+        }
+    rows.sort(key=lambda r: -r[1])
+    kinds: dict[str, float] = {}
+    for name, ms, _ in rows:
+        kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + ms
+    return {
+        "wall_ms": 1e3 * wall,
+        "busy_ms": sum(r[1] for r in rows),
+        "by_kind_ms": kinds,
+        "top": [[name[:90], ms, n] for name, ms, n in rows[:top]],
+    }
+
+
+_KINDS = (
+    ("nccl", ("nccl",)),
+    ("memcpy", ("memcpy", "memset")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("gemm", ("gemm", "cutlass", "sm90_", "nvjet", "cublas", "matmul", "aten::mm", "addmm", "bmm")),
+    ("triton", ("triton",)),
+)
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other")
 
 
 def rank_main(rank: int, world: int, rendezvous: Rendezvous, job: RankJob) -> dict:

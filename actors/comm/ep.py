@@ -9,6 +9,15 @@ A MoE layer calls `dispatch` after its router and `combine` after running its lo
 The EP group is the `dp x tp` ranks of a pipeline stage (DESIGN.md, "Parallel axes"). Ranks of
 one TP group hold the same tokens, so each takes its `1/tp` slice of the rows before the
 exchange and the slices are all-gathered after the combine: no expert runs a token twice.
+
+One host sync per dispatch (the row counts that size the exchange), none per combine. The rows
+go out sorted by (destination rank, expert), so the receiver rebuilds every row's expert id from
+the per-expert counts that travel in the count exchange: no id message. Only rows for other
+ranks travel through the all-to-all; the rows a rank routes to itself are gathered (dispatch) or
+copied (combine) into place while the exchange runs. The combine gathers the returned rows
+through the inverse permutation and takes each token's weighted sum of its K rows in float32 in
+one pass (`actors.kernels.fused.combine`, the world-size-1 MoE's own combine): no float32 copy
+of the rows, no scatter-add.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from actors.comm.group import Group
+from actors.kernels import fused as fused_kernels
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,9 +36,13 @@ class DispatchHandle:
     """What `combine` needs to undo a `dispatch`."""
 
     token_of_row: torch.Tensor
-    """[S] local token index of each sent row (rows sorted by destination rank)."""
-    weight_of_row: torch.Tensor
-    """[S] router weight of each sent row."""
+    """[S] local token index of each sent row (rows kept here first, then by destination rank;
+    each block by expert)."""
+    row_of_pair: torch.Tensor
+    """[n, K] the sent row of pair (token t, choice k) of this rank's n tokens (the inverse of
+    the sort)."""
+    weights: torch.Tensor
+    """[n, K] router weights of this rank's n tokens."""
     send_counts: list[int]
     """[ep] rows sent to each EP rank."""
     recv_counts: list[int]
@@ -64,6 +79,7 @@ class ExpertParallel:
             )
         self.routed = torch.zeros(num_layers, len(owner_of_expert), dtype=torch.int64)
         self.layer: int | None = None
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def for_layer(self, layer: int) -> ExpertParallel:
         """A view of this communicator that counts routing under `layer`."""
@@ -71,6 +87,19 @@ class ExpertParallel:
         view.__dict__.update(self.__dict__)
         view.layer = layer
         return view
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """On `device`, made once (no host-to-device copy per layer): owner [E]; the expert id
+        of each count slot [ep * E]; the EP ranks in received order [ep] (this rank first,
+        then the others in rank order)."""
+        if device not in self._on:
+            ep, me = self.group.size, self.group.index
+            experts = torch.arange(len(self.owner), dtype=torch.int64)
+            order = torch.tensor([me] + [r for r in range(ep) if r != me], dtype=torch.int64)
+            self._on[device] = (
+                self.owner.to(device), experts.repeat(ep).to(device), order.to(device)
+            )  # fmt: skip
+        return self._on[device]
 
     def _tp_slice(self, num_tokens: int) -> tuple[int, int]:
         """[start, end) of this TP rank's rows: `tensor_split` order (first chunks one longer)."""
@@ -83,69 +112,98 @@ class ExpertParallel:
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """x [T, H], topk_ids [T, K] global expert ids, topk_weights [T, K]
-        -> recv_x [R, H], recv_expert_ids [R] (int64, experts held here), handle."""
+        -> recv_x [R, H], recv_expert_ids [R] (int64, experts held here), handle.
+
+        Received rows: this rank's own first, then each other rank's in rank order, each
+        block sorted by expert."""
         num_tokens, k = topk_ids.shape
         start, end = self._tp_slice(num_tokens)
         ids = topk_ids[start:end].reshape(-1).to(torch.int64)
-        weights = topk_weights[start:end].reshape(-1)
-        tokens = torch.arange(end - start, device=x.device).repeat_interleave(k)
-        if self.layer is not None and self.routed.numel():
-            self.routed[self.layer] += torch.bincount(ids.cpu(), minlength=self.routed.shape[1])
+        owner, slot_expert, recv_order = self._tables(ids.device)
+        num_experts, ep, me = len(self.owner), self.group.size, self.group.index
 
-        # Step 1: order the (token, k) rows by destination rank.
-        dest = self.owner.to(ids.device)[ids]
-        order = torch.argsort(dest, stable=True)
-        ids, weights, tokens = ids[order], weights[order], tokens[order]
-        send_counts = torch.bincount(dest, minlength=self.group.size)
+        # Step 1: order the (token, k) pairs: those staying here first, then by destination
+        # rank, each block by expert; count each (destination, expert) bucket on the device.
+        dest = owner[ids]
+        bucket = dest * num_experts + ids
+        order = torch.argsort((dest != me) * (ep * num_experts) + bucket, stable=True)
+        row_of_pair = torch.empty_like(order)
+        row_of_pair[order] = torch.arange(order.numel(), device=order.device)
+        tokens = torch.div(order, k, rounding_mode="floor")
         local_x = x[start:end]
-        if self.group.size == 1:
-            handle = DispatchHandle(
-                token_of_row=tokens,
-                weight_of_row=weights,
-                send_counts=[len(ids)],
-                recv_counts=[len(ids)],
-                num_tokens=num_tokens,
-                row_slice=(start, end),
-            )
-            return local_x[tokens], ids, handle
+        counts = torch.zeros(ep * num_experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, bucket, torch.ones_like(bucket))
 
-        # Step 2: exchange the per-rank row counts, so every receiver can size its buffers.
-        recv_counts = torch.empty_like(send_counts)
-        ones = [1] * self.group.size
-        self.group.all_to_all(recv_counts, send_counts, ones, ones)
-        send_list, recv_list = send_counts.tolist(), recv_counts.tolist()
+        def handle(send: list[int], recv: list[int]) -> DispatchHandle:
+            return DispatchHandle(
+                token_of_row=tokens, row_of_pair=row_of_pair.view(end - start, k),
+                weights=topk_weights[start:end], send_counts=send, recv_counts=recv,
+                num_tokens=num_tokens, row_slice=(start, end),
+            )  # fmt: skip
 
-        # Step 3: send the rows and their expert ids.
-        received = sum(recv_list)
-        recv_x = x.new_empty((received, x.shape[1]))
-        self.group.all_to_all(recv_x, local_x[tokens].contiguous(), recv_list, send_list)
-        recv_ids = ids.new_empty(received)
-        self.group.all_to_all(recv_ids, ids.contiguous(), recv_list, send_list)
-        handle = DispatchHandle(
-            token_of_row=tokens,
-            weight_of_row=weights,
-            send_counts=send_list,
-            recv_counts=recv_list,
-            num_tokens=num_tokens,
-            row_slice=(start, end),
+        counting = self.layer is not None and self.routed.numel() > 0
+        if ep == 1:
+            if counting:
+                self.routed[self.layer] += counts.cpu()
+            n = ids.numel()
+            return local_x.index_select(0, tokens), ids[order], handle([n], [n])
+
+        # Step 2: exchange the per-(rank, expert) counts; the one host sync of the step reads
+        # the row counts per rank (and the routing statistics, when counted).
+        recv = torch.empty_like(counts)
+        self.group.all_to_all(recv, counts, [num_experts] * ep, [num_experts] * ep)
+        per_rank = torch.cat([counts.view(ep, -1).sum(1), recv.view(ep, -1).sum(1)])
+        if counting:
+            per_rank = torch.cat([per_rank, counts.view(ep, -1).sum(0)])
+        host = per_rank.tolist()
+        send_list, recv_list = host[:ep], host[ep : 2 * ep]
+        if counting:
+            self.routed[self.layer] += torch.tensor(host[2 * ep :], dtype=torch.int64)
+
+        # Step 3: the rows for other ranks go out while the rows staying here are gathered
+        # straight into their place; each received row's expert follows from the counts.
+        own = send_list[me]
+        recv_x = x.new_empty((sum(recv_list), x.shape[1]))
+        remote = local_x.index_select(0, tokens[own:])
+        work = self._exchange(recv_x[own:], remote, recv_list, send_list)
+        torch.index_select(local_x, 0, tokens[:own], out=recv_x[:own])
+        self.group.wait(work, "all_to_all")
+        by_source = recv.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
+        slots = slot_expert.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
+        recv_ids = torch.repeat_interleave(slots, by_source, output_size=recv_x.shape[0])
+        return recv_x, recv_ids, handle(send_list, recv_list)
+
+    def _exchange(self, output, tensor, output_counts, input_counts):
+        """Start `all_to_all_single` of the rows for other ranks (this rank's own split 0);
+        returns the work to `self.group.wait`."""
+        me = self.group.index
+        out_splits = [0 if r == me else n for r, n in enumerate(output_counts)]
+        in_splits = [0 if r == me else n for r, n in enumerate(input_counts)]
+        return dist.all_to_all_single(
+            output, tensor, out_splits, in_splits, group=self.group.pg, async_op=True
         )
-        return recv_x, recv_ids, handle
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y [R, H] expert outputs of the received rows -> out [T, H] = sum_k w[t, k] * y[t, k]."""
-        # Step 1: send every row back to the rank it came from, in that rank's sent order.
+        # Step 1: send every row back to the rank it came from, in that rank's sent order; the
+        # rows that stayed here are copied into place meanwhile.
         if self.group.size == 1:
             back = y
         else:
+            own = handle.send_counts[self.group.index]
             back = y.new_empty((sum(handle.send_counts), y.shape[1]))
-            self.group.all_to_all(back, y.contiguous(), handle.send_counts, handle.recv_counts)
+            work = self._exchange(
+                back[own:], y[own:].contiguous(), handle.send_counts, handle.recv_counts
+            )
+            back[:own].copy_(y[:own])
+            self.group.wait(work, "all_to_all")
 
-        # Step 2: weight by the router and sum the K rows of each token.
+        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding).
         start, end = handle.row_slice
-        out = torch.zeros((end - start, y.shape[1]), dtype=torch.float32, device=y.device)
-        weighted = back.to(torch.float32) * handle.weight_of_row.to(torch.float32)[:, None]
-        out.index_add_(0, handle.token_of_row, weighted)
-        out = out.to(y.dtype)
+        if end > start:
+            out = fused_kernels.combine(back, handle.row_of_pair, handle.weights)
+        else:
+            out = y.new_zeros((0, y.shape[1]))
         if self.tp.size == 1:
             return out
 

@@ -81,6 +81,22 @@ def test_dry_run_aligns_every_layout_and_writes_the_json(dry_run):
         assert ep[phase]["ms"] > 0 and ep[phase]["busbw_GBps"] > 0
     for entry in [result["reference"], *result["layouts"]]:
         assert entry["step_ms"] > 0 and entry["predicted_ms"] > 0
+        # The engine prefill step ran on every rank and sampled every sequence once.
+        assert entry["execute_ms"] > 0
+        assert sorted(map(int, entry["execute_tokens"])) == list(range(4))
+        assert entry["prediction_error"] == pytest.approx(
+            (entry["predicted_ms"] - entry["execute_ms"]) / entry["execute_ms"]
+        )
+        assert len(entry["profile"]) == entry["world"]
+        assert all(p["execute"]["wall_ms"] > 0 and p["step"]["top"] for p in entry["profile"])
+    for entry in result["layouts"]:
+        assert entry["execute_tokens_as_single"] == 1.0  # float32: the same greedy tokens
+    # The noise floor: transformers bf16 against its float32 run, one figure per router.
+    floor = result["noise_floor"]
+    assert len(floor["router_flips"]) == num_layers and floor["max_rel_err"] > 0
+    for entry in [*result["layouts"], result["reference"]["vs_transformers"]]:
+        assert entry["mean_flips"] == 0.0 and entry["within_noise_floor"]
+    assert result["goals"]["aligned_noise_floor"]["met"] is None  # judged in bf16 only
     assert result["goals"]["aligned"]["met"] is True
     assert result["goals"]["ep_busbw"]["met"] is None  # speed is not judged on CPU
     assert result["goals"]["planner"]["met"] is None
@@ -112,6 +128,29 @@ def test_alignment_names_the_first_module_that_diverges():
     _, layouts = report.alignment(per_rank, hf, ["ep2"], **kwargs)
     assert not layouts[0]["aligned"]
     assert layouts[0]["first_divergence"].startswith("model.layers.0.self_attn ")
+
+
+def _ids(rows: list[list[int]]) -> list[torch.Tensor]:
+    return [torch.tensor(rows)]
+
+
+def test_router_flips_count_only_tokens_that_agreed_at_every_earlier_router():
+    ref = {"model.layers.0.mlp.gate.topk_ids": _ids([[0, 1], [2, 3], [4, 5], [6, 7]]),
+           "model.layers.1.mlp.gate.topk_ids": _ids([[0, 1], [2, 3], [4, 5], [6, 7]])}  # fmt: skip
+    got = {"model.layers.0.mlp.gate.topk_ids": _ids([[1, 0], [2, 4], [4, 5], [6, 7]]),
+           "model.layers.1.mlp.gate.topk_ids": _ids([[0, 1], [0, 1], [4, 6], [6, 7]])}  # fmt: skip
+    # Layer 0: token 1 flipped (order inside the set does not count). Layer 1: token 1 is no
+    # longer compared, token 2 flipped: 1 of the 3 tokens still kept.
+    assert report.router_flips(ref, got, 2) == [0.25, pytest.approx(1 / 3)]
+    floor = {"mean_flips": 0.3}
+    entry = {"layers": [{"rel_err": 0.01}]}
+    verdict = report._floor_verdict(entry, [0.25, 1 / 3], floor, 0.05, 0.05)
+    assert verdict["within_noise_floor"] and verdict["allowed_mean_flips"] == 0.3
+    assert not report._floor_verdict(entry, [0.25, 1 / 3], {"mean_flips": 0.2}, 0.05, 0.05)[
+        "within_noise_floor"
+    ]
+    entry_off = {"layers": [{"rel_err": 0.06}]}
+    assert not report._floor_verdict(entry_off, [0.0], floor, 0.05, 0.05)["within_noise_floor"]
 
 
 def _row(size: int, busbw: float) -> NcclRow:
