@@ -166,7 +166,7 @@ class MoE(nn.Module):
         if small and fused_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
             y_sorted = fused_kernels.moe_experts(x, src, offsets, ex.w_gate_up, ex.w_down)
         else:
-            y_sorted = ex(x[src], counts, offsets)
+            y_sorted = ex(x.index_select(0, src), counts, offsets)  # = x[src], ~3x faster on CPU
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         pairs = pos.view(t, k)
         if capture is None:
