@@ -122,17 +122,24 @@ class ExpertParallel:
         owner, slot_expert, recv_order = self._tables(ids.device)
         num_experts, ep, me = len(self.owner), self.group.size, self.group.index
 
-        # Step 1: order the (token, k) pairs: those staying here first, then by destination
-        # rank, each block by expert; count each (destination, expert) bucket on the device.
+        # Step 1: count each (destination, expert) bucket on the device (a scatter-add, no
+        # sync) and start the count exchange, so that it runs during the sort.
         dest = owner[ids]
         bucket = dest * num_experts + ids
-        order = torch.argsort((dest != me) * (ep * num_experts) + bucket, stable=True)
+        counts = torch.zeros(ep * num_experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+        recv = torch.empty_like(counts)
+        splits = [num_experts] * ep
+        pending = self._all_to_all(recv, counts, splits, splits) if ep > 1 else None
+
+        # Step 2: order the (token, k) pairs: those staying here first, then by destination
+        # rank, each block by expert (int32 keys: half the radix passes of int64).
+        key = ((dest != me) * (ep * num_experts) + bucket).to(torch.int32)
+        order = torch.argsort(key, stable=True)
         row_of_pair = torch.empty_like(order)
         row_of_pair[order] = torch.arange(order.numel(), device=order.device)
         tokens = torch.div(order, k, rounding_mode="floor")
         local_x = x[start:end]
-        counts = torch.zeros(ep * num_experts, dtype=torch.int64, device=ids.device)
-        counts.scatter_add_(0, bucket, torch.ones_like(bucket))
 
         def handle(send: list[int], recv: list[int]) -> DispatchHandle:
             return DispatchHandle(
@@ -148,10 +155,9 @@ class ExpertParallel:
             n = ids.numel()
             return local_x.index_select(0, tokens), ids[order], handle([n], [n])
 
-        # Step 2: exchange the per-(rank, expert) counts; the one host sync of the step reads
-        # the row counts per rank (and the routing statistics, when counted).
-        recv = torch.empty_like(counts)
-        self.group.all_to_all(recv, counts, [num_experts] * ep, [num_experts] * ep)
+        # Step 3: the one host sync of the step reads the row counts per rank (and the routing
+        # statistics, when counted).
+        self.group.wait(pending, "all_to_all of the counts")
         per_rank = torch.cat([counts.view(ep, -1).sum(1), recv.view(ep, -1).sum(1)])
         if counting:
             per_rank = torch.cat([per_rank, counts.view(ep, -1).sum(0)])
@@ -160,28 +166,33 @@ class ExpertParallel:
         if counting:
             self.routed[self.layer] += torch.tensor(host[2 * ep :], dtype=torch.int64)
 
-        # Step 3: the rows for other ranks go out while the rows staying here are gathered
-        # straight into their place; each received row's expert follows from the counts.
+        # Step 4: the rows for other ranks go out while the rows staying here are gathered
+        # straight into their place and each received row's expert follows from the counts.
         own = send_list[me]
         recv_x = x.new_empty((sum(recv_list), x.shape[1]))
         remote = local_x.index_select(0, tokens[own:])
         work = self._exchange(recv_x[own:], remote, recv_list, send_list)
         torch.index_select(local_x, 0, tokens[:own], out=recv_x[:own])
-        self.group.wait(work, "all_to_all")
         by_source = recv.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
         slots = slot_expert.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
         recv_ids = torch.repeat_interleave(slots, by_source, output_size=recv_x.shape[0])
+        self.group.wait(work, "all_to_all")
         return recv_x, recv_ids, handle(send_list, recv_list)
 
-    def _exchange(self, output, tensor, output_counts, input_counts):
-        """Start `all_to_all_single` of the rows for other ranks (this rank's own split 0);
-        returns the work to `self.group.wait`."""
-        me = self.group.index
-        out_splits = [0 if r == me else n for r, n in enumerate(output_counts)]
-        in_splits = [0 if r == me else n for r, n in enumerate(input_counts)]
+    def _all_to_all(self, output, tensor, output_splits, input_splits):
+        """Start `all_to_all_single`; returns the work to `self.group.wait`."""
         return dist.all_to_all_single(
-            output, tensor, out_splits, in_splits, group=self.group.pg, async_op=True
+            output, tensor, output_splits, input_splits, group=self.group.pg, async_op=True
         )
+
+    def _exchange(self, output, tensor, output_counts, input_counts):
+        """Start the all-to-all of the rows for other ranks (this rank's own split 0)."""
+        me = self.group.index
+        return self._all_to_all(
+            output, tensor,
+            [0 if r == me else n for r, n in enumerate(output_counts)],
+            [0 if r == me else n for r, n in enumerate(input_counts)],
+        )  # fmt: skip
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y [R, H] expert outputs of the received rows -> out [T, H] = sum_k w[t, k] * y[t, k]."""
