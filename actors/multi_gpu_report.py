@@ -494,10 +494,10 @@ def table(result: dict) -> str:
         for r, prof in enumerate(e.get("profile", [])):
             ex = prof["execute"]
             lines.append(
-                f"profile {e['layout']} rank {r} exec: wall {ex['wall_ms']:.1f} ms, device busy "
+                f"profile {e['layout']} rank {r} exec: wall (profiled) {ex['wall_ms']:.1f} ms, busy "
                 f"{ex['busy_ms']:.1f} ms ("
                 + ", ".join(f"{k} {v:.1f}" for k, v in sorted(ex["by_kind_ms"].items()))
-                + f"); step: wall {prof['step']['wall_ms']:.1f} ms, busy "
+                + f"); step: wall (profiled) {prof['step']['wall_ms']:.1f} ms, busy "
                 f"{prof['step']['busy_ms']:.1f} ms"
             )
     topo = result["topology"]
