@@ -325,7 +325,7 @@ class Engine:
         sample_seqs, sampling = [], []
         for i, (seq, n) in enumerate(batch):
             start, stop = seq.num_computed, seq.num_computed + n
-            tokens += seq.tokens[start:stop]
+            tokens += seq.token_slice(start, stop)
             positions += range(start, stop)
             slots += slots_for(seq.block_table, start, stop, self.block_size)
             if stop == seq.num_tokens:

@@ -156,6 +156,7 @@ def build_engine(
     timeout_s: float = 60.0,
     actors: Sequence | None = None,
     compiled_graph: bool = False,
+    step_channel: bool = True,
     bundles=None,
     placement_group=None,
     cache_key_secret: bytes | None = None,
@@ -166,7 +167,9 @@ def build_engine(
     `layout` is a shorthand (`placement.parallel_dims.parse_layout`: "ep2", "pp2", "tp2",
     "ep2xpp2", ...) split evenly (layers over stages, contiguous experts over EP ranks).
     `compiled_graph` sends each step through a Ray compiled graph instead of one plain actor
-    call per rank (see `Replica`, and why it is off by default).
+    call per rank (see `Replica`, and why it is off by default); otherwise `step_channel`
+    (default) sends it over a Unix socket to each rank on this process's node
+    (`actors/step_channel.py`) and `False` keeps plain actor calls for every rank.
     `bundles` (BundleSpecs: `placement.bundles.bundle_specs(plan)` or `layout_bundle_specs`)
     starts rank r in bundle r of a placement group created here and removed at shutdown;
     `placement_group` uses one the caller made (and keeps).
@@ -195,6 +198,7 @@ def build_engine(
         timeout_s=timeout_s,
         actors=actors,
         compiled_graph=compiled_graph,
+        step_channel=step_channel,
         bundles=bundles,
         placement_group=placement_group,
     )

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from actors.arch import ArchConfig
@@ -236,9 +237,10 @@ class LocalRunner:
         q = self.table_quantum
         width = max(len(t) for t in step.block_tables)
         width = -(-width // q) * q
-        tables = torch.zeros(b, width, dtype=torch.int32)
+        rows = np.zeros((b, width), dtype=np.int32)  # one tensor, not one per row
         for i, table in enumerate(step.block_tables):
-            tables[i, : len(table)] = torch.as_tensor(table, dtype=torch.int32)
+            rows[i, : len(table)] = table
+        tables = torch.from_numpy(rows)
         inputs = {
             "tokens": step.token_ids,
             "positions": step.positions,

@@ -60,6 +60,16 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """`tokens[start:stop]` without joining prompt and output (a decode step of a long
+        context would copy the whole sequence for one token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:

@@ -6,11 +6,14 @@ installed, or on the CPU under `TRITON_INTERPRET=1` (the CI correctness check).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether Triton is installed (looked up once: it is asked on every kernel call)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -570,7 +570,7 @@ def combine(
     t, k = pos.shape
     hid = y_sorted.shape[1]
     if not use_triton(y_sorted):
-        ys = y_sorted[pos.reshape(-1)].view(t, k, hid)
+        ys = y_sorted.index_select(0, pos.reshape(-1)).view(t, k, hid)
         out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
         return out if residual is None else out + residual
     out = torch.empty(t, hid, dtype=y_sorted.dtype, device=y_sorted.device)

@@ -96,3 +96,12 @@ def test_bad_config():
         SchedulerConfig(max_num_batched_tokens=0, max_num_seqs=1)
     with pytest.raises(InputError):
         SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=1, chunk_size=5)
+
+
+def test_token_slice_equals_the_joined_tokens_for_every_range():
+    seq = _seq("r", 5)
+    seq.output_token_ids.extend([100, 101, 102])
+    joined = seq.tokens
+    for start in range(len(joined) + 1):
+        for stop in range(start, len(joined) + 1):
+            assert seq.token_slice(start, stop) == joined[start:stop], (start, stop)
