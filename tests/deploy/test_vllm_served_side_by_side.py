@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from deploy.vllm_served_side_by_side import _descendants, _vm_hwm, served_goals
+from deploy.vllm_served_side_by_side import _descendants, _pss, _vm_hwm, served_goals
 
 
 def test_descendants_and_peak_rss_of_a_process_tree():
@@ -17,10 +17,13 @@ def test_descendants_and_peak_rss_of_a_process_tree():
         assert child.pid in tree
         assert _vm_hwm(os.getpid()) > 10 << 20  # a Python with pytest holds more than 10 MiB
         assert _vm_hwm(child.pid) > 0
+        # PSS shares a page among the processes mapping it: never above the process's RSS peak
+        assert 0 < _pss(child.pid) <= _vm_hwm(child.pid)
     finally:
         child.kill()
         child.wait()
     assert _vm_hwm(child.pid) == 0  # gone: counts nothing
+    assert _pss(child.pid) == 0
 
 
 def _row(tps: list[float], startup: float, rss: int) -> dict:
@@ -42,3 +45,13 @@ def test_goals_need_half_of_vllm_at_every_level():
         "served_startup_below_vllm": False,
         "served_memory_below_vllm": False,
     }
+
+
+def test_memory_by_pss_is_judged_only_where_both_rows_have_it():
+    vllm = {**_row([100.0, 400.0, 800.0], startup=30.0, rss=2 << 30), "pss_bytes": 2 << 30}
+    ours = {**_row([50.0, 200.0, 400.0], startup=20.0, rss=3 << 30), "pss_bytes": 1 << 30}
+    goals = served_goals(ours, vllm)
+    assert goals["served_memory_below_vllm"] is False  # by the VmHWM sum
+    assert goals["served_memory_pss_below_vllm"] is True
+    ours["pss_bytes"] = 5 << 30
+    assert served_goals(ours, vllm)["served_memory_pss_below_vllm"] is False
