@@ -76,7 +76,8 @@ def _swiglu_per_expert(
     """`grouped_swiglu` on the CPU: two matrix products per expert that received rows, over its
     contiguous slice of x_sorted. Unlike the padded batch it reads no idle expert's weights (a
     decode token uses K of E experts), pads no rows and copies none: on the CPU the row counts
-    are on the host already."""
+    are on the host already. Works under autograd too (`moectl adapt` checks operators with
+    gradients on)."""
     out = x_sorted.new_empty(x_sorted.shape[0], w_down.shape[1])
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -84,7 +85,7 @@ def _swiglu_per_expert(
             continue
         rows = slice(start, start + n)
         gate, up = torch.mm(x_sorted[rows], w_gate_up[e].t()).chunk(2, dim=-1)
-        torch.mm(F.silu(gate) * up, w_down[e].t(), out=out[rows])
+        out[rows] = torch.mm(F.silu(gate) * up, w_down[e].t())  # not out=: autograd may be on
         start += n
     return out
 
