@@ -33,6 +33,7 @@ import torch
 
 from actors import gpu_bench_parts as parts
 from actors import gpu_checks as checks
+from actors import gpu_tune
 from actors.engine import Engine, SamplingParams
 from actors.gpu_bench_parts import log
 from actors.kernels import fused
@@ -142,16 +143,7 @@ class EngineBench:
         graphs = getattr(self.runner, "graphs", None)
         if graphs is None or graphs.last not in graphs.graphs:
             return None
-        graph = graphs.graphs[graphs.last][0]
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[2]
+        return gpu_tune.replay_ms(graphs.graphs[graphs.last][0])
 
     def profile(self, what: str, fn) -> str:
         """The top device kernels of one call of fn (torch.profiler), as a table."""

@@ -220,16 +220,7 @@ def layout_pass(rank: int, world: int, rendezvous, layout, job: RankJob) -> dict
         records.clear()
         # Step 2: one warm-up and `perf_steps` timed prefill steps, each after a world barrier.
         batch = StepBatch(token_ids=job.perf_tokens)
-        steps: list[float] = []
-        result = None
-        for i in range(1 + job.perf_steps):
-            worker.world.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            result = worker.step(batch)
-            _sync(device)
-            if i:
-                steps.append(time.perf_counter() - t0)
+        steps, result = timed_steps(lambda: worker.step(batch), worker, job.perf_steps, device)
         profiles = {"step": profile_summary(lambda: worker.step(batch), device)}
         # Step 3: the serving path on the same batch (`execute`: paged KV, logits of the last
         # token of each sequence only, greedy sampling on the last stage).
@@ -284,6 +275,22 @@ def prefill_shard_step(tokens, layout, block_size: int):
     return ShardStep(step=step, owners=owners, copies=copies), next_block
 
 
+def timed_steps(step, worker, count: int, device: torch.device) -> tuple[list[float], object]:
+    """One warm-up `step()` and `count` timed ones, each started after a world barrier and ended
+    by a device sync; returns (seconds of the timed ones, the last result)."""
+    times: list[float] = []
+    result = None
+    for i in range(1 + count):
+        worker.world.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        result = step()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times, result
+
+
 def execute_pass(worker, layout, job: RankJob, device: torch.device) -> dict:
     """The performance batch as one engine prefill step through `ShardWorker.execute` (what the
     Replica sends every rank): one warm-up, `perf_steps` timed (each after a world barrier,
@@ -291,16 +298,7 @@ def execute_pass(worker, layout, job: RankJob, device: torch.device) -> dict:
     "execute_tokens" (sampled ids, for a check across layouts), "profile"}."""
     shard, num_blocks = prefill_shard_step(job.perf_tokens, layout, EXEC_BLOCK_SIZE)
     worker.allocate_kv(num_blocks, EXEC_BLOCK_SIZE)
-    times: list[float] = []
-    out = None
-    for i in range(1 + job.perf_steps):
-        worker.world.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        out = worker.execute(shard)
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
+    times, out = timed_steps(lambda: worker.execute(shard), worker, job.perf_steps, device)
     profile = profile_summary(lambda: worker.execute(shard), device)
     worker.kv = None
     return {

@@ -98,41 +98,57 @@ def train_tokenizer():
     return fast
 
 
-def build_model(vocab_size: int, eos_ids: list[int]):
-    """The random-weight Qwen3-MoE model (float32, 2 layers, 8 experts, top-2)."""
+DEMO_SHAPE: dict[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": MAX_POSITIONS,
+}
+
+
+def build_model(
+    vocab_size: int,
+    eos_ids: list[int],
+    *,
+    shape: dict[str, int] | None = None,
+    seed: int = SEED,
+    norm_noise: float = 0.0,
+):
+    """A random-weight Qwen3-MoE model in float32 (`shape`: Qwen3MoeConfig size fields, the
+    demo's 2 layers, 8 experts, top-2 by default). Router weights are scaled up so the expert
+    choice is decisive (routing bugs change tokens); `norm_noise` > 0 also makes the norm
+    weights differ from ones (so a norm left out shows)."""
     import torch
     import transformers
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=None,
         eos_token_id=eos_ids,
         pad_token_id=eos_ids[0],
+        **(DEMO_SHAPE if shape is None else shape),
     )
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    # Larger router weights make the expert choice decisive, so routing bugs change tokens.
-    gen = torch.Generator().manual_seed(SEED + 1)
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+            elif norm_noise and name.endswith("norm.weight"):
+                param.copy_(1.0 + norm_noise * torch.randn(param.shape, generator=gen))
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = eos_ids[0]
     return model

@@ -48,40 +48,15 @@ def _stamp(overrides: dict[str, Any]) -> dict[str, Any]:
 
 def write_checkpoint(path: str | Path, **overrides: Any) -> Path:
     """Build the tokenizer and the model into `path` (`overrides`: Qwen3MoeConfig fields)."""
-    import torch
-    import transformers
-
-    from deploy.demo_checkpoint import EOS_TOKEN, IM_END, train_tokenizer
+    from deploy.demo_checkpoint import EOS_TOKEN, IM_END, build_model, train_tokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     tokenizer.model_max_length = int(overrides.get("max_position_embeddings", 4096))
     eos = [tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(IM_END)]
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None,
-        eos_token_id=eos,
-        pad_token_id=eos[0],
-        **{**SHAPE, **overrides},
-    )
-    torch.manual_seed(SEED)
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(SEED + 1)
-    with torch.no_grad():  # decisive routing, and norms that are not all ones
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-            elif name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos[0]
+    shape = {**SHAPE, **overrides}
+    model = build_model(len(tokenizer), eos, shape=shape, seed=SEED, norm_noise=0.2)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

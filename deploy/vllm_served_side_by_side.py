@@ -90,26 +90,25 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _vm_hwm(pid: int) -> int:
-    """Peak resident set of one process in bytes (0 when it is gone)."""
+def _proc_kib(path: str, field: str) -> int:
+    """A "Field:   N kB" line of a /proc file, in bytes (0 when the process is gone)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _vm_hwm(pid: int) -> int:
+    """Peak resident set of one process in bytes (0 when it is gone)."""
+    return _proc_kib(f"/proc/{pid}/status", "VmHWM")
 
 
 def _pss(pid: int) -> int:
     """Proportional set size of one process in bytes now (0 when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_kib(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
 def _omp_threads(pid: int) -> str | None:
@@ -203,16 +202,16 @@ def spawn(engine: str, model: Path, layout: str = "single") -> dict[str, Any]:
     `engine: vllm`'s runtime_env)."""
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    done = subprocess.run(
-        [sys.executable, "-m", "deploy.vllm_served_side_by_side", engine, str(model), layout],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=1800,
-    )
+    argv = [sys.executable, "-m", "deploy.vllm_served_side_by_side", engine, str(model), layout]
+    return child_json(argv, env, f"served {engine}")
+
+
+def child_json(argv: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """Run `argv` to the end and return the JSON object on its last stdout line; a non-zero
+    exit raises with the tail of its stderr."""
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"served {engine}: exit {done.returncode}: {done.stderr[-3000:]}")
+        raise RuntimeError(f"{what}: exit {done.returncode}: {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

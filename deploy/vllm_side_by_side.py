@@ -34,7 +34,6 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -176,17 +175,10 @@ def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, An
             raise EnvironmentMissing("the vLLM venv is not built: python -m deploy.vllm_env ensure")
         python = str(found)
     load = os.getloadavg()[0]
-    done = subprocess.run(
-        [python, "-m", "deploy.vllm_side_by_side", "--engine", engine, "--model", str(model)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=1800,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{engine}: exit {done.returncode}: {done.stderr[-2000:]}")
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    from deploy.vllm_served_side_by_side import child_json
+
+    argv = [python, "-m", "deploy.vllm_side_by_side", "--engine", engine, "--model", str(model)]
+    row = child_json(argv, env, engine)
     # the machine is shared: each row's 1-minute load average before and after it ran
     return {**row, "loadavg_1m": (load, os.getloadavg()[0])}
 

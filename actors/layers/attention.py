@@ -64,14 +64,22 @@ def attend(
         qs = q[start:stop].transpose(0, 1)
         ks = k[start:stop].transpose(0, 1).repeat_interleave(rep, dim=0)
         vs = v[start:stop].transpose(0, 1).repeat_interleave(rep, dim=0)
-        i = torch.arange(n, device=q.device)
-        mask = i[None, :] <= i[:, None]
-        if window is not None:
-            mask &= i[None, :] > i[:, None] - window
+        mask = causal_mask(n, n, window, q.device)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[start:stop] = o.transpose(0, 1)
         start = stop
     return out
+
+
+def causal_mask(n: int, ctx: int, window: int | None, device) -> torch.Tensor:
+    """[n, ctx] bool: the last n of ctx positions each see the keys up to themselves (the
+    bottom-right causal mask), and only the last `window` of those when a window is set."""
+    i = torch.arange(ctx - n, ctx, device=device)
+    j = torch.arange(ctx, device=device)
+    mask = j[None, :] <= i[:, None]
+    if window is not None:
+        mask &= j[None, :] > i[:, None] - window
+    return mask
 
 
 def paged_attend(
@@ -113,11 +121,7 @@ def paged_attend(
             outs.append(_fresh_causal(qs, k, v, scale))
             start += n
             continue
-        i = torch.arange(ctx - n, ctx, device=q.device)
-        j = torch.arange(ctx, device=q.device)
-        mask = j[None, :] <= i[:, None]
-        if window is not None:
-            mask &= j[None, :] > i[:, None] - window
+        mask = causal_mask(n, ctx, window, q.device)
         o = F.scaled_dot_product_attention(
             qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
         )
@@ -200,11 +204,7 @@ def _cpu_paged_attend(
         if window is None and ctx == n:
             causal = n > 1
         elif window is not None or n > 1:
-            i = torch.arange(ctx - n, ctx, device=q.device)
-            j = torch.arange(ctx, device=q.device)
-            mask = j[None, :] <= i[:, None]
-            if window is not None:
-                mask &= j[None, :] > i[:, None] - window
+            mask = causal_mask(n, ctx, window, q.device)
         o = F.scaled_dot_product_attention(
             qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
             is_causal=causal, scale=scale, enable_gqa=grouped,
