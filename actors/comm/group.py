@@ -22,6 +22,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+WAIT_SLICE = timedelta(milliseconds=20)
+"""How long one blocking wait on a gloo collective lasts before the abort flag and the deadline
+are checked again."""
+
 
 class CommError(RuntimeError):
     """A collective did not complete; the world must be rebuilt with a fresh rendezvous."""
@@ -103,8 +107,9 @@ class Group:
     def wait(self, work, what: str, *, p2p: bool = False) -> None:
         """Block until `work` completes; raise on timeout, abort, or a peer's failure.
 
-        gloo runs collectives on its own threads and reports completion through
-        `is_completed`, so polling it keeps this thread free to notice an abort. gloo's
+        gloo runs collectives on its own threads; `wait` is a condition-variable wait cut into
+        `WAIT_SLICE`s, so this thread wakes at completion (no polling delay: a sleep-and-poll
+        loop added ~90 us to a ~130 us collective) and between slices notices an abort. gloo's
         point-to-point works only complete inside `wait`, so `p2p=True` waits on a helper
         thread instead. NCCL's `wait` only orders the CUDA stream; its watchdog enforces the
         process-group timeout and `abort` tears the communicator down.
@@ -125,20 +130,20 @@ class Group:
             self._wait_on_thread(work, what)
             return
         deadline = time.monotonic() + self.timeout_s
-        delay = 1e-5
-        while not work.is_completed():
-            self._check(what, deadline)
-            time.sleep(delay)
-            delay = min(2 * delay, 2e-3)
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            if "imed out" in str(exc):  # the backend's own timeout fired before our deadline
-                raise CollectiveTimeout(
-                    f"{what} on {self.axis} group {self.ranks} (rank {self.ranks[self.index]}) "
-                    f"did not complete within {self.timeout_s:g} s"
-                ) from exc
-            raise CommError(f"{what} on {self.axis} group {self.ranks} failed: {exc}") from exc
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError as exc:
+                if not work.is_completed():  # only this slice ended: the collective runs on
+                    self._check(what, deadline)
+                    continue
+                if "imed out" in str(exc):  # the backend's own timeout fired before our deadline
+                    raise CollectiveTimeout(
+                        f"{what} on {self.axis} group {self.ranks} (rank {self.ranks[self.index]}) "
+                        f"did not complete within {self.timeout_s:g} s"
+                    ) from exc
+                raise CommError(f"{what} on {self.axis} group {self.ranks} failed: {exc}") from exc
 
     def _check(self, what: str, deadline: float) -> None:
         if self.aborted.is_set():
