@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from actors.comm.group import Group
 from actors.kernels import fused as fused_kernels
@@ -181,9 +180,7 @@ class ExpertParallel:
 
     def _all_to_all(self, output, tensor, output_splits, input_splits):
         """Start `all_to_all_single`; returns the work to `self.group.wait`."""
-        return dist.all_to_all_single(
-            output, tensor, output_splits, input_splits, group=self.group.pg, async_op=True
-        )
+        return self.group.start_all_to_all(output, tensor, output_splits, input_splits)
 
     def _exchange(self, output, tensor, output_counts, input_counts):
         """Start the all-to-all of the rows for other ranks (this rank's own split 0)."""

@@ -196,11 +196,20 @@ class Group:
         if self.pg is None:
             output.copy_(tensor)
             return output
-        work = dist.all_to_all_single(
+        self.wait(self.start_all_to_all(output, tensor, output_splits, input_splits), "all_to_all")
+        return output
+
+    def start_all_to_all(
+        self,
+        output: torch.Tensor,
+        tensor: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+    ):
+        """Start `all_to_all_single` (group of 2+); returns the work to `wait` on."""
+        return dist.all_to_all_single(
             output, tensor, output_splits, input_splits, group=self.pg, async_op=True
         )
-        self.wait(work, "all_to_all")
-        return output
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's `tensor` (same shape everywhere), in group order."""
