@@ -22,6 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from actors.comm import local_transport
+from actors.comm.local_transport import LocalTransport
+
 WAIT_SLICE = timedelta(milliseconds=20)
 """How long one blocking wait on a gloo collective lasts before the abort flag and the deadline
 are checked again."""
@@ -94,6 +97,13 @@ class Group:
     aborted: threading.Event = field(default_factory=threading.Event)
     waited_s: float = 0.0
     """Seconds this member spent blocked in `wait` (communication not hidden by compute)."""
+    local: LocalTransport | None = None
+    store: dist.Store | None = field(default=None, repr=False)
+    """The world's store and each rank's `host_id`, kept on the world group (gloo only) for
+    `new_axis_group` to connect the local transports."""
+    hosts: tuple[str, ...] = ()
+    """Set when every member is on this host and the backend is gloo: the collectives go over
+    Unix sockets (`actors/comm/local_transport.py`), point-to-point stays on gloo."""
 
     @classmethod
     def single(cls, axis: str, rank: int = 0) -> Group:
@@ -119,6 +129,14 @@ class Group:
         start = time.monotonic()
         try:
             self._wait(work, what, p2p)
+        finally:
+            self.waited_s += time.monotonic() - start
+
+    def _local(self, op: str, *args):
+        """Run `op` of the local transport, its time counted as waited."""
+        start = time.monotonic()
+        try:
+            return getattr(self.local, op)(*args)
         finally:
             self.waited_s += time.monotonic() - start
 
@@ -182,6 +200,8 @@ class Group:
         """Sum `tensor` over the group, in place; returns it."""
         if self.pg is None:
             return tensor
+        if self.local is not None:
+            return self._local("all_reduce", tensor)
         self.wait(dist.all_reduce(tensor, group=self.pg, async_op=True), "all_reduce")
         return tensor
 
@@ -206,7 +226,11 @@ class Group:
         output_splits: list[int],
         input_splits: list[int],
     ):
-        """Start `all_to_all_single` (group of 2+); returns the work to `wait` on."""
+        """Start `all_to_all_single` (group of 2+); returns the work to `wait` on (None: done
+        already, over the local transport)."""
+        if self.local is not None:
+            self._local("all_to_all", output, tensor, output_splits, input_splits)
+            return None
         return dist.all_to_all_single(
             output, tensor, output_splits, input_splits, group=self.pg, async_op=True
         )
@@ -215,6 +239,8 @@ class Group:
         """Every member's `tensor` (same shape everywhere), in group order."""
         if self.pg is None:
             return [tensor]
+        if self.local is not None:
+            return self._local("all_gather", tensor)
         out = [torch.empty_like(tensor) for _ in self.ranks]
         self.wait(dist.all_gather(out, tensor, group=self.pg, async_op=True), "all_gather")
         return out
@@ -259,7 +285,7 @@ def init_world(
     dist.init_process_group(
         rendezvous.backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
-    return Group(
+    world = Group(
         axis="world",
         ranks=tuple(range(world_size)),
         index=rank,
@@ -267,6 +293,29 @@ def init_world(
         timeout_s=rendezvous.timeout_s,
         backend=rendezvous.backend,
         aborted=aborted,
+    )
+    # Step 4 (gloo): every rank's host; members of a group on one host talk over Unix sockets.
+    if rendezvous.backend == "gloo" and local_transport.enabled():
+        prefixed.set(f"host/{rank}", local_transport.host_id())
+        world.hosts = tuple(prefixed.get(f"host/{r}").decode() for r in range(world_size))
+        world.store = prefixed
+        world.local = _connect_local(world, "world", world.ranks, rank)
+    return world
+
+
+def _connect_local(world: Group, axis: str, ranks: tuple[int, ...], rank: int):
+    """The local transport of group `ranks` (every member calls this), or None when the world
+    keeps no store (NCCL, or turned off) or the members are on more than one host."""
+    if world.store is None or len({world.hosts[r] for r in ranks}) != 1:
+        return None
+    return LocalTransport.connect(
+        world.store,
+        f"local/{axis}/{'-'.join(map(str, ranks))}",
+        index=ranks.index(rank),
+        size=len(ranks),
+        label=f"{axis} group {ranks}",
+        timeout_s=world.timeout_s,
+        aborted=world.aborted,
     )
 
 
@@ -294,6 +343,7 @@ def new_axis_group(
                 timeout_s=world.timeout_s,
                 backend=world.backend,
                 aborted=world.aborted,
+                local=_connect_local(world, axis, ranks, rank) if pg is not None else None,
             )
     if mine is None:
         raise ValueError(f"rank {rank} is in no {axis} group of {groups}")
@@ -301,6 +351,8 @@ def new_axis_group(
 
 
 def destroy_world() -> None:
-    """Tear down the default process group and its subgroups (no-op when none exists)."""
+    """Tear down the local transports, the default process group and its subgroups (no-op
+    when none exists)."""
+    local_transport.close_all()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -14,6 +14,13 @@ from actors.rank_runner import run_ranks
 SHORT_TIMEOUT_S = 5.0
 
 
+@pytest.fixture(autouse=True, params=["local", "gloo"])
+def transport(request, monkeypatch):
+    """Every test with both transports: same-host Unix sockets (the default) and gloo's own."""
+    monkeypatch.setenv("MOE_LOCAL_TRANSPORT", "1" if request.param == "local" else "0")
+    return request.param
+
+
 def _one_rank_leaves(rank, world_size, rendezvous):
     world = init_world(rendezvous, rank=rank, world_size=world_size)
     world.barrier()
