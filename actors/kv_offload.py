@@ -3,15 +3,16 @@ move in a few large copies instead of one small copy per layer and block.
 
 - store: the blocks [n, *block_shape] (on the GPU) are copied a piece at a time (<= 16 MiB) into
   host rows `[HEADER_BYTES | payload]` (one async device->host copy per piece, through a device
-  staging buffer that leaves each row's header gap); as each piece lands, its headers and
-  checksums are written in place (`codec.encode_rows`) and the piece is put. Where the rows come
-  from: a cache whose top tier has an arena (the host tier with CUDA: `PinnedArena`) lends rows
-  of its recycled slabs, which the tier then keeps as they are (no allocation per store, and the
-  rows of one store adjacent); a top tier that adopts buffers without an arena keeps fresh rows
-  each call; any other cache gets immutable copies and the rows are reused by the next call.
-  MIX64 (CUDA): the payloads' sums run on a second stream beside the copies, so the host writes
-  only the header words. XXH3: worker threads hash each piece as it lands (8 workers: on the
-  H200 VM XXH3 reached 13 GB/s on 8 threads and no more on 16).
+  staging ring). MIX64: each block's header and checksum are written into its staging row on
+  the device (`row_headers` and the header words' sum from the host, the payload's sum added on
+  a second stream), so the copies land whole blocks; the host checks the headers against
+  `row_headers` (`codec.encode_rows(written=True)`, one compare) and puts the rows, one batch
+  of pieces (<= PUT_BATCH_BYTES, the last piece alone) at a time. XXH3: worker threads hash each
+  piece as it lands (8 workers: 13 GB/s on the H200 VM, no more on 16). Where the rows come
+  from: a top tier with an arena (the host tier with CUDA: `PinnedArena`) lends rows of its
+  recycled slabs and keeps them as they are (no allocation per store, the rows of one store
+  adjacent); a tier that adopts buffers without an arena keeps fresh rows each call; any other
+  cache gets immutable copies and the rows are reused by the next call.
 - load, MIX64 (CUDA targets): one thread fetches the keys in spans (one span for a load of at
   most SMALL_LOAD_BYTES; else growing from ~8 to ~64 MiB, the last at most LOAD_TAIL_BYTES),
   checks presence and length per block on the host and copies each span's rows with one async
@@ -53,6 +54,7 @@ from cache_service.block_key import BlockKey
 from cache_service.codec import (
     CHECKSUMS,
     HEADER_BYTES,
+    HEADER_WORDS,
     KIND_OFFSET,
     body_mix64,
     encode_rows,
@@ -64,6 +66,7 @@ from cache_service.codec import (
     verify_rows,
 )
 from cache_service.errors import CacheError
+from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
     from actors.kv_tiers import KVTiers
@@ -81,6 +84,8 @@ copy."""
 STAGING_SLOTS = 4
 """Device staging buffers of a store (one piece each, <= STORE_CHUNK_BYTES): the staging of
 later pieces runs ahead of the device->host copies."""
+PUT_BATCH_BYTES = 1 << 26
+"""A store puts ~64 MiB of adjacent pieces at a time (the last piece alone): few host batches."""
 SMALL_LOAD_BYTES = 1 << 26
 """A load of at most ~64 MiB is one span: one fetch, one verification launch group (small blocks
 are bound by per-call costs, not by the copy)."""
@@ -129,18 +134,17 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
 
 
 def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks) -> list:
-    n, width = src.shape[0], row_bytes(src.shape[1])
-    cuda = src.device.type == "cuda"
-    # Step 1: every piece's device->host copy is queued at once (one side stream, in order);
-    # with MIX64 the payloads' sums are computed beside them (a second stream) and copied
-    # down after them (a few bytes per block).
+    width, cuda = row_bytes(src.shape[1]), src.device.type == "cuda"
     landed: list[Any] = []
-    sums, summed = None, None
+    # Step 1 (MIX64, `_headers`): every block's header with the MIX64 of its words in the
+    # checksum field, from the host; the payloads' sums are added to it where the payloads are,
+    # and it goes into each row's header gap there, so the rows land (or are) whole blocks.
     if cuda:
-        # The payloads go into a ring of STAGING_SLOTS device buffers (each row's header gap
-        # left) on a third stream, ahead of the copy stream, which then runs only the
+        # Step 2: each piece's payloads go into a ring of STAGING_SLOTS device buffers (each
+        # row's header gap left) on a staging stream, then (MIX64) its headers, once its group's
+        # sums are done (`_sum_groups`, on a second stream); the copy stream runs only the
         # device->host copies, back to back: piece c is staged once the copy of piece
-        # c - STAGING_SLOTS left its slot, and copied down once staged.
+        # c - STAGING_SLOTS left its slot.
         stream = t._side_stream(src.device)
         staging_stream = t._side_stream(src.device, 2)
         current = torch.cuda.current_stream(src.device)
@@ -150,15 +154,24 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
         slots = min(STAGING_SLOTS, len(pieces))
         staging = torch.empty((slots, per, width), dtype=torch.uint8, device=src.device)
         wide = torch.int64 if src.shape[1] % 8 == 0 else torch.uint8  # the strided copy, wider
-        step = wide.itemsize
+        gap = HEADER_BYTES // wide.itemsize
         src_w, staging_w = src.view(wide), staging.view(wide)
         staged_at = 1 + 2 * len(pieces)  # pooled event indices: landed 1.., staged after sums
+        summed: list[Any] = [None] * len(pieces)
         for c, (a, b, host, first, _) in enumerate(pieces):
             slot = c % slots
             with torch.cuda.stream(staging_stream):
                 if c >= slots:
                     staging_stream.wait_event(landed[c - slots])
-                staging_w[slot, : b - a, HEADER_BYTES // step :].copy_(src_w[a:b])
+                staging_w[slot, : b - a, gap:].copy_(src_w[a:b])
+            if mix and c < 2:  # the first piece's group, then (its copy queued) the others'
+                if c == 0:
+                    heads = _headers(t, keys, dtype, shape)
+                heads = _sum_groups(t, src, heads, pieces, summed, current, first=c == 0)
+            with torch.cuda.stream(staging_stream):
+                if mix:
+                    staging_stream.wait_event(summed[c])
+                    staging_w[slot, : b - a, :gap].copy_(heads[a:b])
                 staged = t._event(src.device, staged_at + c, staging_stream)
             with torch.cuda.stream(stream):
                 stream.wait_event(staged)
@@ -167,30 +180,15 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
                 host[first : first + b - a].copy_(staging[slot, : b - a], non_blocking=True)
                 landed.append(t._event(src.device, 1 + c, stream))
         marks.mark("copies_done", stream)
-        if mix:
-            # The sums a group of pieces at a time (~VERIFY_GROUP_BYTES), each group with its
-            # event: the first piece's headers wait for its group only.
-            checks = t._side_stream(src.device, 1)
-            checks.wait_event(t._event(src.device, 0, current))
-            sums = t._scratch("sums", n, torch.int64)
-            summed = [None] * len(pieces)
-            group = max(1, VERIFY_GROUP_BYTES // width)
-            with torch.cuda.stream(checks):
-                first = 0
-                for c, (_, b, *_) in enumerate(pieces):
-                    if b - pieces[first][0] < group and b < n:
-                        continue
-                    lo = pieces[first][0]
-                    sums[lo:b].copy_(body_mix64(src[lo:b]), non_blocking=True)
-                    done = t._event(src.device, 1 + len(pieces) + c, checks)
-                    summed[first : c + 1] = [done] * (c + 1 - first)
-                    first = c + 1
     else:
+        if mix:
+            heads = _headers(t, keys, dtype, shape)
+            heads[:, HEADER_WORDS].add_(body_mix64(src))
         for a, b, host, first, _ in pieces:
             host[first : first + b - a, HEADER_BYTES:].copy_(src[a:b])
-        if mix:
-            sums = body_mix64(src)
-    # Step 2: XXH3: the payloads hashed on the worker threads, every task waiting for its
+            if mix:
+                host[first : first + b - a, :HEADER_BYTES].view(torch.int64).copy_(heads[a:b])
+    # Step 3: XXH3: the payloads hashed on the worker threads, every task waiting for its
     # piece's copy (hashing overlaps the later pieces' copies).
     tasks = []
     if not mix:
@@ -203,19 +201,24 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
                             min(b - a, lo + per_task), ready)
                 for lo in range(0, b - a, per_task)
             ])  # fmt: skip
-    # Step 3: one put per piece, in order, as its headers are written (MIX64: the header's words
-    # only, on this thread); rows of the arena are owned by their blocks from here on.
+    # Step 4: one put per batch of pieces (`_batches`), in order, once its rows landed (MIX64:
+    # their headers checked against `row_headers`, no byte written); rows of the arena are owned
+    # by their blocks from here on.
     out: list[bool] = []
-    for c, (a, b, host, first, lent) in enumerate(pieces):
+    for lo, hi in _batches(pieces, width):
+        (a, _, host, first, lent), b = pieces[lo], pieces[hi - 1][1]
         if mix:
             if landed:
-                landed[c].synchronize()
-            if summed is not None:
-                summed[c].synchronize()
-            encoded = encode_rows(host, keys[a:b], dtype=dtype, shape=shape, first=first,
-                                  body_sums=sums[a:b])  # fmt: skip
+                landed[hi - 1].synchronize()
+            try:
+                encoded = encode_rows(host, keys[a:b], dtype=dtype, shape=shape, first=first,
+                                      written=True)  # fmt: skip
+            except CacheError:  # a header the device wrote wrong: not stored, counted
+                t.counts["corrupt"] += 1
+                out += [False] * (b - a)
+                continue
         else:
-            encoded = [e for task in tasks[c] for e in task.result()]
+            encoded = [e for c in range(lo, hi) for task in tasks[c] for e in task.result()]
         if lent:
             lease.adopt(encoded)
         items = [(k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)]
@@ -226,6 +229,55 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
             flags = [False] * len(items)
         t.counts["stored"] += sum(flags)
         out += flags
+    return out
+
+
+def _headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
+    """[n, HEADER_WORDS + 2] int64, a host scratch (pinned with CUDA): each key's header, its
+    checksum field the MIX64 of the header's ten words, the reserved half zero."""
+    heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
+    out = t._scratch("heads", len(keys) * HEADER_BYTES, torch.uint8).view(len(keys), -1)
+    table = out.numpy()
+    table[:, : heads.shape[1]] = heads
+    table[:, heads.shape[1] :] = 0
+    words = out.view(torch.int64)
+    words[:, HEADER_WORDS] = mix64(torch.from_numpy(heads).view(torch.int64))
+    return words
+
+
+def _sum_groups(t: KVTiers, src, heads, pieces, summed: list, current, *, first: bool):
+    """On the checks stream, the payloads' sums added to the headers' checksum fields: first=True
+    uploads the headers (returned on the device) and sums the first piece alone, then the rest
+    in groups of ~VERIFY_GROUP_BYTES. summed[c] becomes the event of piece c's group."""
+    checks = t._side_stream(src.device, 1)
+    with torch.cuda.stream(checks):
+        if first:
+            checks.wait_event(t._event(src.device, 0, current))
+            heads = heads.to(src.device, non_blocking=True)
+        group = max(1, VERIFY_GROUP_BYTES // row_bytes(src.shape[1]))
+        start, n = (0, 1) if first else (1, len(pieces))
+        for c in range(start, n):
+            lo, b = pieces[start][0], pieces[c][1]
+            if b - lo < group and c + 1 < n:
+                continue
+            heads[lo:b, HEADER_WORDS].add_(body_mix64(src[lo:b]))
+            done = t._event(src.device, 1 + len(pieces) + c, checks)
+            summed[start : c + 1] = [done] * (c + 1 - start)
+            start = c + 1
+    return heads
+
+
+def _batches(pieces: list, width: int) -> list[tuple[int, int]]:
+    """Pieces lo..hi put together: adjacent rows of one host tensor, at most PUT_BATCH_BYTES,
+    the last piece alone (so the host's work after the last copy is one piece's)."""
+    out, start, n = [], 0, len(pieces)
+    for c in range(1, n + 1):
+        prev = pieces[c - 1]
+        if (c < n - 1 and pieces[c][2] is prev[2] and pieces[c][3] == prev[3] + prev[1] - prev[0]
+                and (pieces[c][1] - pieces[start][0]) * width <= PUT_BATCH_BYTES):  # fmt: skip
+            continue
+        out.append((start, c))
+        start = c
     return out
 
 

@@ -52,7 +52,10 @@ payloads a caller already copied into rows `[n, HEADER_BYTES + payload]` of one 
 (KVTiers' batched offload: one device->pinned copy for many blocks, no byte copied afterwards).
 Each row comes back as a `BufferBlock`, trusted like an `EncodedBlock` (made and checksummed here;
 only code of this process can write that memory). The host tier keeps such rows as they are and
-verifies them on every read, since the buffer is mutable.
+verifies them on every read, since the buffer is mutable. `encode_rows(..., written=True)` takes
+rows whose headers and MIX64 checksums the caller already wrote (on the GPU, before the copy
+down): it checks every header against `row_headers` in one compare instead of writing it, and
+marks each row checked for its key, once (the store's admission then skips `check_header`).
 
 Quantisation is symmetric with one scale per slice along dim 0 ("per-block scales": for the
 paged layout [layers, 2, block_size, kv_heads, head_dim] one scale per layer; a 1-D tensor has
@@ -141,9 +144,12 @@ class BufferBlock(np.ndarray):
 
     owner: torch.Tensor | None
     offset: int
+    checked_for: BlockKey | None
+    """The key `encode_rows(written=True)` just checked this row's header against (cleared by the
+    store's admission, which then needs no `check_header`), else None."""
 
     def __array_finalize__(self, obj: object) -> None:
-        self.owner, self.offset, self._token = None, 0, None
+        self.owner, self.offset, self._token, self.checked_for = None, 0, None, None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +246,7 @@ def encode_rows(
     shape: Sequence[int],
     first: int = 0,
     body_sums: torch.Tensor | None = None,
+    written: bool = False,
 ) -> list[BufferBlock]:
     """Encode raw blocks in place: rows `first .. first + len(keys)` of `rows`.
 
@@ -253,6 +260,9 @@ def encode_rows(
     words at positions HEADER_WORDS.. (computed wherever the payload was, e.g. on the GPU before
     the copy down, `body_mix64`); only the header's ten words are summed here, so the payload is
     not read at all. Needs a payload of a multiple of 8 bytes.
+    written=True (no body_sums): the caller wrote whole MIX64 blocks (headers and checksums, e.g.
+    on the GPU); every row's bytes [0, 80) must equal `row_headers` for its key and the checksum
+    field's reserved half be zero (one numpy compare), else CorruptBlock; nothing is written.
     """
     if dtype not in _DTYPE_IDS:
         raise CacheConfigError(f"dtype {dtype} cannot be stored in a KV block")
@@ -272,8 +282,10 @@ def encode_rows(
         raise CacheConfigError(f"block payload {payload} bytes exceeds {MAX_RAW_BYTES}")
     if first < 0 or first + len(keys) > rows.shape[0]:
         raise CacheConfigError(f"rows {first}..{first + len(keys)} outside [0, {rows.shape[0]})")
-    mix = body_sums is not None
-    if mix and (payload % 8 or tuple(body_sums.shape) != (len(keys),)):
+    mix = body_sums is not None or written
+    if written and (body_sums is not None or payload % 8):
+        raise CacheConfigError("written rows carry their checksums: no body_sums, payload % 8 == 0")
+    if body_sums is not None and (payload % 8 or tuple(body_sums.shape) != (len(keys),)):
         raise CacheConfigError(
             f"body_sums of shape {tuple(body_sums.shape)} for {len(keys)} rows of {payload} "
             "bytes; expected one sum per row and a payload of a multiple of 8 bytes"
@@ -281,11 +293,17 @@ def encode_rows(
     flat = rows.view(-1)
     table = rows.numpy()
     part = table[first : first + len(keys)]
-    # Step 1: every row's header in two numpy writes (the fields, then the zero checksum).
-    part[:, :_CHECKSUM_OFFSET] = row_headers(
-        keys, dtype=dtype, shape=shape, checksum="mix64" if mix else "xxh3"
-    )
-    part[:, _CHECKSUM_OFFSET:HEADER_BYTES] = 0
+    # Step 1: every row's header in two numpy writes (the fields, then the zero checksum), or
+    # (written) compared with what they must be, in one step.
+    heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64" if mix else "xxh3")
+    if written:
+        reserved = part[:, _CHECKSUM_OFFSET + 8 : HEADER_BYTES]
+        if not np.array_equal(part[:, :_CHECKSUM_OFFSET], heads) or reserved.any():
+            raise CorruptBlock("header", f"rows {first}..{first + len(keys)}: a written header "
+                               "is not the one of its key")  # fmt: skip
+    else:
+        part[:, :_CHECKSUM_OFFSET] = heads
+        part[:, _CHECKSUM_OFFSET:HEADER_BYTES] = 0
     # Step 2: the checksums: XXH3 row by row over the payload; MIX64 the header's words (the
     # checksum field zero, as written) plus the payload's sums, for the whole chunk at once.
     if not mix:
@@ -294,9 +312,9 @@ def encode_rows(
             view[_CHECKSUM_OFFSET:HEADER_BYTES] = _checksum(
                 view[:_CHECKSUM_OFFSET], view[HEADER_BYTES:]
             )
-    elif keys:
-        heads = rows[first : first + len(keys), :_CHECKSUM_OFFSET].view(torch.int64)
-        total = mix64(heads) + body_sums.to(torch.int64)
+    elif keys and not written:
+        words = rows[first : first + len(keys), :_CHECKSUM_OFFSET].view(torch.int64)
+        total = mix64(words) + body_sums.to(torch.int64)
         rows[first : first + len(keys), _CHECKSUM_OFFSET : _CHECKSUM_OFFSET + 8].view(torch.int64)[
             :, 0
         ] = total
@@ -304,6 +322,8 @@ def encode_rows(
     for i, row in enumerate(part):
         block = row.view(BufferBlock)
         block.owner, block.offset, block._token = flat, (first + i) * width, _TRUST
+        if written:
+            block.checked_for = keys[i]
         out.append(block)
     return out
 

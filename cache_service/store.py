@@ -40,7 +40,9 @@ Semantics:
     check (magic, version, key, lengths); any other bytes are verified in full (checksum too).
     `put_many` checks a long run of rows `encode_rows` made in one buffer (adjacent `BufferBlock`s
     of one owner) in one step: every header's first 80 bytes equal to what `row_headers` makes for
-    its key, the first block's header parsed in full and the lengths compared (the same checks).
+    its key, the first block's header parsed in full and the lengths compared (the same checks);
+    a row `encode_rows(written=True)` has just compared so for the key it is put under is admitted
+    without another check (the mark is spent: a second put of it is checked as above).
     It writes to the top tier, and with write_through also to every shared tier; the return value
     is True when any of those tiers newly stored it (put-if-absent per tier, atomic in Redis and
     on disk; lower tiers are not consulted, so a block held only further down is re-stored). Blocks a tier evicts (or cannot fit: attention
@@ -370,14 +372,22 @@ def _admitted_many(items: Sequence[tuple[BlockKey, bytes]]) -> list[tuple[BlockK
     out: list[tuple[BlockKey, bytes]] = []
     i, n = 0, len(items)
     while i < n:
-        block = items[i][1]
+        key, block = items[i]
         j = i + 1
+        if is_buffer_block(block) and block.checked_for is not None:
+            # Rows `encode_rows(written=True)` just compared with `row_headers` of this very key
+            # (the check_header fields and more): admitted once, without a second check.
+            checked, block.checked_for = block.checked_for, None
+            if checked is key:
+                out.append((key, block))
+                i = j
+                continue
         if is_buffer_block(block):
             ptr, width, end = block.owner.data_ptr(), len(block), block.offset + len(block)
             while j < n:
                 nxt = items[j][1]
                 if not (is_buffer_block(nxt) and nxt.offset == end and len(nxt) == width
-                        and nxt.owner.data_ptr() == ptr):  # fmt: skip
+                        and nxt.owner.data_ptr() == ptr and nxt.checked_for is None):  # fmt: skip
                     break
                 end += width
                 j += 1

@@ -308,3 +308,83 @@ def test_arena_rows_are_reused_after_eviction_without_aliasing_live_blocks(small
     assert tiers.store_many(b_keys[2:3], b_data[2:3]) == [True]
     assert torch.equal(tiers.load_many(b_keys, dtype=torch.float16), b_data)
     assert tiers.tier_hits == {"host": tiers.counts["hits"]}
+
+
+def test_mix64_store_lands_whole_blocks_checks_them_and_puts_in_batches(small_chunks, monkeypatch):
+    """checksum="mix64" (what CUDA blocks use): the headers and checksums are written with the
+    payloads (on the device there), the host only checks them (`encode_rows(written=True)`) and
+    puts ~PUT_BATCH_BYTES of adjacent pieces at a time, the last piece alone; the store admits
+    the checked rows without a second header check."""
+    from cache_service import codec, store
+
+    width = HEADER_BYTES + SHAPE_BYTES
+    monkeypatch.setattr(kv_offload, "PUT_BATCH_BYTES", 6 * width)  # two pieces of three
+    puts, checks, written = [], [], []
+    real_put, real_check, real_encode = kv_offload.put_many, store.check_header, codec.encode_rows
+    monkeypatch.setattr(kv_offload, "put_many", lambda c, items: puts.append(len(items))
+                        or real_put(c, items))  # fmt: skip
+    monkeypatch.setattr(store, "check_header", lambda *a, **k: checks.append(1)
+                        or real_check(*a, **k))  # fmt: skip
+    monkeypatch.setattr(kv_offload, "encode_rows", lambda *a, **k: written.append(k["written"])
+                        or real_encode(*a, **k))  # fmt: skip
+    cache = host_cache(adopt="arena")
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
+    keys, data = keys_for(11, seed=13), blocks(11, seed=13)  # pieces of 3, 3, 3, 2 blocks
+    assert tiers.store_many(keys, data) == [True] * 11
+    assert puts == [6, 3, 2] and written == [True] * 3 and checks == []
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+    stored = [cache.tiers[0]._blocks[k][0] for k in keys]
+    assert all(s.checked_for is None for s in stored)  # every mark spent by the admission
+    for i, s in enumerate(stored):
+        want = codec.encode_block(data[i], key=keys[i], checksum="mix64")
+        assert bytes(memoryview(s)) == bytes(want)
+
+
+@pytest.mark.parametrize("adopt", [False, "arena"], ids=["copying", "arena"])
+def test_a_header_written_wrong_is_not_stored(small_chunks, monkeypatch, adopt):
+    """A header the device wrote that is not its key's (here block 4's key digest, one bit) is
+    refused by the host's check: its batch is not stored (counted corrupt), the others are, and
+    nothing is filed under a wrong header."""
+    real = kv_offload._headers
+
+    def wrong(*args):
+        heads = real(*args)
+        heads.view(torch.uint8)[4, 50] ^= 1  # in the key digest, bytes [44, 60)
+        return heads
+
+    monkeypatch.setattr(kv_offload, "_headers", wrong)
+    monkeypatch.setattr(kv_offload, "PUT_BATCH_BYTES", 3 * (HEADER_BYTES + SHAPE_BYTES))
+    cache = host_cache(adopt=adopt)
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
+    keys, data = keys_for(7, seed=14), blocks(7, seed=14)  # batches of 3, 3, 1 blocks
+    assert tiers.store_many(keys, data) == [True] * 3 + [False] * 3 + [True]
+    assert tiers.counts["corrupt"] == 1 and tiers.counts["stored"] == 4
+    assert cache.contains(keys) == [True] * 3 + [False] * 3 + [True]
+    monkeypatch.setattr(kv_offload, "_headers", real)
+    assert tiers.store_many(keys, data) == [False] * 3 + [True] * 3 + [False]
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+
+
+def test_store_batches_are_adjacent_rows_of_one_buffer_the_last_piece_alone(monkeypatch):
+    monkeypatch.setattr(kv_offload, "PUT_BATCH_BYTES", 100)
+    a, b = object(), object()
+    pieces = [(0, 3, a, 0, True), (3, 6, a, 3, True), (6, 9, a, 6, True), (9, 12, a, 9, True),
+              (12, 14, b, 0, True), (14, 16, b, 2, True), (16, 18, b, 5, True)]  # fmt: skip
+    # width 10: at most ten rows a batch; a new buffer or a gap starts one; the last alone.
+    assert kv_offload._batches(pieces, 10) == [(0, 3), (3, 4), (4, 6), (6, 7)]
+    assert kv_offload._batches(pieces[:1], 10) == [(0, 1)]
+    assert kv_offload._batches(pieces[:2], 10) == [(0, 1), (1, 2)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_store_lands_the_blocks_encode_block_makes(small_chunks):
+    """On a GPU the headers and checksums are written in the staging rows: what lands in the
+    host tier is byte for byte what `encode_block` makes, and loads back exact."""
+    cache = host_cache(adopt="arena")
+    tiers = KVTiers(cache, block_shape=SHAPE)
+    keys, data = keys_for(11, seed=15), blocks(11, seed=15)
+    assert tiers.store_many(keys, data.cuda()) == [True] * 11
+    for i, key in enumerate(keys):
+        row = cache.tiers[0]._blocks[key][0]
+        assert bytes(memoryview(row)) == bytes(encode_block(data[i], key=key, checksum="mix64"))
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16, device="cuda").cpu(), data)

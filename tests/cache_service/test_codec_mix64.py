@@ -185,3 +185,67 @@ def test_small_cpu_sums_in_numpy_equal_the_torch_ops(shape, monkeypatch):
         for f, s in zip(fast, slow, strict=True):
             assert f.dtype == torch.int64 and f.shape == s.shape and torch.equal(f, s)
     assert len(used) == 3 * len(views)  # every one of these went through numpy
+
+
+def _written(n: int, seed: int = 0) -> tuple[torch.Tensor, list]:
+    """Rows whose whole MIX64 blocks a caller wrote (what KVTiers' store writes on the GPU)."""
+    rows, keys = _rows(n, seed)
+    heads = codec.row_headers(keys, dtype=torch.float16, shape=tensor_for(0).shape)
+    rows[:, :80] = torch.from_numpy(heads)
+    sums = mix64(rows[:, :80].contiguous().view(torch.int64)) + body_mix64(rows[:, HEADER_BYTES:])
+    rows[:, 80:88] = sums.view(-1, 1).view(torch.uint8)
+    return rows, keys
+
+
+def test_written_rows_are_checked_not_written_and_marked_for_their_keys():
+    rows, keys = _written(4, seed=5)
+    before = rows.clone()
+    blocks = encode_rows(rows, keys, dtype=torch.float16, shape=tensor_for(0).shape, written=True)
+    assert torch.equal(rows, before)  # nothing written
+    for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+        assert bytes(memoryview(block)) == bytes(encode_block(tensor_for(i, 5), key=key,
+                                                              checksum="mix64"))  # fmt: skip
+        assert block.checked_for is key and codec.is_buffer_block(block)
+    plain = encode_rows(_rows(1)[0], keys[:1], dtype=torch.float16, shape=tensor_for(0).shape)
+    assert plain[0].checked_for is None  # only rows whose headers were checked carry a key
+
+
+@pytest.mark.parametrize("where", ["key", "shape", "kind", "magic", "reserved", "other_keys"])
+def test_a_written_header_that_is_not_its_keys_is_refused(where):
+    """The check `encode_rows(written=True)` makes instead of writing: any byte of [0, 80) off,
+    or the reserved half of the checksum field set, or the rows of other keys, is CorruptBlock."""
+    rows, keys = _written(3, seed=6)
+    at = {"key": 44 + 7, "shape": 13, "kind": 9, "magic": 0, "reserved": 90}
+    if where == "other_keys":
+        keys = keys_for(3, seed=7)
+    else:
+        rows[1, at[where]] ^= 1
+    with pytest.raises(CorruptBlock, match="written header"):
+        encode_rows(rows, keys, dtype=torch.float16, shape=tensor_for(0).shape, written=True)
+    with pytest.raises(codec.CacheConfigError, match="checksums"):
+        encode_rows(rows, keys, dtype=torch.float16, shape=tensor_for(0).shape, written=True,
+                    body_sums=torch.zeros(3, dtype=torch.int64))  # fmt: skip
+
+
+def test_the_store_admits_a_checked_row_once_without_another_check(monkeypatch):
+    from cache_service import store
+    from cache_service.errors import InvalidBlock
+
+    calls = []
+    real = store.check_header
+    monkeypatch.setattr(store, "check_header", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = TieredCache.from_urls(["host://?arena=1"], capacities=[1 << 20],
+                                  namespace=namespace("written"))  # fmt: skip
+    rows, keys = _written(4, seed=8)
+    blocks = encode_rows(rows, keys, dtype=torch.float16, shape=tensor_for(0).shape, written=True)
+    assert cache.put_many(list(zip(keys[:2], blocks[:2], strict=True))) == [True, True]
+    assert calls == [] and blocks[0].checked_for is None  # admitted by its mark, mark spent
+    # Put under another key than the one checked: the mark does not count, the header check
+    # refuses it (and the mark is spent either way).
+    with pytest.raises(InvalidBlock, match="key"):
+        cache.put_many([(keys[3], blocks[2])])
+    assert blocks[2].checked_for is None and len(calls) == 1
+    # A spent mark: the same row put again is checked like any row.
+    assert cache.put_many([(keys[2], blocks[2]), (keys[0], blocks[0])]) == [True, False]
+    assert len(calls) == 3
+    assert bytes(memoryview(cache.get(keys[2]))) == bytes(memoryview(blocks[2]))
