@@ -16,6 +16,8 @@ multiprocessing, `actors/multi_gpu_ranks.py`):
    alltoall bus bandwidth measured in step 1 at the same bytes per rank; the planner's predicted
    prefill step time (`placement.cost_model.phase_time`, measured links) against the measured one.
 
+`--ep-only` runs steps 1 and 3's EP part alone (a quick EP measurement; `--ep-baseline MODULE`
+times another `ExpertParallel` beside ours, `--ep-trace` writes a Chrome trace per rank).
 `--cpu-dry-run N` runs the very same code path with N gloo processes on CPU, a tiny float32
 model and tiny sizes (what tests/actors/test_multi_gpu_dry_run.py runs). Writes
 `<out>/multi_gpu.json` and `<out>/multi_gpu.log`, prints one table. Exit 0 when every layout
@@ -171,8 +173,16 @@ def collectives_with_binaries(world: int, s: Settings) -> list | None:
     ]  # fmt: skip
 
 
-def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[str, Any]:
-    """Steps 1-3 of the module docstring on `world` ranks; returns the result JSON."""
+def run(
+    *, world: int, settings: Settings, out_dir: Path, command: str, ep_only: bool = False,
+    ep_baseline: str | None = None, ep_trace: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Steps 1-3 of the module docstring on `world` ranks; returns the result JSON.
+
+    `ep_only`: the collectives and EP alone (no checkpoint, layouts, transformers or planner;
+    the goals judged: EP's). `ep_baseline`: a module whose `ExpertParallel` is timed beside
+    ours (`RankJob.ep_baseline`). `ep_trace`: a Chrome trace per rank of one dispatch +
+    combine, written to `out_dir`."""
     from actors import multi_gpu_report as report
     from actors.comm.group import Rendezvous, free_tcp_address
     from actors.rank_runner import run_ranks
@@ -186,14 +196,17 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
     with tempfile.TemporaryDirectory(prefix="moe-multi-gpu-") as tmp:
         # Step 1: the checkpoint, on this machine (no file transfer).
         t = time.perf_counter()
-        ckpt = make_checkpoint(
-            s.model, Path(tmp) / "ckpt", device="cuda:0" if s.device == "cuda" else "cpu"
-        )
-        cfg = json.loads((ckpt / "config.json").read_text())
+        ckpt, cfg = Path(tmp) / "ckpt", dict(s.model)
+        if not ep_only:
+            make_checkpoint(
+                s.model, ckpt, device="cuda:0" if s.device == "cuda" else "cpu"
+            )  # fmt: skip
+            cfg = json.loads((ckpt / "config.json").read_text())
+            log(
+                f"checkpoint ({sum(f.stat().st_size for f in ckpt.iterdir()) / 1e9:.2f} GB) in "
+                f"{time.perf_counter() - t:.1f} s"
+            )
         phase["checkpoint"] = time.perf_counter() - t
-        log(
-            f"checkpoint ({sum(f.stat().st_size for f in ckpt.iterdir()) / 1e9:.2f} GB) in {phase['checkpoint']:.1f} s"
-        )
         # Step 2: the collectives by the nccl-tests binaries, if present (else the ranks sweep).
         t = time.perf_counter()
         runs = collectives_with_binaries(world, s)
@@ -206,7 +219,7 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
                 warmup=s.sweep_warmup, timeout_s=s.timeout_s,
             )  # fmt: skip
         # Step 3: every rank: sweep, EP, reference (rank 0), layouts.
-        names = layouts_for(world)
+        names = () if ep_only else layouts_for(world)
         fresh = lambda: Rendezvous.fresh(backend=backend, timeout_s=2 * s.timeout_s)  # noqa: E731
         layouts = tuple(
             (n, Layout.build(parse_layout(n), num_layers=s.model["num_hidden_layers"],
@@ -218,7 +231,8 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
             sweep_init=free_tcp_address(), ep=s.ep, ep_rendezvous=fresh(), layouts=layouts,
             align_tokens=_sequences(s.model["vocab_size"], s.align_lens, seed=0),
             perf_tokens=_sequences(s.model["vocab_size"], (s.perf_batch[1],) * s.perf_batch[0], seed=1),
-            perf_steps=s.perf_steps,
+            perf_steps=s.perf_steps, ep_baseline=ep_baseline,
+            trace_dir=str(out_dir) if ep_trace else None,
         )  # fmt: skip
         log(
             f"{world} ranks ({backend}): sweep={'ranks' if sweep else 'binaries'}, layouts {', '.join(names)}"
@@ -236,18 +250,20 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
             )
         if runs is None:
             runs = [run_from_json(d) for d in per_rank[0]["sweep"]]
-        # Step 4: transformers (float32) on the same checkpoint, the anchor of the reference.
-        t = time.perf_counter()
-        hf = report.transformers_capture(ckpt, job.align_tokens, device="cpu")
-        phase["transformers"] = time.perf_counter() - t
-        # Step 5: transformers in bfloat16 against its own float32 run: the routing flips the
-        # reference implementation itself shows in bf16 (the noise floor of the alignment).
-        t = time.perf_counter()
-        hf_low = report.transformers_capture(
-            ckpt, job.align_tokens, device="cpu", dtype=torch.bfloat16
-        )
-        floor = report.noise_floor(hf, hf_low, s.model["num_hidden_layers"], "bfloat16")
-        phase["transformers_bf16"] = time.perf_counter() - t
+        hf = floor = None
+        if not ep_only:
+            # Step 4: transformers (float32) on the same checkpoint, the anchor of the reference.
+            t = time.perf_counter()
+            hf = report.transformers_capture(ckpt, job.align_tokens, device="cpu")
+            phase["transformers"] = time.perf_counter() - t
+            # Step 5: transformers in bfloat16 against its own float32 run: the routing flips the
+            # reference implementation itself shows in bf16 (the noise floor of the alignment).
+            t = time.perf_counter()
+            hf_low = report.transformers_capture(
+                ckpt, job.align_tokens, device="cpu", dtype=torch.bfloat16
+            )
+            floor = report.noise_floor(hf, hf_low, s.model["num_hidden_layers"], "bfloat16")
+            phase["transformers_bf16"] = time.perf_counter() - t
     result: dict[str, Any] = {
         "bench": "multi_gpu",
         "mode": "gpu" if s.device == "cuda" else "cpu-dry-run",
@@ -263,6 +279,11 @@ def run(*, world: int, settings: Settings, out_dir: Path, command: str) -> dict[
     result["collectives"] = report.collectives(runs, source)
     result["topology"] = report.topology(runs)
     result["ep"] = report.ep(per_rank, result["collectives"], s.ep)
+    if ep_only:
+        result["goals"] = report.goals(result, judge_speed=s.device == "cuda")
+        phase["total"] = time.perf_counter() - started
+        result["phase_s"] = phase
+        return result
     result["noise_floor"] = floor
     result["reference"], result["layouts"] = report.alignment(
         per_rank, hf, names, world=world, dtype=s.dtype, num_layers=s.model["num_hidden_layers"],
@@ -295,6 +316,22 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("OUT") or "bench/results",
         help="folder for multi_gpu.json and multi_gpu.log (default $OUT)",
     )
+    ap.add_argument(
+        "--ep-only",
+        action="store_true",
+        help="the collective sweep and the EP phase alone (no layouts, transformers, planner)",
+    )
+    ap.add_argument(
+        "--ep-baseline",
+        default=None,
+        metavar="MODULE",
+        help="time this module's ExpertParallel beside ours, interleaved (e.g. an earlier ep.py)",
+    )
+    ap.add_argument(
+        "--ep-trace",
+        action="store_true",
+        help="write a Chrome trace of one EP dispatch + combine per rank to the output folder",
+    )
     args = ap.parse_args(argv)  # fmt: skip
     for key, value in NO_MULTICAST.items():
         if os.environ.get(key) != value:
@@ -303,8 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _LOG[:] = [out / "multi_gpu.log"]
     _LOG[0].write_text("")
-    command = "python3 bench/multi_gpu.py" + (
-        f" --cpu-dry-run {args.cpu_dry_run}" if args.cpu_dry_run else ""
+    command = "python3 bench/multi_gpu.py" + "".join(
+        flag
+        for flag, on in (
+            (f" --cpu-dry-run {args.cpu_dry_run}", args.cpu_dry_run),
+            (" --ep-only", args.ep_only),
+            (f" --ep-baseline {args.ep_baseline}", args.ep_baseline),
+            (" --ep-trace", args.ep_trace),
+        )
+        if on
     )
     try:
         if args.cpu_dry_run:
@@ -317,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise EnvironmentMissing(f"{world} CUDA GPUs here; the benchmark needs 2 to 8")
             world, settings = min(world, 8), GPU
         log("env: " + " ".join(f"{k}={os.environ[k]}" for k in NO_MULTICAST))
-        result = run(world=world, settings=settings, out_dir=out, command=command)
+        result = run(
+            world=world, settings=settings, out_dir=out, command=command, ep_only=args.ep_only,
+            ep_baseline=args.ep_baseline, ep_trace=args.ep_trace,
+        )  # fmt: skip
     except (InputError, EnvironmentMissing) as exc:
         log(f"error: {exc}")
         return exc.exit_code

@@ -8,7 +8,8 @@ Phase 1: the collective sweep (`cluster.probe.sweep`: all_reduce, alltoall, all_
          over every rank), skipped when the driver ran the nccl-tests binaries.
 Phase 2: EP dispatch/combine of `EpShape` tokens over every rank (`actors.comm.ep`), checked
          (identity experts: combine(dispatch(x)) = x * sum_k w) and timed.
-Phase 3: rank 0 alone runs the single-device reference of the checkpoint (world 1).
+Phase 3: rank 0 alone runs the single-device reference of the checkpoint (world 1); skipped
+         with no layouts (the benchmark's `--ep-only`).
 Phase 4: each layout, largest world first; ranks outside a layout's world skip it. Each builds a
          `ShardWorker` on its GPU, captures every module output of one step over the alignment
          sequences (the `capture` hook of `StageModel.forward`, as `moectl validate` does), then
@@ -72,6 +73,11 @@ class RankJob:
     """The timed prefill batch."""
     perf_steps: int
     """Timed steps after one warm-up step."""
+    ep_baseline: str | None = None
+    """Module whose `ExpertParallel` is timed beside ours, interleaved iteration by iteration
+    (e.g. a copy of an earlier `actors/comm/ep.py`); None: ours alone."""
+    trace_dir: str | None = None
+    """Folder for a Chrome trace of one profiled dispatch + combine per rank; None: none."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -90,13 +96,21 @@ def _device(job: RankJob, rank: int) -> torch.device:
 # --------------------------------------------------------------------------------- phase 2: EP
 
 
-def ep_bench(rank: int, world: int, rendezvous: Rendezvous, shape: EpShape, *, device, dtype):
+def ep_bench(
+    rank: int, world: int, rendezvous: Rendezvous, shape: EpShape, *, device, dtype,
+    baseline: str | None = None, trace_dir: str | None = None,
+):  # fmt: skip
     """Dispatch + combine of T x K rows of H elements over `world` ranks; per-iteration seconds.
 
     Returns {"dispatch_s": [iters], "combine_s": [iters], "data_s": [iters] (the row all-to-all
     alone, without the count exchange, sort and id exchange), "remote_bytes": bytes this rank
-    sends to other ranks in the row exchange, "send_bytes": T x K x H x elem, "check_rel_err"}.
+    sends to other ranks in the row exchange, "send_bytes": T x K x H x elem, "check_rel_err",
+    "profile" (one more dispatch + combine under torch.profiler, `profile_summary`)}; with
+    `baseline` also "baseline": {"module", "dispatch_s", "combine_s", "check_rel_err"}, that
+    module's `ExpertParallel` timed in the same iterations, each right after ours.
     """
+    import importlib
+
     from actors.comm.ep import ExpertParallel
 
     if device.type == "cuda":
@@ -104,7 +118,10 @@ def ep_bench(rank: int, world: int, rendezvous: Rendezvous, shape: EpShape, *, d
     group = init_world(rendezvous, rank=rank, world_size=world)
     try:
         per = shape.experts // world
-        ep = ExpertParallel(group, tuple(e // per for e in range(shape.experts)))
+        owners = tuple(e // per for e in range(shape.experts))
+        impls = {"ours": ExpertParallel(group, owners)}
+        if baseline is not None:
+            impls["baseline"] = importlib.import_module(baseline).ExpertParallel(group, owners)
         # Step 1: uniform random routing (seeded per rank) and softmax weights over the top-k.
         gen = torch.Generator().manual_seed(1000 + rank)
         x = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device, dtype)
@@ -112,25 +129,33 @@ def ep_bench(rank: int, world: int, rendezvous: Rendezvous, shape: EpShape, *, d
         top_w, top_ids = scores.topk(shape.top_k, dim=-1)
         top_w, top_ids = top_w.softmax(-1).to(device), top_ids.to(device)
         # Step 2: check with identity experts: combine(dispatch(x)) = x * sum_k w = x.
-        recv_x, _, handle = ep.dispatch(x, top_ids, top_w)
-        out = ep.combine(recv_x, handle)
         ref = x.float() * top_w.float().sum(-1, keepdim=True)
-        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        rel = {}
+        for name, ep in impls.items():
+            recv_x, _, handle = ep.dispatch(x, top_ids, top_w)
+            out = ep.combine(recv_x, handle)
+            rel[name] = ((out.float() - ref).norm() / ref.norm()).item()
+        recv_x, _, handle = impls["ours"].dispatch(x, top_ids, top_w)
         elem = x.element_size()
-        remote_rows = sum(handle.send_counts) - handle.send_counts[group.index]
-        send_rows = x[handle.token_of_row].contiguous()
-        dispatch_s, combine_s, data_s = [], [], []
+        remote_rows = handle.remote_rows
+        send_rows = x[_dest_major(handle, group.index)].contiguous()
+        times = {name: ([], []) for name in impls}
+        data_s = []
         for i in range(shape.warmup + shape.iters):
             # Step 3: dispatch and combine, each timed between a barrier and a device sync.
-            group.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            recv_x, _, handle = ep.dispatch(x, top_ids, top_w)
-            _sync(device)
-            t1 = time.perf_counter()
-            ep.combine(recv_x, handle)
-            _sync(device)
-            t2 = time.perf_counter()
+            for name, ep in impls.items():
+                group.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                got, _, h = ep.dispatch(x, top_ids, top_w)
+                _sync(device)
+                t1 = time.perf_counter()
+                ep.combine(got, h)
+                _sync(device)
+                t2 = time.perf_counter()
+                if i >= shape.warmup:
+                    times[name][0].append(t1 - t0)
+                    times[name][1].append(t2 - t1)
             # Step 4: the row exchange alone, on buffers sized in advance.
             group.barrier()
             _sync(device)
@@ -139,19 +164,43 @@ def ep_bench(rank: int, world: int, rendezvous: Rendezvous, shape: EpShape, *, d
             _sync(device)
             t4 = time.perf_counter()
             if i >= shape.warmup:
-                dispatch_s.append(t1 - t0)
-                combine_s.append(t2 - t1)
                 data_s.append(t4 - t3)
-        return {
-            "dispatch_s": dispatch_s,
-            "combine_s": combine_s,
+        # Step 5: one more dispatch + combine of ours under torch.profiler (after a barrier).
+        ours = impls["ours"]
+
+        def round_trip() -> None:
+            group.barrier()
+            recv, _, h = ours.dispatch(x, top_ids, top_w)
+            ours.combine(recv, h)
+
+        trace = None if trace_dir is None else f"{trace_dir}/ep_trace_rank{rank}.json"
+        out = {
+            "dispatch_s": times["ours"][0],
+            "combine_s": times["ours"][1],
             "data_s": data_s,
             "remote_bytes": remote_rows * shape.hidden * elem,
             "send_bytes": shape.tokens * shape.top_k * shape.hidden * elem,
-            "check_rel_err": rel,
+            "check_rel_err": rel["ours"],
+            "profile": profile_summary(round_trip, device, top=16, trace=trace),
         }
+        if baseline is not None:
+            out["baseline"] = {
+                "module": baseline,
+                "dispatch_s": times["baseline"][0],
+                "combine_s": times["baseline"][1],
+                "check_rel_err": rel["baseline"],
+            }
+        return out
     finally:
         destroy_world()
+
+
+def _dest_major(handle, me: int) -> torch.Tensor:
+    """Token of each sent row in destination-rank order (what `all_to_all_single` sends): the
+    handle's sent order is the rows for ranks before `me`, after `me`, then `me`'s own."""
+    t, remote = handle.token_of_row, handle.remote_rows
+    before = sum(handle.send_counts[:me])
+    return torch.cat([t[:before], t[remote:], t[before:remote]])
 
 
 # ---------------------------------------------------------------------------- phase 3 and 4
@@ -313,10 +362,11 @@ EXEC_BLOCK_SIZE = 16
 """KV block size of the timed engine step (the engine's default)."""
 
 
-def profile_summary(fn, device: torch.device, *, top: int = 12) -> dict:
+def profile_summary(fn, device: torch.device, *, top: int = 12, trace: str | None = None) -> dict:
     """One call of `fn` under torch.profiler: wall ms, device busy ms (sum of kernel and copy
     times), ms per kind (gemm, attention, nccl, memcpy, triton, other) and the `top` kernels.
-    On CPU the same from CPU ops' self time (no kernels)."""
+    On CPU the same from CPU ops' self time (no kernels). `trace`: also write a Chrome trace
+    there."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -328,6 +378,8 @@ def profile_summary(fn, device: torch.device, *, top: int = 12) -> dict:
         fn()
         _sync(device)
     wall = time.perf_counter() - t0
+    if trace is not None:
+        prof.export_chrome_trace(trace)
     rows = []
     try:
         for evt in prof.key_averages():
@@ -392,10 +444,11 @@ def rank_main(rank: int, world: int, rendezvous: Rendezvous, job: RankJob) -> di
     t = time.perf_counter()
     say(rank, f"sweep done in {out['phase_s']['sweep']:.1f} s; EP dispatch/combine")
     out["ep"] = ep_bench(
-        rank, world, job.ep_rendezvous, job.ep, device=device, dtype=_dtype(job.dtype)
-    )
+        rank, world, job.ep_rendezvous, job.ep, device=device, dtype=_dtype(job.dtype),
+        baseline=job.ep_baseline, trace_dir=job.trace_dir,
+    )  # fmt: skip
     out["phase_s"]["ep"] = time.perf_counter() - t
-    if rank == 0:
+    if rank == 0 and job.layouts:
         from placement.parallel_dims import Layout, ParallelDims
 
         t = time.perf_counter()

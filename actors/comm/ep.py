@@ -13,15 +13,20 @@ exchange and the slices are all-gathered after the combine: no expert runs a tok
 One host sync per dispatch (the row counts that size the exchange), none per combine. The rows
 go out sorted by (destination rank, expert), so the receiver rebuilds every row's expert id from
 the per-expert counts that travel in the count exchange: no id message. Only rows for other
-ranks travel through the all-to-all; the rows a rank routes to itself are gathered (dispatch) or
-copied (combine) into place while the exchange runs. The combine gathers the returned rows
-through the inverse permutation and takes each token's weighted sum of its K rows in float32 in
-one pass (`actors.kernels.fused.combine`, the world-size-1 MoE's own combine): no float32 copy
-of the rows, no scatter-add.
+ranks travel through the all-to-all. The dispatch gathers every row (those for other ranks
+first, then the ones staying here) into one buffer while the count exchange and the host sync
+run (on CUDA the count path is on a side stream, so the host waits for the counts alone); the
+rows staying here land in their final place, which is the front of the received rows, so the
+exchange starts as soon as the host has the counts. The combine sends the rows of other ranks
+back and takes each token's weighted sum of its K rows in float32 in one pass, reading the
+returned rows and the rows that never left straight from their two buffers
+(`actors.kernels.fused.combine`, the world-size-1 MoE's own combine): no copy of the rows, no
+float32 copy, no scatter-add.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +40,17 @@ class DispatchHandle:
     """What `combine` needs to undo a `dispatch`."""
 
     token_of_row: torch.Tensor
-    """[S] local token index of each sent row (rows kept here first, then by destination rank;
-    each block by expert)."""
+    """[S] local token index of each sent row (rows for other ranks first, by destination rank,
+    then the rows kept here; each block by expert)."""
     row_of_pair: torch.Tensor
     """[n, K] the sent row of pair (token t, choice k) of this rank's n tokens (the inverse of
     the sort)."""
     weights: torch.Tensor
     """[n, K] router weights of this rank's n tokens."""
     send_counts: list[int]
-    """[ep] rows sent to each EP rank."""
+    """[ep] rows sent to each EP rank (this rank's own: the rows kept here)."""
+    remote_rows: int
+    """Rows sent to other ranks: the first `remote_rows` of the sent order."""
     recv_counts: list[int]
     """[ep] rows received from each EP rank."""
     num_tokens: int
@@ -78,7 +85,11 @@ class ExpertParallel:
             )
         self.routed = torch.zeros(num_layers, len(owner_of_expert), dtype=torch.int64)
         self.layer: int | None = None
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._recv_room = [0]
+        """Rows received from other ranks in the largest dispatch so far (shared by the
+        per-layer views): the room left behind the gathered rows for the next exchange."""
 
     def for_layer(self, layer: int) -> ExpertParallel:
         """A view of this communicator that counts routing under `layer`."""
@@ -87,18 +98,31 @@ class ExpertParallel:
         view.layer = layer
         return view
 
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """On `device`, made once (no host-to-device copy per layer): owner [E]; the expert id
-        of each count slot [ep * E]; the EP ranks in received order [ep] (this rank first,
-        then the others in rank order)."""
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """On `device`, made once (no host-to-device copy per layer): the count slot of each
+        expert [E] (owner * E + e); the sort key of each expert [E] int32 (rows for other ranks
+        first, by destination rank, then this rank's; each block by expert); the expert id of
+        each count slot [ep * E]; the EP ranks in received order [ep] (this rank first, then
+        the others in rank order)."""
         if device not in self._on:
             ep, me = self.group.size, self.group.index
-            experts = torch.arange(len(self.owner), dtype=torch.int64)
+            num_experts = len(self.owner)
+            experts = torch.arange(num_experts, dtype=torch.int64)
+            slot = self.owner * num_experts + experts
+            key = ((self.owner == me).to(torch.int64) * (ep * num_experts) + slot).to(torch.int32)
             order = torch.tensor([me] + [r for r in range(ep) if r != me], dtype=torch.int64)
-            self._on[device] = (
-                self.owner.to(device), experts.repeat(ep).to(device), order.to(device)
+            self._on[device] = tuple(
+                t.to(device) for t in (slot, key, experts.repeat(ep), order)
             )  # fmt: skip
         return self._on[device]
+
+    def _side_stream(self, device: torch.device):
+        """The stream of the count path on CUDA (None elsewhere)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def _tp_slice(self, num_tokens: int) -> tuple[int, int]:
         """[start, end) of this TP rank's rows: `tensor_split` order (first chunks one longer)."""
@@ -114,69 +138,85 @@ class ExpertParallel:
         -> recv_x [R, H], recv_expert_ids [R] (int64, experts held here), handle.
 
         Received rows: this rank's own first, then each other rank's in rank order, each
-        block sorted by expert."""
+        block sorted by expert. recv_x may be a view of a larger buffer (the rows gathered to
+        send lie in front of it until it is freed)."""
         num_tokens, k = topk_ids.shape
         start, end = self._tp_slice(num_tokens)
-        ids = topk_ids[start:end].reshape(-1).to(torch.int64)
-        owner, slot_expert, recv_order = self._tables(ids.device)
+        ids = topk_ids[start:end].reshape(-1)
+        slot_of, key_of, slot_expert, recv_order = self._tables(ids.device)
         num_experts, ep, me = len(self.owner), self.group.size, self.group.index
+        n, local_x = ids.numel(), x[start:end]
+        counting = self.layer is not None and self.routed.numel() > 0
 
         # Step 1: count each (destination, expert) bucket on the device (a scatter-add, no
-        # sync) and start the count exchange, so that it runs during the sort.
-        dest = owner[ids]
-        bucket = dest * num_experts + ids
+        # sync) and start the count exchange on the side stream, so that only the counts stand
+        # between the host and the row exchange.
+        bucket = slot_of[ids]
         counts = torch.zeros(ep * num_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+        side = self._side_stream(ids.device) if ep > 1 else None
         recv = torch.empty_like(counts)
-        splits = [num_experts] * ep
-        pending = self._all_to_all(recv, counts, splits, splits) if ep > 1 else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(ids.device))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            splits = [num_experts] * ep
+            pending = self._all_to_all(recv, counts, splits, splits) if ep > 1 else None
 
-        # Step 2: order the (token, k) pairs: those staying here first, then by destination
-        # rank, each block by expert (int32 keys: half the radix passes of int64).
-        key = ((dest != me) * (ep * num_experts) + bucket).to(torch.int32)
-        order = torch.argsort(key, stable=True)
-        row_of_pair = torch.empty_like(order)
-        row_of_pair[order] = torch.arange(order.numel(), device=order.device)
+        # Step 2: order the (token, k) pairs: rows for other ranks first, by destination rank,
+        # then those staying here, each block by expert (int32 keys: half the radix passes of
+        # int64), and gather every row in that order into one buffer with room behind it for
+        # the rows other ranks send: the rows staying here end up in front of that room, where
+        # the received rows begin.
+        order = torch.argsort(key_of[ids], stable=True)
         tokens = torch.div(order, k, rounding_mode="floor")
-        local_x = x[start:end]
+        row_of_pair = torch.empty_like(order)
 
         def handle(send: list[int], recv: list[int]) -> DispatchHandle:
+            row_of_pair[order] = torch.arange(n, device=order.device)
             return DispatchHandle(
                 token_of_row=tokens, row_of_pair=row_of_pair.view(end - start, k),
                 weights=topk_weights[start:end], send_counts=send, recv_counts=recv,
-                num_tokens=num_tokens, row_slice=(start, end),
+                remote_rows=n - send[me], num_tokens=num_tokens, row_slice=(start, end),
             )  # fmt: skip
 
-        counting = self.layer is not None and self.routed.numel() > 0
         if ep == 1:
             if counting:
                 self.routed[self.layer] += counts.cpu()
-            n = ids.numel()
             return local_x.index_select(0, tokens), ids[order], handle([n], [n])
+        room = max(n, self._recv_room[0])
+        rows = x.new_empty((n + room, x.shape[1]))
+        torch.index_select(local_x, 0, tokens, out=rows[:n])
 
         # Step 3: the one host sync of the step reads the row counts per rank (and the routing
-        # statistics, when counted).
-        self.group.wait(pending, "all_to_all of the counts")
-        per_rank = torch.cat([counts.view(ep, -1).sum(1), recv.view(ep, -1).sum(1)])
-        if counting:
-            per_rank = torch.cat([per_rank, counts.view(ep, -1).sum(0)])
-        host = per_rank.tolist()
+        # statistics, when counted); on CUDA it waits for the side stream alone.
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            self.group.wait(pending, "all_to_all of the counts")
+            sums = [counts.view(ep, -1).sum(1), recv.view(ep, -1).sum(1)]
+            if counting:
+                sums.append(counts.view(ep, -1).sum(0))
+            host = torch.cat(sums).tolist()
         send_list, recv_list = host[:ep], host[ep : 2 * ep]
         if counting:
             self.routed[self.layer] += torch.tensor(host[2 * ep :], dtype=torch.int64)
-
-        # Step 4: the rows for other ranks go out while the rows staying here are gathered
-        # straight into their place and each received row's expert follows from the counts.
         own = send_list[me]
-        recv_x = x.new_empty((sum(recv_list), x.shape[1]))
-        remote = local_x.index_select(0, tokens[own:])
-        work = self._exchange(recv_x[own:], remote, recv_list, send_list)
-        torch.index_select(local_x, 0, tokens[:own], out=recv_x[:own])
+        remote = n - own
+
+        # Step 4: the rows for other ranks go out; each received row's expert follows from the
+        # counts. Too little room (a rank receives more than ever before): a fresh buffer.
+        incoming = sum(recv_list) - own
+        if incoming <= room:
+            recv_x = rows[remote : n + incoming]
+        else:
+            recv_x = x.new_empty((own + incoming, x.shape[1]))
+            recv_x[:own].copy_(rows[remote:n])
+        self._recv_room[0] = max(self._recv_room[0], incoming)
+        work = self._exchange(recv_x[own:], rows[:remote], recv_list, send_list)
         by_source = recv.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
         slots = slot_expert.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
         recv_ids = torch.repeat_interleave(slots, by_source, output_size=recv_x.shape[0])
+        out = handle(send_list, recv_list)
         self.group.wait(work, "all_to_all")
-        return recv_x, recv_ids, handle(send_list, recv_list)
+        return recv_x, recv_ids, out
 
     def _all_to_all(self, output, tensor, output_splits, input_splits):
         """Start `all_to_all_single`; returns the work to `self.group.wait`."""
@@ -193,25 +233,27 @@ class ExpertParallel:
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y [R, H] expert outputs of the received rows -> out [T, H] = sum_k w[t, k] * y[t, k]."""
-        # Step 1: send every row back to the rank it came from, in that rank's sent order; the
-        # rows that stayed here are copied into place meanwhile.
-        if self.group.size == 1:
-            back = y
-        else:
-            own = handle.send_counts[self.group.index]
-            back = y.new_empty((sum(handle.send_counts), y.shape[1]))
+        # Step 1: send the rows of other ranks back, each to the rank it came from, in that
+        # rank's sent order (the rows that stayed here stay in y).
+        own = handle.send_counts[self.group.index]
+        back = y.new_empty((handle.remote_rows, y.shape[1]))
+        if self.group.size > 1:
             work = self._exchange(
-                back[own:], y[own:].contiguous(), handle.send_counts, handle.recv_counts
+                back, y[own:].contiguous(), handle.send_counts, handle.recv_counts
             )
-            back[:own].copy_(y[:own])
             self.group.wait(work, "all_to_all")
 
-        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding).
+        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding):
+        # sent row i < remote_rows came back as back[i], the others are y[i - remote_rows].
         start, end = handle.row_slice
-        if end > start:
-            out = fused_kernels.combine(back, handle.row_of_pair, handle.weights)
-        else:
+        if end == start:
             out = y.new_zeros((0, y.shape[1]))
+        elif own == 0:
+            out = fused_kernels.combine(back, handle.row_of_pair, handle.weights)
+        elif handle.remote_rows == 0:
+            out = fused_kernels.combine(y[:own], handle.row_of_pair, handle.weights)
+        else:
+            out = fused_kernels.combine(back, handle.row_of_pair, handle.weights, y_rest=y[:own])
         if self.tp.size == 1:
             return out
 

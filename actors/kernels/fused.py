@@ -21,8 +21,8 @@ K experts per token, R = T * K routed rows):
 - `moe_experts(x, src, offsets, w_gate_up, w_down)`: the routed SwiGLU experts of a decode batch
   in two kernels (gate/up + SwiGLU, down), one program per busy expert and column tile, so each
   expert's weights are read once; the rows are gathered from x inside the kernel.
-- `combine(y_sorted, pos, weights, residual)`: out[t] = residual[t] + sum_k w[t,k] y[pos[t,k]]
-  (float32 accumulation, no atomics).
+- `combine(y_sorted, pos, weights, residual, y_rest)`: out[t] = residual[t] + sum_k w[t,k]
+  y[pos[t,k]] (float32 accumulation, no atomics); y may be two buffers read in place.
 
 Kernels run on CUDA, or on the CPU under `TRITON_INTERPRET=1` (the tests); `FUSED_ENABLED[0]`
 switches them off (the benchmark times both).
@@ -258,8 +258,9 @@ if triton_available():
         tl.store(pos_ptr + row, i.to(tl.int64), mask=im)
 
     @triton.jit
-    def _combine(y_ptr, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
-                 K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def _combine(y_ptr, rest_ptr, split, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
+                 K: tl.constexpr, HAS_RES: tl.constexpr, HAS_REST: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < hid
@@ -269,7 +270,10 @@ if triton_available():
         for j in tl.static_range(K):
             p = tl.load(pos_ptr + t * K + j)
             w = tl.load(w_ptr + t * K + j).to(tl.float32)
-            acc += w * tl.load(y_ptr + p * hid + c, mask=m, other=0.0).to(tl.float32)
+            row = y_ptr + p * hid
+            if HAS_REST:  # rows from `split` on live in the second source (one branch per row)
+                row = tl.where(p < split, row, rest_ptr + (p - split) * hid)
+            acc += w * tl.load(row + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * hid + c, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -564,20 +568,29 @@ def combine(
     pos: torch.Tensor,
     weights: torch.Tensor,
     residual: torch.Tensor | None = None,
+    *,
+    y_rest: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype:
-    residual[t] + sum_k weights[t, k] * y_sorted[pos[t, k]]."""
+    residual[t] + sum_k weights[t, k] * rows[pos[t, k]].
+
+    rows = y_sorted, or with `y_rest` [R', H] the rows of y_sorted followed by those of y_rest
+    (row R + i is y_rest[i]) without building that concatenation: the EP combine reads the rows
+    that came back from other ranks and the rows that never left this rank in place."""
     t, k = pos.shape
     hid = y_sorted.shape[1]
     if not use_triton(y_sorted):
-        ys = y_sorted.index_select(0, pos.reshape(-1)).view(t, k, hid)
+        rows = y_sorted if y_rest is None else torch.cat([y_sorted, y_rest])
+        ys = rows.index_select(0, pos.reshape(-1)).view(t, k, hid)
         out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
         return out if residual is None else out + residual
     out = torch.empty(t, hid, dtype=y_sorted.dtype, device=y_sorted.device)
     block = min(1024, _pow2(hid))
     res = residual.contiguous() if residual is not None else out
+    rest = y_rest.contiguous() if y_rest is not None else y_sorted
     _combine[(t, triton.cdiv(hid, block))](
-        y_sorted.contiguous(), pos.contiguous(), weights.contiguous(), res, out, hid,
-        K=k, HAS_RES=residual is not None, BLOCK=block,
+        y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
+        res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
+        BLOCK=block,
     )  # fmt: skip
     return out

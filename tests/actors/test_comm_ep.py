@@ -60,9 +60,14 @@ def _moe_rank(rank, world_size, rendezvous, dims_args, owners, token_counts):
         else recv_x.new_zeros((0, HIDDEN))
     )
     out = ep.combine(y, handle)
+    # Again: the second dispatch gathers into the room the first one measured.
+    recv_again, ids_again, handle = ep.dispatch(x, ids, weights)
+    assert torch.equal(recv_again, recv_x) and torch.equal(ids_again, recv_ids)
+    again = ep.combine(y, handle)
     return {
         "dp": dp_index,
         "out": out,
+        "again": again,
         "foreign": foreign,
         "received": len(recv_ids),
         "routed": ep.routed[0].clone(),
@@ -91,13 +96,14 @@ def test_dispatch_combine_matches_single_process_moe(dims_args, owners, token_co
         assert r["foreign"] == [], "a rank received rows for experts it does not hold"
         x, ids, weights = _tokens(r["dp"], token_counts[r["dp"]])
         torch.testing.assert_close(r["out"], _reference(x, ids, weights), rtol=1e-5, atol=1e-5)
+        assert torch.equal(r["again"], r["out"])
         routed += r["routed"]
-    # Summed over ranks, the routing counts are the true per-expert (token, k) counts, once.
+    # Summed over ranks, the routing counts are the true per-expert (token, k) counts, twice.
     expected = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
     for d in range(dims.dp):
         _, ids, _ = _tokens(d, token_counts[d])
         expected += torch.bincount(ids.reshape(-1), minlength=NUM_EXPERTS)
-    assert torch.equal(routed, expected)
+    assert torch.equal(routed, 2 * expected)
     assert sum(r["received"] for r in results) == int(expected.sum())
 
 

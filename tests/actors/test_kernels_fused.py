@@ -52,6 +52,12 @@ for t in range(37):
     for j in range(4):
         ref[t] += wts[t, j] * y[pos[t * 4 + j]]
 errs["combine"] = float((out - ref).abs().max())
+# combine from two sources (rows 0..19 in one buffer, the rest in another), kernel and fallback
+for on in (True, False):
+    fused.FUSED_ENABLED[0] = on
+    two = fused.combine(y[:20], pos.view(37, 4), wts, residual=res, y_rest=y[20:].clone())
+    errs["combine_two" + ("" if on else "_torch")] = float((two - ref).abs().max())
+fused.FUSED_ENABLED[0] = True
 # qk rope write
 B, H, KV, D, BS, N = 3, 6, 2, 16, 4, 10
 q = torch.randn(B, H, D); k = torch.randn(B, KV, D); v = torch.randn(B, KV, D)
@@ -157,7 +163,7 @@ def test_fused_kernels_match_torch_references():
     for name in ("ids", "src", "pos", "offs", "routed", "src_sort", "pos_sort", "offs_sort",
                  "routed_sort"):  # fmt: skip
         assert errs[name] == 0, (name, errs)
-    for name in ("rms", "rms_h", "logits", "wts", "combine", "q", "kc", "vc", "kmin", "kmax",
+    for name in ("rms", "rms_h", "logits", "wts", "combine", "combine_two", "combine_two_torch", "q", "kc", "vc", "kmin", "kmax",
                  "pq", "pk", "pq0", "pk0", "experts1", "experts37", "strided"):  # fmt: skip
         assert errs[name] < 1e-5, (name, errs)
 

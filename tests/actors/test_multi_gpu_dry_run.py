@@ -102,6 +102,33 @@ def test_dry_run_aligns_every_layout_and_writes_the_json(dry_run):
     assert result["goals"]["planner"]["met"] is None
 
 
+def test_ep_only_dry_run_times_a_baseline_beside_ours(tmp_path):
+    """`--ep-only --ep-baseline MODULE --ep-trace`: collectives and EP alone, another
+    `ExpertParallel` (here a copy of ours under another name) timed in the same iterations."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
+    (tmp_path / "site" / "ep_copy.py").write_text((ROOT / "actors/comm/ep.py").read_text())
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "multi_gpu.py"), "--cpu-dry-run", "2", "--ep-only",
+         "--ep-baseline", "ep_copy", "--ep-trace", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "multi_gpu.json").read_text())
+    assert "layouts" not in result and list(result["goals"]) == ["ep_busbw"]
+    assert "checkpoint" not in (tmp_path / "out" / "multi_gpu.log").read_text()
+    ep = result["ep"]
+    assert ep["check_max_rel_err"] < 1e-6
+    assert ep["baseline"]["module"] == "ep_copy" and ep["baseline"]["check_max_rel_err"] < 1e-6
+    for phase in ("dispatch", "combine"):
+        assert ep["baseline"][phase]["ms"] > 0 and ep[phase]["ms"] > 0
+    assert len(ep["profile"]) == 2 and all(p["wall_ms"] > 0 for p in ep["profile"])
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "out" / f"ep_trace_rank{rank}.json").read_text())
+    assert "EP baseline ep_copy" in done.stdout and "goal ep_busbw: not judged" in done.stdout
+
+
 def _outputs(seqs: list[torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
     names = ["model.embed_tokens", "model.layers.0.self_attn", "model.layers.0", "lm_head"]
     return {n: {i: t + k for i, t in enumerate(seqs)} for k, n in enumerate(names)}
