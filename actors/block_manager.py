@@ -1,21 +1,23 @@
-"""Paged KV block manager: a free-block deque, reference counts and prefix caching by block key.
+"""Paged KV block manager: an ordered set of free blocks, reference counts and prefix caching by block key.
 
-Follows the shape of nano-vllm's block manager (a deque of free ids, a map from chained block hash
+Follows the shape of nano-vllm's block manager (a queue of free ids, a map from chained block hash
 to block id, reference counts), with the block key computed by `cache_service.block_key` (the one
 definition the cache tiers use too) instead of a local hash.
 
 A block is in one of three states:
 - in use: ref_count > 0, held by one or more sequences' block tables;
-- cached-free: ref_count == 0 but still registered under its key: it sits in the free deque and
+- cached-free: ref_count == 0 but still registered under its key: it sits in the free queue and
   a later request with the same prefix can revive it, until `allocate` hands it out again;
 - free: ref_count == 0 and no key.
-Released blocks join the right end of the deque and `allocate` takes from the left, so the
-least recently released cached blocks are reused (evicted from the device) first.
+Released blocks join the end of the queue and `allocate` takes from the front, so the least
+recently released cached blocks are reused (evicted from the device) first. The queue is an
+OrderedDict so that reviving a cached-free block (`acquire`) is O(1), not a deque's O(n) scan
+(a 2,000-token prefix hit revives 62 blocks).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +74,7 @@ class BlockManager:
         self.key: list[BlockKey | None] = [None] * num_blocks
         self.stored = [False] * num_blocks
         """Whether the block's current contents were already written down the cache tiers."""
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.by_key: dict[BlockKey, int] = {}
 
     @property
@@ -90,7 +92,7 @@ class BlockManager:
         """A fresh block with ref_count 1; a cached-free block taken this way loses its key."""
         if not self.free:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        block = self.free.popleft()
+        block, _ = self.free.popitem(last=False)
         self._forget(block)
         self.ref_count[block] = 1
         return block
@@ -108,7 +110,7 @@ class BlockManager:
     def acquire(self, block: int) -> None:
         """Add a reference to a registered block (reviving it when it was cached-free)."""
         if self.ref_count[block] == 0:
-            self.free.remove(block)
+            del self.free[block]
         self.ref_count[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -118,7 +120,7 @@ class BlockManager:
                 raise RuntimeError(f"block {block} released more often than acquired")
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
-                self.free.append(block)
+                self.free[block] = None
 
     def register(self, block: int, key: BlockKey) -> bool:
         """Record that `block` now holds the fully computed KV of `key`.
