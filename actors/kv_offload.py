@@ -3,16 +3,15 @@ move in a few large copies instead of one small copy per layer and block.
 
 - store: the blocks [n, *block_shape] (on the GPU) are copied a piece at a time (<= 16 MiB) into
   host rows `[HEADER_BYTES | payload]` (one async device->host copy per piece, through a device
-  staging ring). MIX64: each block's header and checksum are written into its staging row on
-  the device (`row_headers` and the header words' sum from the host, the payload's sum added on
-  a second stream), so the copies land whole blocks; the host checks the headers against
-  `row_headers` (`codec.encode_rows(written=True)`, one compare) and puts the rows, one batch
-  of pieces (<= PUT_BATCH_BYTES, the last piece alone) at a time. XXH3: worker threads hash each
-  piece as it lands (8 workers: 13 GB/s on the H200 VM, no more on 16). Where the rows come
-  from: a top tier with an arena (the host tier with CUDA: `PinnedArena`) lends rows of its
-  recycled slabs and keeps them as they are (no allocation per store, the rows of one store
-  adjacent); a tier that adopts buffers without an arena keeps fresh rows each call; any other
-  cache gets immutable copies and the rows are reused by the next call.
+  staging ring). MIX64: each block's header (`row_headers`, the header words' sum in the
+  checksum field) is written into its staging row on the device, the payloads' sums run on a
+  second stream; the host adds those to the landed checksum fields, checks the headers
+  (`codec.encode_rows(written=True)`, one compare) and puts the rows, a batch of pieces
+  (<= PUT_BATCH_BYTES, the last piece alone) at a time. XXH3: worker threads hash each piece as
+  it lands (8 workers: 13 GB/s on the H200 VM). Rows: a top tier with an arena (the host tier
+  with CUDA: `PinnedArena`) lends rows of its recycled slabs and keeps them as they are; a tier
+  that adopts buffers without an arena keeps fresh rows; any other cache gets immutable copies
+  and the rows are reused by the next call.
 - load, MIX64 (CUDA targets): one thread fetches the keys in spans (one span for a load of at
   most SMALL_LOAD_BYTES; else growing from ~8 to ~64 MiB, the last at most LOAD_TAIL_BYTES),
   checks presence and length per block on the host and copies each span's rows with one async
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from actors.kv_cache_calls import (
@@ -85,7 +85,10 @@ STAGING_SLOTS = 4
 """Device staging buffers of a store (one piece each, <= STORE_CHUNK_BYTES): the staging of
 later pieces runs ahead of the device->host copies."""
 PUT_BATCH_BYTES = 1 << 26
-"""A store puts ~64 MiB of adjacent pieces at a time (the last piece alone): few host batches."""
+"""A store puts ~64 MiB of adjacent pieces at a time (the last piece alone)."""
+VERIFY_AFTER_BYTES = 3 << 23
+"""A load verifies the spans before one of at least ~24 MiB (or the last) once its copies are
+queued: smaller spans' copies are shorter than the ~30 launches of a verification (x2 host)."""
 SMALL_LOAD_BYTES = 1 << 26
 """A load of at most ~64 MiB is one span: one fetch, one verification launch group (small blocks
 are bound by per-call costs, not by the copy)."""
@@ -136,15 +139,15 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
 def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks) -> list:
     width, cuda = row_bytes(src.shape[1]), src.device.type == "cuda"
     landed: list[Any] = []
-    # Step 1 (MIX64, `_headers`): every block's header with the MIX64 of its words in the
-    # checksum field, from the host; the payloads' sums are added to it where the payloads are,
-    # and it goes into each row's header gap there, so the rows land (or are) whole blocks.
+    summed: list[Any] = []
+    # Step 1 (MIX64, `_headers`): every block's header, its checksum field holding the MIX64 of
+    # the header's words, from the host; it goes into each row's header gap where the payloads
+    # are, so the rows land whole blocks but for the payload's sum (Step 4 adds it).
     if cuda:
-        # Step 2: each piece's payloads go into a ring of STAGING_SLOTS device buffers (each
-        # row's header gap left) on a staging stream, then (MIX64) its headers, once its group's
-        # sums are done (`_sum_groups`, on a second stream); the copy stream runs only the
-        # device->host copies, back to back: piece c is staged once the copy of piece
-        # c - STAGING_SLOTS left its slot.
+        # Step 2: each piece's payloads (and MIX64 headers) go into a ring of STAGING_SLOTS
+        # device buffers on a staging stream; the copy stream runs only the device->host copies,
+        # back to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its slot.
+        # None waits for the payloads' sums (that idled the copies ~1.5 ms a store: round 8).
         stream = t._side_stream(src.device)
         staging_stream = t._side_stream(src.device, 2)
         current = torch.cuda.current_stream(src.device)
@@ -157,20 +160,15 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
         gap = HEADER_BYTES // wide.itemsize
         src_w, staging_w = src.view(wide), staging.view(wide)
         staged_at = 1 + 2 * len(pieces)  # pooled event indices: landed 1.., staged after sums
-        summed: list[Any] = [None] * len(pieces)
         for c, (a, b, host, first, _) in enumerate(pieces):
             slot = c % slots
             with torch.cuda.stream(staging_stream):
                 if c >= slots:
                     staging_stream.wait_event(landed[c - slots])
                 staging_w[slot, : b - a, gap:].copy_(src_w[a:b])
-            if mix and c < 2:  # the first piece's group, then (its copy queued) the others'
-                if c == 0:
-                    heads = _headers(t, keys, dtype, shape)
-                heads = _sum_groups(t, src, heads, pieces, summed, current, first=c == 0)
-            with torch.cuda.stream(staging_stream):
+                if mix and c == 0:
+                    heads = _headers(t, keys, dtype, shape).to(src.device, non_blocking=True)
                 if mix:
-                    staging_stream.wait_event(summed[c])
                     staging_w[slot, : b - a, :gap].copy_(heads[a:b])
                 staged = t._event(src.device, staged_at + c, staging_stream)
             with torch.cuda.stream(stream):
@@ -180,10 +178,11 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
                 host[first : first + b - a].copy_(staging[slot, : b - a], non_blocking=True)
                 landed.append(t._event(src.device, 1 + c, stream))
         marks.mark("copies_done", stream)
+        if mix:
+            sums, summed = _payload_sums(t, src, pieces, current)
     else:
         if mix:
-            heads = _headers(t, keys, dtype, shape)
-            heads[:, HEADER_WORDS].add_(body_mix64(src))
+            heads, sums = _headers(t, keys, dtype, shape), body_mix64(src)
         for a, b, host, first, _ in pieces:
             host[first : first + b - a, HEADER_BYTES:].copy_(src[a:b])
             if mix:
@@ -202,14 +201,17 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
                 for lo in range(0, b - a, per_task)
             ])  # fmt: skip
     # Step 4: one put per batch of pieces (`_batches`), in order, once its rows landed (MIX64:
-    # their headers checked against `row_headers`, no byte written); rows of the arena are owned
-    # by their blocks from here on.
+    # the payloads' sums added to the checksum fields, one numpy add, and the headers checked
+    # against `row_headers`); rows of the arena are owned by their blocks from here on.
     out: list[bool] = []
     for lo, hi in _batches(pieces, width):
         (a, _, host, first, lent), b = pieces[lo], pieces[hi - 1][1]
         if mix:
             if landed:
                 landed[hi - 1].synchronize()
+                summed[hi - 1].synchronize()
+            field = host.numpy().view(np.uint64)[first : first + b - a, HEADER_WORDS]
+            field += sums[a:b].numpy().view(np.uint64)  # modulo 2^64, as MIX64 sums
             try:
                 encoded = encode_rows(host, keys[a:b], dtype=dtype, shape=shape, first=first,
                                       written=True)  # fmt: skip
@@ -245,31 +247,30 @@ def _headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
     return words
 
 
-def _sum_groups(t: KVTiers, src, heads, pieces, summed: list, current, *, first: bool):
-    """On the checks stream, the payloads' sums added to the headers' checksum fields: first=True
-    uploads the headers (returned on the device) and sums the first piece alone, then the rest
-    in groups of ~VERIFY_GROUP_BYTES. summed[c] becomes the event of piece c's group."""
+def _payload_sums(t: KVTiers, src, pieces, current) -> tuple[torch.Tensor, list]:
+    """The payloads' MIX64 sums (`body_mix64`) into a pinned scratch [n] int64, on the checks
+    stream after the copies are queued, a group of pieces of <= VERIFY_GROUP_BYTES at a time;
+    returns it and, per piece, the event of its group."""
     checks = t._side_stream(src.device, 1)
+    checks.wait_event(t._event(src.device, 0, current))
+    sums = t._scratch("sums", src.shape[0], torch.int64)
+    summed: list[Any] = [None] * len(pieces)
+    group, start = max(1, VERIFY_GROUP_BYTES // row_bytes(src.shape[1])), 0
     with torch.cuda.stream(checks):
-        if first:
-            checks.wait_event(t._event(src.device, 0, current))
-            heads = heads.to(src.device, non_blocking=True)
-        group = max(1, VERIFY_GROUP_BYTES // row_bytes(src.shape[1]))
-        start, n = (0, 1) if first else (1, len(pieces))
-        for c in range(start, n):
-            lo, b = pieces[start][0], pieces[c][1]
-            if b - lo < group and c + 1 < n:
+        for c in range(len(pieces)):
+            lo = pieces[start][0]
+            if c + 1 < len(pieces) and pieces[c + 1][1] - lo <= group:
                 continue
-            heads[lo:b, HEADER_WORDS].add_(body_mix64(src[lo:b]))
+            sums[lo : pieces[c][1]].copy_(body_mix64(src[lo : pieces[c][1]]), non_blocking=True)
             done = t._event(src.device, 1 + len(pieces) + c, checks)
             summed[start : c + 1] = [done] * (c + 1 - start)
             start = c + 1
-    return heads
+    return sums, summed
 
 
 def _batches(pieces: list, width: int) -> list[tuple[int, int]]:
     """Pieces lo..hi put together: adjacent rows of one host tensor, at most PUT_BATCH_BYTES,
-    the last piece alone (so the host's work after the last copy is one piece's)."""
+    the last piece alone (the host's work after the last copy is one piece's)."""
     out, start, n = [], 0, len(pieces)
     for c in range(1, n + 1):
         prev = pieces[c - 1]
@@ -432,10 +433,12 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                     want = host.to(device, non_blocking=True).view(n, head)
             if stream is not None:
                 t._event(device, 1 + s, stream)  # span s (and `want`) landed
-        # The previous span is verified now, after this one's copies are queued, so the copy
-        # engine is never idle while the host launches a verification.
-        if pending:
-            verify(*pending.pop())
+        # The spans before this one are verified now (one pass), after its copies are queued,
+        # so the copy engine is not idle while the host launches it; not yet after a span whose
+        # copy is too short to cover the launches (VERIFY_AFTER_BYTES), unless it is the last.
+        if pending and ((b - a) * width >= VERIFY_AFTER_BYTES or b == n):
+            verify(pending[0][0], sum(p[1] for p in pending), pending[-1][2])
+            pending.clear()
         if ok:
             pending.append((a, ok, s))
         m = a + ok
@@ -445,8 +448,8 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
             break
     if stream is not None:
         marks.mark("copies_done", stream)
-    while pending:
-        verify(*pending.pop())
+    if pending:
+        verify(pending[0][0], sum(p[1] for p in pending), pending[-1][2])
     if stream is not None:
         if checks is not None:
             marks.mark("verified", checks)

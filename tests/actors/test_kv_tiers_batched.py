@@ -388,3 +388,21 @@ def test_cuda_store_lands_the_blocks_encode_block_makes(small_chunks):
         row = cache.tiers[0]._blocks[key][0]
         assert bytes(memoryview(row)) == bytes(encode_block(data[i], key=key, checksum="mix64"))
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16, device="cuda").cpu(), data)
+
+
+@pytest.mark.parametrize("bad", [0, 3, 10])
+def test_mix64_load_verifies_every_span_when_small_spans_are_verified_together(
+    small_chunks, monkeypatch, bad
+):
+    """Spans too small to cover a verification's launches are verified with a later one
+    (VERIFY_AFTER_BYTES): a bad block in the first, a middle or the last span still ends the
+    prefix there."""
+    # Spans of 2, 4, 5 blocks: the first two verified together, after the last one's copies.
+    monkeypatch.setattr(kv_offload, "VERIFY_AFTER_BYTES", 5 * (HEADER_BYTES + SHAPE_BYTES))
+    cache = host_cache(adopt="arena")
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
+    keys, data = keys_for(11, seed=16), blocks(11, seed=16)
+    assert tiers.store_many(keys, data) == [True] * 11
+    cache.tiers[0]._blocks[keys[bad]][0][HEADER_BYTES + 9] ^= 4
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:bad])
+    assert tiers.counts["corrupt"] == 1 and cache.contains([keys[bad]]) == [False]
