@@ -13,15 +13,18 @@ exchange and the slices are all-gathered after the combine: no expert runs a tok
 One host sync per dispatch (the row counts that size the exchange), none per combine. The rows
 go out sorted by (destination rank, expert), so the receiver rebuilds every row's expert id from
 the per-expert counts that travel in the count exchange: no id message. Only rows for other
-ranks travel through the all-to-all. The dispatch gathers every row (those for other ranks
-first, then the ones staying here) into one buffer while the count exchange and the host sync
-run (on CUDA the count path is on a side stream, so the host waits for the counts alone); the
-rows staying here land in their final place, which is the front of the received rows, so the
-exchange starts as soon as the host has the counts. The combine sends the rows of other ranks
-back and takes each token's weighted sum of its K rows in float32 in one pass, reading the
-returned rows and the rows that never left straight from their two buffers
-(`actors.kernels.fused.combine`, the world-size-1 MoE's own combine): no copy of the rows, no
-float32 copy, no scatter-add.
+ranks travel through the all-to-all. The sort puts the rows for other ranks first and the rows
+staying here last, and every row is gathered in that order into one buffer with room behind it
+for the received rows: the rows staying here land where the received rows begin (no copy).
+The gather of the first rows (as many as went to other ranks last time) runs while the count
+exchange and the host sync run (on CUDA the count path is on a side stream, so the host waits
+for the counts alone); the rest of the rows for other ranks, if any, follow once the counts are
+known, and the rows staying here are gathered while the exchange runs. The combine sends the
+rows of other ranks back; meanwhile it sums, per token, the weighted rows that never left (a
+float32 partial); then it adds the returned rows on top (`actors.kernels.fused.combine`, the
+world-size-1 MoE's own combine, reading both buffers in place): float32 accumulation, one
+rounding, no copy of the rows, no scatter-add. The CPU path takes the weighted sum in one pass
+after the exchange.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ class ExpertParallel:
         self._recv_room = [0]
         """Rows received from other ranks in the largest dispatch so far (shared by the
         per-layer views): the room left behind the gathered rows for the next exchange."""
+        self._sent_last = [-1]
+        """Rows sent to other ranks by the last dispatch (-1: none yet): how many rows the
+        next dispatch gathers before its host sync."""
 
     def for_layer(self, layer: int) -> ExpertParallel:
         """A view of this communicator that counts routing under `layer`."""
@@ -103,7 +109,7 @@ class ExpertParallel:
         expert [E] (owner * E + e); the sort key of each expert [E] int32 (rows for other ranks
         first, by destination rank, then this rank's; each block by expert); the expert id of
         each count slot [ep * E]; the EP ranks in received order [ep] (this rank first, then
-        the others in rank order)."""
+        the others in rank order); a one [1] (expanded as the scatter-add's source)."""
         if device not in self._on:
             ep, me = self.group.size, self.group.index
             num_experts = len(self.owner)
@@ -111,8 +117,9 @@ class ExpertParallel:
             slot = self.owner * num_experts + experts
             key = ((self.owner == me).to(torch.int64) * (ep * num_experts) + slot).to(torch.int32)
             order = torch.tensor([me] + [r for r in range(ep) if r != me], dtype=torch.int64)
+            one = torch.ones(1, dtype=torch.int64)
             self._on[device] = tuple(
-                t.to(device) for t in (slot, key, experts.repeat(ep), order)
+                t.to(device) for t in (slot, key, experts.repeat(ep), order, one)
             )  # fmt: skip
         return self._on[device]
 
@@ -143,35 +150,34 @@ class ExpertParallel:
         num_tokens, k = topk_ids.shape
         start, end = self._tp_slice(num_tokens)
         ids = topk_ids[start:end].reshape(-1)
-        slot_of, key_of, slot_expert, recv_order = self._tables(ids.device)
+        slot_of, key_of, slot_expert, recv_order, one = self._tables(ids.device)
         num_experts, ep, me = len(self.owner), self.group.size, self.group.index
         n, local_x = ids.numel(), x[start:end]
         counting = self.layer is not None and self.routed.numel() > 0
 
         # Step 1: count each (destination, expert) bucket on the device (a scatter-add, no
         # sync) and start the count exchange on the side stream, so that only the counts stand
-        # between the host and the row exchange.
-        bucket = slot_of[ids]
-        counts = torch.zeros(ep * num_experts, dtype=torch.int64, device=ids.device)
-        counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+        # between the host and the row exchange. cnt[0]: sent, cnt[1]: received.
+        cnt = torch.zeros(2, ep * num_experts, dtype=torch.int64, device=ids.device)
+        cnt[0].scatter_add_(0, slot_of.index_select(0, ids), one.expand(n))
         side = self._side_stream(ids.device) if ep > 1 else None
-        recv = torch.empty_like(counts)
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(ids.device))
         with torch.cuda.stream(side) if side is not None else nullcontext():
             splits = [num_experts] * ep
-            pending = self._all_to_all(recv, counts, splits, splits) if ep > 1 else None
+            pending = self._all_to_all(cnt[1], cnt[0], splits, splits) if ep > 1 else None
 
         # Step 2: order the (token, k) pairs: rows for other ranks first, by destination rank,
         # then those staying here, each block by expert (int32 keys: half the radix passes of
-        # int64), and gather every row in that order into one buffer with room behind it for
+        # int64). Every row is gathered in that order into one buffer with room behind it for
         # the rows other ranks send: the rows staying here end up in front of that room, where
-        # the received rows begin.
-        order = torch.argsort(key_of[ids], stable=True)
+        # the received rows begin. Any split of the gather is right; the first part, as many
+        # rows as went to other ranks last time, is gathered before the sync.
+        order = torch.argsort(key_of.index_select(0, ids), stable=True)
         tokens = torch.div(order, k, rounding_mode="floor")
-        row_of_pair = torch.empty_like(order)
 
         def handle(send: list[int], recv: list[int]) -> DispatchHandle:
+            row_of_pair = torch.empty_like(order)
             row_of_pair[order] = torch.arange(n, device=order.device)
             return DispatchHandle(
                 token_of_row=tokens, row_of_pair=row_of_pair.view(end - start, k),
@@ -181,37 +187,46 @@ class ExpertParallel:
 
         if ep == 1:
             if counting:
-                self.routed[self.layer] += counts.cpu()
+                self.routed[self.layer] += cnt[0].cpu()
             return local_x.index_select(0, tokens), ids[order], handle([n], [n])
         room = max(n, self._recv_room[0])
         rows = x.new_empty((n + room, x.shape[1]))
-        torch.index_select(local_x, 0, tokens, out=rows[:n])
+        early = self._sent_last[0] if self._sent_last[0] >= 0 else n - n // ep
+        early = min(early, n)
+        torch.index_select(local_x, 0, tokens[:early], out=rows[:early])
 
         # Step 3: the one host sync of the step reads the row counts per rank (and the routing
         # statistics, when counted); on CUDA it waits for the side stream alone.
         with torch.cuda.stream(side) if side is not None else nullcontext():
             self.group.wait(pending, "all_to_all of the counts")
-            sums = [counts.view(ep, -1).sum(1), recv.view(ep, -1).sum(1)]
+            per_rank = cnt.view(2 * ep, num_experts).sum(1)
             if counting:
-                sums.append(counts.view(ep, -1).sum(0))
-            host = torch.cat(sums).tolist()
+                per_rank = torch.cat([per_rank, cnt[0].view(ep, -1).sum(0)])
+            host = per_rank.tolist()
         send_list, recv_list = host[:ep], host[ep : 2 * ep]
         if counting:
             self.routed[self.layer] += torch.tensor(host[2 * ep :], dtype=torch.int64)
         own = send_list[me]
         remote = n - own
+        self._sent_last[0] = remote
 
-        # Step 4: the rows for other ranks go out; each received row's expert follows from the
-        # counts. Too little room (a rank receives more than ever before): a fresh buffer.
+        # Step 4: the rest of the rows for other ranks (if the early part fell short), then
+        # they go out; the rows staying here are gathered meanwhile, and each received row's
+        # expert follows from the counts. Too little room (a rank receives more than ever
+        # before): a fresh buffer for the received rows.
+        if early < remote:
+            torch.index_select(local_x, 0, tokens[early:remote], out=rows[early:remote])
         incoming = sum(recv_list) - own
-        if incoming <= room:
-            recv_x = rows[remote : n + incoming]
-        else:
-            recv_x = x.new_empty((own + incoming, x.shape[1]))
-            recv_x[:own].copy_(rows[remote:n])
+        fits = incoming <= room
+        recv_x = rows[remote : n + incoming] if fits else x.new_empty((own + incoming, x.shape[1]))
         self._recv_room[0] = max(self._recv_room[0], incoming)
         work = self._exchange(recv_x[own:], rows[:remote], recv_list, send_list)
-        by_source = recv.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
+        rest = max(early, remote)
+        if rest < n:
+            torch.index_select(local_x, 0, tokens[rest:], out=rows[rest:n])
+        if not fits:
+            recv_x[:own].copy_(rows[remote:n])
+        by_source = cnt[1].view(ep, num_experts).index_select(0, recv_order).reshape(-1)
         slots = slot_expert.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
         recv_ids = torch.repeat_interleave(slots, by_source, output_size=recv_x.shape[0])
         out = handle(send_list, recv_list)
@@ -234,26 +249,37 @@ class ExpertParallel:
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """y [R, H] expert outputs of the received rows -> out [T, H] = sum_k w[t, k] * y[t, k]."""
         # Step 1: send the rows of other ranks back, each to the rank it came from, in that
-        # rank's sent order (the rows that stayed here stay in y).
-        own = handle.send_counts[self.group.index]
-        back = y.new_empty((handle.remote_rows, y.shape[1]))
+        # rank's sent order (the rows that stayed here stay in y). Sent row i < remote_rows
+        # comes back as back[i]; the others are y[i - remote_rows].
+        own, remote = handle.send_counts[self.group.index], handle.remote_rows
+        start, end = handle.row_slice
+        pos, w = handle.row_of_pair, handle.weights
+        back = y.new_empty((remote, y.shape[1]))
+        work = None
         if self.group.size > 1:
             work = self._exchange(
                 back, y[own:].contiguous(), handle.send_counts, handle.recv_counts
             )
-            self.group.wait(work, "all_to_all")
 
-        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding):
-        # sent row i < remote_rows came back as back[i], the others are y[i - remote_rows].
-        start, end = handle.row_slice
-        if end == start:
-            out = y.new_zeros((0, y.shape[1]))
-        elif own == 0:
-            out = fused_kernels.combine(back, handle.row_of_pair, handle.weights)
-        elif handle.remote_rows == 0:
-            out = fused_kernels.combine(y[:own], handle.row_of_pair, handle.weights)
+        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding).
+        # With the kernels and rows from both sources: while the exchange runs, the float32
+        # partial over the rows that stayed here; then the returned rows on top of it.
+        if end > start and own and remote and fused_kernels.use_triton(y):
+            part = fused_kernels.combine(
+                back, pos, w, y_rest=y[:own], rows="rest", out_dtype=torch.float32
+            )
+            self.group.wait(work, "all_to_all")
+            out = fused_kernels.combine(back, pos, w, part, y_rest=y[:own], rows="first")
         else:
-            out = fused_kernels.combine(back, handle.row_of_pair, handle.weights, y_rest=y[:own])
+            self.group.wait(work, "all_to_all")
+            if end == start:
+                out = y.new_zeros((0, y.shape[1]))
+            elif own == 0:
+                out = fused_kernels.combine(back, pos, w)
+            elif remote == 0:
+                out = fused_kernels.combine(y[:own], pos, w)
+            else:
+                out = fused_kernels.combine(back, pos, w, y_rest=y[:own])
         if self.tp.size == 1:
             return out
 

@@ -107,6 +107,18 @@ def test_dispatch_combine_matches_single_process_moe(dims_args, owners, token_co
     assert sum(r["received"] for r in results) == int(expected.sum())
 
 
+def test_two_pass_combine_under_the_kernel_interpreter(monkeypatch):
+    """With the kernels on (the interpreter stands in for CUDA), combine sums the rows that
+    stayed here while the exchange runs and the returned rows after: same result."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
+    dims_args, token_counts = {"pp": 1, "dp": 2, "tp": 1}, (10, 7)
+    results = run_ranks(_moe_rank, 2, args=(dims_args, None, token_counts), timeout_s=120)
+    for r in results:
+        x, ids, weights = _tokens(r["dp"], token_counts[r["dp"]])
+        torch.testing.assert_close(r["out"], _reference(x, ids, weights), rtol=1e-5, atol=1e-5)
+        assert torch.equal(r["again"], r["out"])
+
+
 def test_world_size_one_shortcut_needs_no_process_group():
     ep = ExpertParallel(Group.single("ep"), (0,) * NUM_EXPERTS, num_layers=2).for_layer(1)
     x, ids, weights = _tokens(0, 9)
