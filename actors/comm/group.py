@@ -316,6 +316,7 @@ def _connect_local(world: Group, axis: str, ranks: tuple[int, ...], rank: int):
         label=f"{axis} group {ranks}",
         timeout_s=world.timeout_s,
         aborted=world.aborted,
+        spin_s=local_transport.spin_for(world.hosts.count(world.hosts[rank])),
     )
 
 

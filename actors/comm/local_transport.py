@@ -44,7 +44,9 @@ SPIN_S = float(os.environ.get("MOE_LOCAL_SPIN_US", "300")) * 1e-6
 """How long a member polls its sockets without sleeping (yielding the core between tries) before
 it blocks in `poll`: a peer that answers within it costs no wake-up. On this 2-core box an ep2
 decode step took 4.2 / 3.4 / 3.3 ms with 0 / 100 / 300 us, and served batch-1 output 112 / 136 /
-148 tokens/s (MOE_LOCAL_SPIN_US sets it)."""
+148 tokens/s (MOE_LOCAL_SPIN_US sets it). Only when this host has a core per rank of the world
+(`spin_for`): with four ranks on two cores, spinning ranks took the cores their peers needed
+(ep2xpp2 served batch 1: 78 tokens/s without, 56 with)."""
 BUFFER_BYTES = 4 << 20
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _OPEN: list[LocalTransport] = []
@@ -53,6 +55,12 @@ _OPEN_LOCK = threading.Lock()
 
 def enabled() -> bool:
     return os.environ.get("MOE_LOCAL_TRANSPORT", "1") != "0"
+
+
+def spin_for(ranks_on_host: int) -> float:
+    """`SPIN_S` when this process may use a core per rank on its host, else 0."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return SPIN_S if ranks_on_host <= (cores or 1) else 0.0
 
 
 def host_id() -> str:
@@ -84,8 +92,10 @@ class LocalTransport:
         label: str,
         timeout_s: float,
         aborted: threading.Event,
+        spin_s: float = 0.0,
     ) -> None:
         self.peers, self.index, self.size, self.label = peers, index, size, label
+        self.spin_s = spin_s
         self.timeout_s, self.aborted = timeout_s, aborted
         self.seq = 0
         self.broken: str | None = None
@@ -106,6 +116,7 @@ class LocalTransport:
         label: str,
         timeout_s: float,
         aborted: threading.Event,
+        spin_s: float = 0.0,
     ) -> LocalTransport:
         """Meet the other members through `store` (keys under `key`); every member calls this.
 
@@ -156,7 +167,13 @@ class LocalTransport:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
         transport = cls(
-            peers, index=index, size=size, label=label, timeout_s=timeout_s, aborted=aborted
+            peers,
+            index=index,
+            size=size,
+            label=label,
+            timeout_s=timeout_s,
+            aborted=aborted,
+            spin_s=spin_s,
         )
         with _OPEN_LOCK:
             _OPEN.append(transport)
@@ -235,7 +252,7 @@ class LocalTransport:
         try:
             for p in list(out):
                 self._push(p, out)
-            spin_until = time.perf_counter() + SPIN_S
+            spin_until = time.perf_counter() + self.spin_s
             while got and time.perf_counter() < spin_until:
                 for p in list(got):
                     self._pull(p, seq, head, got, recvs)

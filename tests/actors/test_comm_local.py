@@ -105,3 +105,10 @@ def _socket_paths(rank, world_size, rendezvous):
 def test_listening_socket_is_gone_once_connected():
     for r in run_ranks(_socket_paths, 2, timeout_s=60):
         assert r["path"] and not r["exists"] and not r["dir"], r
+
+
+def test_spins_only_with_a_core_per_rank():
+    from actors.comm import local_transport
+
+    assert local_transport.spin_for(1) == local_transport.SPIN_S > 0
+    assert local_transport.spin_for(10_000) == 0.0
