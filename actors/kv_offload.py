@@ -1,7 +1,7 @@
 """KVTiers' batched offload (`store_many` / `load_many`, raw codec, no compression): many blocks
 move in a few large copies instead of one small copy per layer and block.
 
-- store: the blocks [n, *block_shape] (on the GPU) are copied a piece at a time (<= 16 MiB) into
+- store: the blocks [n, *block_shape] (on the GPU) are copied a piece at a time (<= 32 MiB) into
   host rows `[HEADER_BYTES | payload]` (one async device->host copy per piece, through a device
   staging ring). MIX64: each block's header (`row_headers`, the header words' sum in the
   checksum field) is written into its staging row on the device, the payloads' sums run on a
@@ -33,23 +33,20 @@ move in a few large copies instead of one small copy per layer and block.
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from actors.kv_cache_calls import (
     adopts_buffers,
     get_many,
     host_arena,
-    put_many,
     reads_unverified,
 )
+from actors.kv_store_puts import Puts, encode_part, plan_batches
+from actors.kv_trace import Marks, trace_for
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
     CHECKSUMS,
@@ -57,8 +54,6 @@ from cache_service.codec import (
     HEADER_WORDS,
     KIND_OFFSET,
     body_mix64,
-    encode_rows,
-    freeze,
     is_buffer_block,
     row_bytes,
     row_headers,
@@ -71,8 +66,9 @@ from cache_service.mix64 import mix64
 if TYPE_CHECKING:
     from actors.kv_tiers import KVTiers
 
-STORE_CHUNK_BYTES = 1 << 24
-"""Rows per device->host copy: ~16 MiB."""
+STORE_CHUNK_BYTES = 1 << 25
+"""Rows per device->host copy: ~32 MiB (Qwen3: 13 pieces of a 384 MiB store, not 26: the host's
+launches per piece are the store's critical path on the lent VMs, round 8)."""
 LOAD_CHUNK_BYTES = 1 << 23
 """The first span of a load (~8 MiB: the first copy starts after one span's host checks)."""
 VERIFY_GROUP_BYTES = 1 << 26
@@ -84,8 +80,9 @@ copy."""
 STAGING_SLOTS = 4
 """Device staging buffers of a store (one piece each, <= STORE_CHUNK_BYTES): the staging of
 later pieces runs ahead of the device->host copies."""
-PUT_BATCH_BYTES = 1 << 26
-"""A store puts ~64 MiB of adjacent pieces at a time (the last piece alone)."""
+SUM_GROUP_BYTES = 1 << 28
+"""A store's MIX64 payload sums, ~256 MiB at a time (Qwen3's 384 MiB in two launch groups of
+~8 kernels, not six; temporaries twice the group, on the device)."""
 VERIFY_AFTER_BYTES = 3 << 23
 """A load verifies the spans before one of at least ~24 MiB (or the last) once its copies are
 queued: smaller spans' copies are shorter than the ~30 launches of a verification (x2 host)."""
@@ -104,7 +101,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
     cuda = src.device.type == "cuda"
     mix = t._mix64(src.device) and src.shape[1] % 8 == 0
     arena = host_arena(t.cache) if adopt else None
-    marks = _Marks(_trace(t), src.device if cuda else None)
+    marks = Marks(trace_for(t), src.device if cuda else None)
     lease = arena.take(width, n) if arena is not None else None
     try:
         pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
@@ -137,101 +134,118 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
 
 
 def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks) -> list:
-    width, cuda = row_bytes(src.shape[1]), src.device.type == "cuda"
+    width = row_bytes(src.shape[1])
+    batches = plan_batches(pieces, width)
+    puts = Puts(t, keys, dtype, shape, pieces, batches, lease, adopt)
     landed: list[Any] = []
-    summed: list[Any] = []
-    # Step 1 (MIX64, `_headers`): every block's header, its checksum field holding the MIX64 of
-    # the header's words, from the host; it goes into each row's header gap where the payloads
-    # are, so the rows land whole blocks but for the payload's sum (Step 4 adds it).
-    if cuda:
-        # Step 2: each piece's payloads (and MIX64 headers) go into a ring of STAGING_SLOTS
-        # device buffers on a staging stream; the copy stream runs only the device->host copies,
-        # back to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its slot.
-        # None waits for the payloads' sums (that idled the copies ~1.5 ms a store: round 8).
-        stream = t._side_stream(src.device)
-        staging_stream = t._side_stream(src.device, 2)
-        current = torch.cuda.current_stream(src.device)
-        stream.wait_event(t._event(src.device, 0, current))
-        staging_stream.wait_event(t._event(src.device, 0, current))
-        per = max(b - a for a, b, *_ in pieces)
-        slots = min(STAGING_SLOTS, len(pieces))
-        staging = torch.empty((slots, per, width), dtype=torch.uint8, device=src.device)
-        wide = torch.int64 if src.shape[1] % 8 == 0 else torch.uint8  # the strided copy, wider
-        gap = HEADER_BYTES // wide.itemsize
-        src_w, staging_w = src.view(wide), staging.view(wide)
-        staged_at = 1 + 2 * len(pieces)  # pooled event indices: landed 1.., staged after sums
-        for c, (a, b, host, first, _) in enumerate(pieces):
-            slot = c % slots
-            with torch.cuda.stream(staging_stream):
-                if c >= slots:
-                    staging_stream.wait_event(landed[c - slots])
-                staging_w[slot, : b - a, gap:].copy_(src_w[a:b])
-                if mix and c == 0:
-                    heads = _headers(t, keys, dtype, shape).to(src.device, non_blocking=True)
-                if mix:
-                    staging_w[slot, : b - a, :gap].copy_(heads[a:b])
-                staged = t._event(src.device, staged_at + c, staging_stream)
-            with torch.cuda.stream(stream):
-                stream.wait_event(staged)
-                if c == 0:
-                    marks.mark("first_copy", stream)
-                host[first : first + b - a].copy_(staging[slot, : b - a], non_blocking=True)
-                landed.append(t._event(src.device, 1 + c, stream))
-        marks.mark("copies_done", stream)
-        if mix:
-            sums, summed = _payload_sums(t, src, pieces, current)
+    staging = None  # the device staging ring stays allocated until every copy from it is done
+    if _on_cuda(src):
+        landed, staging = _launch(t, keys, src, dtype, shape, pieces, mix, marks, puts)
     else:
+        # Steps 1-2 on the CPU (tests): the same bytes, written with the same ops.
         if mix:
-            heads, sums = _headers(t, keys, dtype, shape), body_mix64(src)
+            heads, puts.sums = _headers(t, keys, dtype, shape), body_mix64(src)
         for a, b, host, first, _ in pieces:
             host[first : first + b - a, HEADER_BYTES:].copy_(src[a:b])
             if mix:
                 host[first : first + b - a, :HEADER_BYTES].view(torch.int64).copy_(heads[a:b])
     # Step 3: XXH3: the payloads hashed on the worker threads, every task waiting for its
     # piece's copy (hashing overlaps the later pieces' copies).
-    tasks = []
     if not mix:
         pool = t._workers()
         per_task = max(1, (1 << 20) // width)
         for c, (a, b, host, first, _) in enumerate(pieces):
             ready = landed[c] if landed else None
-            tasks.append([
-                pool.submit(_encode_part, host, keys[a:b], dtype, shape, first, lo,
+            puts.tasks.append([
+                pool.submit(encode_part, host, keys[a:b], dtype, shape, first, lo,
                             min(b - a, lo + per_task), ready)
                 for lo in range(0, b - a, per_task)
             ])  # fmt: skip
-    # Step 4: one put per batch of pieces (`_batches`), in order, once its rows landed (MIX64:
-    # the payloads' sums added to the checksum fields, one numpy add, and the headers checked
-    # against `row_headers`); rows of the arena are owned by their blocks from here on.
-    out: list[bool] = []
-    for lo, hi in _batches(pieces, width):
-        (a, _, host, first, lent), b = pieces[lo], pieces[hi - 1][1]
-        if mix:
-            if landed:
-                landed[hi - 1].synchronize()
-                summed[hi - 1].synchronize()
-            field = host.numpy().view(np.uint64)[first : first + b - a, HEADER_WORDS]
-            field += sums[a:b].numpy().view(np.uint64)  # modulo 2^64, as MIX64 sums
-            try:
-                encoded = encode_rows(host, keys[a:b], dtype=dtype, shape=shape, first=first,
-                                      written=True)  # fmt: skip
-            except CacheError:  # a header the device wrote wrong: not stored, counted
-                t.counts["corrupt"] += 1
-                out += [False] * (b - a)
-                continue
-        else:
-            encoded = [e for c in range(lo, hi) for task in tasks[c] for e in task.result()]
-        if lent:
-            lease.adopt(encoded)
-        items = [(k, e if adopt else freeze(e)) for k, e in zip(keys[a:b], encoded, strict=True)]
-        try:
-            flags = [bool(f) for f in put_many(t.cache, items)]
-        except Exception:  # the cache boundary: a fault is a counted miss
-            t.counts["faults"] += 1
-            flags = [False] * len(items)
-        t.counts["stored"] += sum(flags)
-        out += flags
-    return out
+    # Step 4: the batches not put during the launches (`_launch`), in order, each once its
+    # rows landed.
+    while puts.done < len(batches):
+        hi = batches[puts.done][1]
+        if landed:
+            landed[hi - 1].synchronize()
+            if puts.summed is not None:
+                puts.summed.synchronize()
+        puts.put_next()
+    del staging
+    return puts.out
+
+
+def _on_cuda(src: torch.Tensor) -> bool:
+    """The store's blocks are on a CUDA device (a test fakes it to run `_launch` on the CPU)."""
+    return src.device.type == "cuda"
+
+
+def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts) -> tuple:
+    """Steps 1-2 of a store on CUDA: the pieces' staging and device->host copies queued, a round
+    of up to STAGING_SLOTS pieces at a time (the first piece alone, so its copy starts early); the
+    payloads' sums (`_payload_sums`) after the first round; MIX64: after each round, the batches
+    whose rows landed are put (Step 4 overlaps the copies still in flight). Returns, per piece,
+    the event after which its rows landed, and the staging ring (the caller keeps it until then).
+
+    Step 1 (MIX64, `_headers`): every block's header, its checksum field holding the MIX64 of
+    the header's words, from the host, uploaded once after the first piece's payloads are staged;
+    it goes into each row's header gap, so the rows land whole blocks but for the payload's sum
+    (Step 4 adds it). Step 2: each piece's payloads (and headers) go into a ring of STAGING_SLOTS
+    device buffers on a staging stream; the copy stream runs only the device->host copies, back
+    to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its slot. None waits
+    for the payloads' sums (that idled the copies ~1.5 ms a store: round 8). Torch calls per piece
+    (the host's launches are the store's critical path on the lent VMs): two copies and an event
+    on the staging stream, a wait, a slice, the copy and an event on the copy stream; the views
+    are made once per store and the current stream switched twice per round.
+    """
+    device, width, np_ = src.device, row_bytes(src.shape[1]), len(pieces)
+    stream, staging_stream = t._side_stream(device), t._side_stream(device, 2)
+    current = torch.cuda.current_stream(device)
+    start = t._event(device, 0, current)
+    stream.wait_event(start)
+    staging_stream.wait_event(start)
+    sizes = [b - a for a, b, *_ in pieces]
+    per, slots = max(sizes), min(STAGING_SLOTS, np_)
+    staging = torch.empty((slots, per, width), dtype=torch.uint8, device=device)
+    wide = torch.int64 if src.shape[1] % 8 == 0 else torch.uint8  # the strided copy, wider
+    gap = HEADER_BYTES // wide.itemsize
+    staging_w = staging.view(wide)
+    rows, bodies = staging.unbind(0), staging_w[:, :, gap:].unbind(0)
+    gaps, parts = staging_w[:, :, :gap].unbind(0), src.view(wide).split(sizes)
+    heads: Any = None
+    landed: list[Any] = []
+    rounds = [(0, 1)] + [(c, min(np_, c + slots)) for c in range(1, np_, slots)]
+    try:
+        for r, (c0, c1) in enumerate(rounds):
+            torch.cuda.set_stream(staging_stream)
+            for c in range(c0, c1):
+                slot, k = c % slots, sizes[c]
+                if c >= slots:
+                    staging_stream.wait_event(landed[c - slots])
+                (bodies[slot] if k == per else bodies[slot][:k]).copy_(parts[c])
+                if mix:
+                    if heads is None:
+                        heads = _headers(t, keys, dtype, shape).to(device, non_blocking=True)
+                        heads = heads.split(sizes)
+                    (gaps[slot] if k == per else gaps[slot][:k]).copy_(heads[c])
+                t._event(device, 1 + np_ + c, staging_stream)  # staged
+            torch.cuda.set_stream(stream)
+            for c in range(c0, c1):
+                slot, k = c % slots, sizes[c]
+                stream.wait_event(t._event(device, 1 + np_ + c, None))
+                if c == 0:
+                    marks.mark("first_copy", stream)
+                _, _, host, first, _ = pieces[c]
+                host[first : first + k].copy_(rows[slot] if k == per else rows[slot][:k],
+                                              non_blocking=True)  # fmt: skip
+                landed.append(t._event(device, 1 + c, stream))
+            if mix and r == 0:
+                puts.sums, puts.summed = _payload_sums(t, src, 1 + 2 * np_)
+            if mix:
+                puts.put_landed(c1, landed)
+    finally:
+        torch.cuda.set_stream(current)
+    marks.mark("copies_done", stream)
+    return landed, staging
 
 
 def _headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
@@ -247,47 +261,17 @@ def _headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
     return words
 
 
-def _payload_sums(t: KVTiers, src, pieces, current) -> tuple[torch.Tensor, list]:
-    """The payloads' MIX64 sums (`body_mix64`) into a pinned scratch [n] int64, on the checks
-    stream after the copies are queued, a group of pieces of <= VERIFY_GROUP_BYTES at a time;
-    returns it and, per piece, the event of its group."""
-    checks = t._side_stream(src.device, 1)
-    checks.wait_event(t._event(src.device, 0, current))
+def _payload_sums(t: KVTiers, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
+    """The payloads' MIX64 sums (`body_mix64`, SUM_GROUP_BYTES at a time) into a pinned scratch
+    [n] int64, on the checks stream beside the copies; returns it and the event (pool index
+    `event`) after which it holds them."""
+    device = src.device
+    checks = t._side_stream(device, 1)
+    checks.wait_event(t._event(device, 0, None))  # the store's start on the caller's stream
     sums = t._scratch("sums", src.shape[0], torch.int64)
-    summed: list[Any] = [None] * len(pieces)
-    group, start = max(1, VERIFY_GROUP_BYTES // row_bytes(src.shape[1])), 0
     with torch.cuda.stream(checks):
-        for c in range(len(pieces)):
-            lo = pieces[start][0]
-            if c + 1 < len(pieces) and pieces[c + 1][1] - lo <= group:
-                continue
-            sums[lo : pieces[c][1]].copy_(body_mix64(src[lo : pieces[c][1]]), non_blocking=True)
-            done = t._event(src.device, 1 + len(pieces) + c, checks)
-            summed[start : c + 1] = [done] * (c + 1 - start)
-            start = c + 1
-    return sums, summed
-
-
-def _batches(pieces: list, width: int) -> list[tuple[int, int]]:
-    """Pieces lo..hi put together: adjacent rows of one host tensor, at most PUT_BATCH_BYTES,
-    the last piece alone (the host's work after the last copy is one piece's)."""
-    out, start, n = [], 0, len(pieces)
-    for c in range(1, n + 1):
-        prev = pieces[c - 1]
-        if (c < n - 1 and pieces[c][2] is prev[2] and pieces[c][3] == prev[3] + prev[1] - prev[0]
-                and (pieces[c][1] - pieces[start][0]) * width <= PUT_BATCH_BYTES):  # fmt: skip
-            continue
-        out.append((start, c))
-        start = c
-    return out
-
-
-def _encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -> list:
-    """Headers and checksums of blocks lo..hi of one piece (rows first + lo ..), once its copy
-    (event `ready`) landed."""
-    if ready is not None:
-        ready.synchronize()
-    return encode_rows(host, keys[lo:hi], dtype=dtype, shape=shape, first=first + lo)
+        sums.copy_(body_mix64(src, group_bytes=SUM_GROUP_BYTES), non_blocking=True)
+        return sums, t._event(device, event, checks)
 
 
 def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
@@ -299,7 +283,7 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     for dim in shape:
         payload *= dim
     width = row_bytes(payload)
-    marks = _Marks(_trace(t), device if device.type == "cuda" else None)
+    marks = Marks(trace_for(t), device if device.type == "cuda" else None)
     staging = torch.empty((n, width), dtype=torch.uint8, device=device)
     stream = None
     if device.type == "cuda":
@@ -346,7 +330,7 @@ def _spans(n: int, width: int) -> list[tuple[int, int]]:
 
 def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
                  dtype: torch.dtype, shape: tuple[int, ...], unverified: bool, hash_here: bool,
-                 hits: dict | None, marks: _Marks) -> tuple[int, str | None]:  # fmt: skip
+                 hits: dict | None, marks: Marks) -> tuple[int, str | None]:  # fmt: skip
     """load_many for MIX64 blocks, on this thread: (leading blocks good, why it stopped).
 
     staging: [n, width] uint8 on the target device. Per block the host checks only presence
@@ -541,59 +525,3 @@ def _add_row(runs: list, data: Any, width: int, row: int) -> None:
             runs.append([ptr, data.owner, data.offset, data.offset + width, row])
     else:
         runs.append([0, torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])
-
-
-def _trace(t: KVTiers) -> dict | None:
-    """The dict this call's time points go to: KVTiers.trace, or a fresh one under MOE_KV_TRACE."""
-    if t.trace is not None:
-        return t.trace
-    return {} if os.environ.get("MOE_KV_TRACE") else None
-
-
-def split_ms(trace: dict) -> dict:
-    """One call's time points (`_Marks`) as ms: "all" (host, start to end); with CUDA also
-    "before_first_copy" (the device idle before the first copy), "copies" (first copy start to
-    the last copy's end), "after_copies_on_device" (verification that followed), and
-    "host_after_device" (host time after the device's last event)."""
-    t0, start = trace["start"]
-    out = {"all": 1e3 * (trace["end"][0] - t0)}
-    if start is None or "first_copy" not in trace:
-        return out
-    first, done = trace["first_copy"][1], trace["copies_done"][1]
-    last = trace.get("verified", trace["copies_done"])[1]
-    last.synchronize()
-    done.synchronize()
-    out["before_first_copy"] = start.elapsed_time(first)
-    out["copies"] = first.elapsed_time(done)
-    out["after_copies_on_device"] = max(0.0, done.elapsed_time(last))
-    out["host_after_device"] = out["all"] - start.elapsed_time(last)
-    return out
-
-
-class _Marks:
-    """Time points of one call into `trace` (a dict, or None: nothing recorded): name -> (host
-    perf_counter seconds, a timing CUDA event recorded on the given stream or None)."""
-
-    def __init__(self, trace: dict | None, device: torch.device | None) -> None:
-        self.trace = trace
-        if trace is not None:
-            trace.clear()
-            self.mark("start", None if device is None else torch.cuda.current_stream(device))
-
-    def mark(self, name: str, stream: Any = None) -> None:
-        if self.trace is None:
-            return
-        event = None
-        if stream is not None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(stream)
-        self.trace[name] = (time.perf_counter(), event)
-
-    def log(self, op: str, n: int, width: int) -> None:
-        """Append this call's split to the MOE_KV_TRACE file, if set (one JSON line)."""
-        path = os.environ.get("MOE_KV_TRACE")
-        if self.trace is None or not path:
-            return
-        row = {"op": op, "blocks": n, "row_bytes": width, **split_ms(self.trace)}
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from actors.kv_cache import KVCache, KVLayout
-from actors.kv_offload import split_ms
 from actors.kv_tiers import KVTiers
+from actors.kv_trace import split_ms
 from cache_service.block_key import prefix_block_keys
 from cache_service.codec import is_buffer_block
 from cache_service.namespace import CacheNamespace

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors import kv_offload
+from actors import kv_offload, kv_store_puts
 from actors.kv_cache import KVCache, KVLayout
 from actors.kv_tiers import KVTiers
 from cache_service.codec import HEADER_BYTES, BufferBlock, encode_block, is_buffer_block
@@ -318,14 +318,15 @@ def test_mix64_store_lands_whole_blocks_checks_them_and_puts_in_batches(small_ch
     from cache_service import codec, store
 
     width = HEADER_BYTES + SHAPE_BYTES
-    monkeypatch.setattr(kv_offload, "PUT_BATCH_BYTES", 6 * width)  # two pieces of three
+    monkeypatch.setattr(kv_store_puts, "PUT_BATCH_BYTES", 6 * width)  # two pieces of three
     puts, checks, written = [], [], []
-    real_put, real_check, real_encode = kv_offload.put_many, store.check_header, codec.encode_rows
-    monkeypatch.setattr(kv_offload, "put_many", lambda c, items: puts.append(len(items))
+    real_put, real_check = kv_store_puts.put_many, store.check_header
+    real_encode = codec.encode_rows
+    monkeypatch.setattr(kv_store_puts, "put_many", lambda c, items: puts.append(len(items))
                         or real_put(c, items))  # fmt: skip
     monkeypatch.setattr(store, "check_header", lambda *a, **k: checks.append(1)
                         or real_check(*a, **k))  # fmt: skip
-    monkeypatch.setattr(kv_offload, "encode_rows", lambda *a, **k: written.append(k["written"])
+    monkeypatch.setattr(kv_store_puts, "encode_rows", lambda *a, **k: written.append(k["written"])
                         or real_encode(*a, **k))  # fmt: skip
     cache = host_cache(adopt="arena")
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
@@ -353,7 +354,7 @@ def test_a_header_written_wrong_is_not_stored(small_chunks, monkeypatch, adopt):
         return heads
 
     monkeypatch.setattr(kv_offload, "_headers", wrong)
-    monkeypatch.setattr(kv_offload, "PUT_BATCH_BYTES", 3 * (HEADER_BYTES + SHAPE_BYTES))
+    monkeypatch.setattr(kv_store_puts, "PUT_BATCH_BYTES", 3 * (HEADER_BYTES + SHAPE_BYTES))
     cache = host_cache(adopt=adopt)
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
     keys, data = keys_for(7, seed=14), blocks(7, seed=14)  # batches of 3, 3, 1 blocks
@@ -366,14 +367,27 @@ def test_a_header_written_wrong_is_not_stored(small_chunks, monkeypatch, adopt):
 
 
 def test_store_batches_are_adjacent_rows_of_one_buffer_the_last_piece_alone(monkeypatch):
-    monkeypatch.setattr(kv_offload, "PUT_BATCH_BYTES", 100)
+    monkeypatch.setattr(kv_store_puts, "PUT_BATCH_BYTES", 100)
     a, b = object(), object()
     pieces = [(0, 3, a, 0, True), (3, 6, a, 3, True), (6, 9, a, 6, True), (9, 12, a, 9, True),
               (12, 14, b, 0, True), (14, 16, b, 2, True), (16, 18, b, 5, True)]  # fmt: skip
     # width 10: at most ten rows a batch; a new buffer or a gap starts one; the last alone.
-    assert kv_offload._batches(pieces, 10) == [(0, 3), (3, 4), (4, 6), (6, 7)]
-    assert kv_offload._batches(pieces[:1], 10) == [(0, 1)]
-    assert kv_offload._batches(pieces[:2], 10) == [(0, 1), (1, 2)]
+    assert kv_store_puts.plan_batches(pieces, 10) == [(0, 3), (3, 4), (4, 6), (6, 7)]
+    assert kv_store_puts.plan_batches(pieces[:1], 10) == [(0, 1)]
+    assert kv_store_puts.plan_batches(pieces[:2], 10) == [(0, 1), (1, 2)]
+
+
+def test_a_batch_is_put_during_the_launches_only_once_all_its_pieces_landed():
+    """`landed_batches` (what a CUDA store puts between its rounds of launches): in order, only
+    batches whose pieces are all queued and whose last piece's rows landed."""
+    batches = [(0, 2), (2, 4), (4, 5)]
+    everything = lambda c: True  # noqa: E731
+    assert kv_store_puts.landed_batches(batches, 0, 5, everything) == 3
+    assert kv_store_puts.landed_batches(batches, 0, 3, everything) == 1  # piece 3 not queued
+    assert kv_store_puts.landed_batches(batches, 1, 3, everything) == 1
+    assert kv_store_puts.landed_batches(batches, 0, 5, lambda c: c < 3) == 1  # piece 3 in flight
+    assert kv_store_puts.landed_batches(batches, 0, 5, lambda c: c != 1) == 0  # in order
+    assert kv_store_puts.landed_batches(batches, 2, 5, lambda c: c == 4) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -406,3 +420,68 @@ def test_mix64_load_verifies_every_span_when_small_spans_are_verified_together(
     cache.tiers[0]._blocks[keys[bad]][0][HEADER_BYTES + 9] ^= 4
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data[:bad])
     assert tiers.counts["corrupt"] == 1 and cache.contains([keys[bad]]) == [False]
+
+
+class _FakeEvent:
+    """A CUDA event's part the store's launch loop uses; the CPU copies are done when queued."""
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event):
+        pass
+
+
+def test_the_cuda_launch_loop_stages_through_the_ring_and_puts_landed_batches_between_rounds(
+    small_chunks, monkeypatch
+):
+    """The CUDA store's launch loop (`kv_offload._launch`) run on CPU tensors, its streams and
+    events faked (a GPU cannot run here): the rows go through a ring of two staging slots in
+    rounds (the first piece alone), land byte for byte what `encode_block` makes, and a batch
+    whose rows landed is put before the next round's launches."""
+    from contextlib import nullcontext
+
+    log: list = []
+    monkeypatch.setattr(kv_offload, "STAGING_SLOTS", 2)
+    monkeypatch.setattr(kv_offload, "_on_cuda", lambda src: True)
+    monkeypatch.setattr(kv_store_puts, "PUT_BATCH_BYTES", 6 * (HEADER_BYTES + SHAPE_BYTES))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream("cur", log))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: log.append(("stream", s.name)))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    real_put = kv_store_puts.Puts.put_next
+    monkeypatch.setattr(kv_store_puts.Puts, "put_next", lambda self: log.append(("put", self.done))
+                        or real_put(self))  # fmt: skip
+    cache = host_cache(adopt="arena")
+    tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
+    names = {0: "copy", 1: "checks", 2: "staging"}
+    monkeypatch.setattr(tiers, "_side_stream", lambda d, which=0: _FakeStream(names[which], log))
+    monkeypatch.setattr(tiers, "_event", lambda d, i, s: _FakeEvent())
+    keys, data = keys_for(11, seed=17), blocks(11, seed=17)  # pieces of 3, 3, 3, 2 blocks
+    src = data.view(11, -1).view(torch.uint8)
+    width = HEADER_BYTES + SHAPE_BYTES
+    lease = cache.tiers[0].arena.take(width, 11)
+    pieces = kv_offload._pieces(tiers, 11, width, lease, pinned=False, fresh=True)
+    marks = kv_offload.Marks(None, None)
+    out = kv_offload._store_pieces(tiers, keys, src, data.dtype, SHAPE, pieces, lease, True,
+                                   True, marks)  # fmt: skip
+    lease.close()
+    assert out == [True] * 11
+    # Rounds: piece 0; pieces 1-2 (then batch 0, pieces 0-1, is put); piece 3 (then the rest).
+    assert log == [("stream", "staging"), ("stream", "copy"), ("stream", "staging"),
+                   ("stream", "copy"), ("put", 0), ("put", 1), ("stream", "staging"),
+                   ("stream", "copy"), ("put", 2), ("stream", "cur")]  # fmt: skip
+    for i, key in enumerate(keys):
+        row = cache.tiers[0]._blocks[key][0]
+        assert bytes(memoryview(row)) == bytes(encode_block(data[i], key=key, checksum="mix64"))
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)

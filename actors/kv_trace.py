@@ -1,0 +1,72 @@
+"""Time points of KVTiers' batched calls (actors/kv_offload.py): `Marks` records them (host
+clock and timing CUDA events) into `KVTiers.trace`, or, with MOE_KV_TRACE=<file> in the
+environment, into a fresh dict per call whose split (`split_ms`) is appended to that file as one
+JSON line (for benches that make their own KVTiers, e.g. bench/gpu_moe.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from actors.kv_tiers import KVTiers
+
+
+def trace_for(t: KVTiers) -> dict | None:
+    """The dict this call's time points go to: KVTiers.trace, or a fresh one under MOE_KV_TRACE."""
+    if t.trace is not None:
+        return t.trace
+    return {} if os.environ.get("MOE_KV_TRACE") else None
+
+
+def split_ms(trace: dict) -> dict:
+    """One call's time points (`Marks`) as ms: "all" (host, start to end); with CUDA also
+    "before_first_copy" (the device idle before the first copy), "copies" (first copy start to
+    the last copy's end), "after_copies_on_device" (verification that followed), and
+    "host_after_device" (host time after the device's last event)."""
+    t0, start = trace["start"]
+    out = {"all": 1e3 * (trace["end"][0] - t0)}
+    if start is None or "first_copy" not in trace:
+        return out
+    first, done = trace["first_copy"][1], trace["copies_done"][1]
+    last = trace.get("verified", trace["copies_done"])[1]
+    last.synchronize()
+    done.synchronize()
+    out["before_first_copy"] = start.elapsed_time(first)
+    out["copies"] = first.elapsed_time(done)
+    out["after_copies_on_device"] = max(0.0, done.elapsed_time(last))
+    out["host_after_device"] = out["all"] - start.elapsed_time(last)
+    return out
+
+
+class Marks:
+    """Time points of one call into `trace` (a dict, or None: nothing recorded): name -> (host
+    perf_counter seconds, a timing CUDA event recorded on the given stream or None)."""
+
+    def __init__(self, trace: dict | None, device: torch.device | None) -> None:
+        self.trace = trace
+        if trace is not None:
+            trace.clear()
+            self.mark("start", None if device is None else torch.cuda.current_stream(device))
+
+    def mark(self, name: str, stream: Any = None) -> None:
+        if self.trace is None:
+            return
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+        self.trace[name] = (time.perf_counter(), event)
+
+    def log(self, op: str, n: int, width: int) -> None:
+        """Append this call's split to the MOE_KV_TRACE file, if set (one JSON line)."""
+        path = os.environ.get("MOE_KV_TRACE")
+        if self.trace is None or not path:
+            return
+        row = {"op": op, "blocks": n, "row_bytes": width, **split_ms(self.trace)}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
