@@ -107,7 +107,8 @@ def ep_bench(
     sends to other ranks in the row exchange, "send_bytes": T x K x H x elem, "check_rel_err",
     "profile" (one more dispatch + combine under torch.profiler, `profile_summary`)}; with
     `baseline` also "baseline": {"module", "dispatch_s", "combine_s", "check_rel_err"}, that
-    module's `ExpertParallel` timed in the same iterations, each right after ours.
+    module's `ExpertParallel` timed in the same iterations (ours first in even iterations,
+    the baseline first in odd ones).
     """
     import importlib
 
@@ -142,8 +143,9 @@ def ep_bench(
         times = {name: ([], []) for name in impls}
         data_s = []
         for i in range(shape.warmup + shape.iters):
-            # Step 3: dispatch and combine, each timed between a barrier and a device sync.
-            for name, ep in impls.items():
+            # Step 3: dispatch and combine, each timed between a barrier and a device sync;
+            # with a baseline, the two alternate in going first.
+            for name, ep in sorted(impls.items(), reverse=bool(i % 2)):
                 group.barrier()
                 _sync(device)
                 t0 = time.perf_counter()

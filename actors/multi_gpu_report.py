@@ -5,7 +5,8 @@ the goals, and the table (`actors/multi_gpu_bench.py` runs it).
 Definitions (units: `_GBps` = 10^9 B/s one direction, sizes in bytes):
 - A collective's busbw is nccl-tests' (cluster/nccl_tests.py); its peak is the largest over sizes.
 - EP busbw = mean over ranks of the bytes a rank sends to *other* ranks in the row exchange /
-  the phase's time (median over iterations of the slowest rank). For uniform routing that is
+  the phase's time (median over iterations of the slowest rank; each iteration's slowest-rank
+  time is kept beside it, `slowest_rank_ms`). For uniform routing that is
   nccl-tests' alltoall busbw definition (size x (n-1)/n / time), so the two compare directly at
   the same bytes per rank (T x K x H x elem), the alltoall figure interpolated in log2(size).
 - Step time: median over timed steps of the slowest rank's wall time of one prefill step.
@@ -176,7 +177,10 @@ def ep(per_rank: list[dict], coll: dict, shape) -> dict[str, Any]:
     def figure(lists: list[list[float]]) -> dict[str, Any]:
         t = _slowest(lists)
         bw = remote / t / 1e9
-        return {"ms": 1e3 * t, "busbw_GBps": bw, "of_alltoall": bw / ref if ref else None}
+        return {
+            "ms": 1e3 * t, "busbw_GBps": bw, "of_alltoall": bw / ref if ref else None,
+            "slowest_rank_ms": [1e3 * max(v) for v in zip(*lists, strict=True)],
+        }  # fmt: skip
 
     for phase in ("dispatch", "combine", "data"):
         out[phase] = figure([e[f"{phase}_s"] for e in eps])

@@ -20,11 +20,11 @@ The gather of the first rows (as many as went to other ranks last time) runs whi
 exchange and the host sync run (on CUDA the count path is on a side stream, so the host waits
 for the counts alone); the rest of the rows for other ranks, if any, follow once the counts are
 known, and the rows staying here are gathered while the exchange runs. The combine sends the
-rows of other ranks back; meanwhile it sums, per token, the weighted rows that never left (a
-float32 partial); then it adds the returned rows on top (`actors.kernels.fused.combine`, the
-world-size-1 MoE's own combine, reading both buffers in place): float32 accumulation, one
-rounding, no copy of the rows, no scatter-add. The CPU path takes the weighted sum in one pass
-after the exchange.
+rows of other ranks back and then takes each token's weighted sum of its K rows in one pass,
+reading the returned rows and the rows that never left in place (`actors.kernels.fused.combine`,
+the world-size-1 MoE's own combine): float32 accumulation, one rounding, no copy of the rows,
+no scatter-add. (Summing the rows that stayed here while the exchange runs was tried and
+measured slower: bench/notes/ep_round2.md.)
 """
 
 from __future__ import annotations
@@ -261,25 +261,17 @@ class ExpertParallel:
                 back, y[own:].contiguous(), handle.send_counts, handle.recv_counts
             )
 
-        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding).
-        # With the kernels and rows from both sources: while the exchange runs, the float32
-        # partial over the rows that stayed here; then the returned rows on top of it.
-        if end > start and own and remote and fused_kernels.use_triton(y):
-            part = fused_kernels.combine(
-                back, pos, w, y_rest=y[:own], rows="rest", out_dtype=torch.float32
-            )
-            self.group.wait(work, "all_to_all")
-            out = fused_kernels.combine(back, pos, w, part, y_rest=y[:own], rows="first")
+        # Step 2: each token's weighted sum of its K rows (float32 accumulation, one rounding),
+        # reading the returned rows and the ones that stayed here in place.
+        self.group.wait(work, "all_to_all")
+        if end == start:
+            out = y.new_zeros((0, y.shape[1]))
+        elif own == 0:
+            out = fused_kernels.combine(back, pos, w)
+        elif remote == 0:
+            out = fused_kernels.combine(y[:own], pos, w)
         else:
-            self.group.wait(work, "all_to_all")
-            if end == start:
-                out = y.new_zeros((0, y.shape[1]))
-            elif own == 0:
-                out = fused_kernels.combine(back, pos, w)
-            elif remote == 0:
-                out = fused_kernels.combine(y[:own], pos, w)
-            else:
-                out = fused_kernels.combine(back, pos, w, y_rest=y[:own])
+            out = fused_kernels.combine(back, pos, w, y_rest=y[:own])
         if self.tp.size == 1:
             return out
 

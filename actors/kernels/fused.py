@@ -260,7 +260,6 @@ if triton_available():
     @triton.jit
     def _combine(y_ptr, rest_ptr, split, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
                  K: tl.constexpr, HAS_RES: tl.constexpr, HAS_REST: tl.constexpr,
-                 USE_FIRST: tl.constexpr, USE_REST: tl.constexpr,
                  BLOCK: tl.constexpr):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -273,21 +272,8 @@ if triton_available():
             w = tl.load(w_ptr + t * K + j).to(tl.float32)
             row = y_ptr + p * hid
             if HAS_REST:  # rows from `split` on live in the second source (one branch per row)
-                first = p < split
-                row = tl.where(first, row, rest_ptr + (p - split) * hid)
-                # A row of the source left out adds nothing and is not read.
-                if USE_FIRST:
-                    if USE_REST:
-                        keep = p >= 0
-                    else:
-                        keep = first
-                else:
-                    keep = p >= split
-                w = tl.where(keep, w, 0.0)
-                v = tl.load(row + c, mask=m & keep, other=0.0).to(tl.float32)
-            else:
-                v = tl.load(row + c, mask=m, other=0.0).to(tl.float32)
-            acc += w * v
+                row = tl.where(p < split, row, rest_ptr + (p - split) * hid)
+            acc += w * tl.load(row + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * hid + c, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -584,41 +570,27 @@ def combine(
     residual: torch.Tensor | None = None,
     *,
     y_rest: torch.Tensor | None = None,
-    rows: str = "all",
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype
-    (or `out_dtype`): residual[t] + sum_k weights[t, k] * rows[pos[t, k]], in float32.
+    """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype:
+    residual[t] + sum_k weights[t, k] * rows[pos[t, k]].
 
     rows = y_sorted, or with `y_rest` [R', H] the rows of y_sorted followed by those of y_rest
     (row R + i is y_rest[i]) without building that concatenation: the EP combine reads the rows
-    that came back from other ranks and the rows that never left this rank in place. With
-    y_rest, `rows` "first" / "rest" sums only the pairs whose row is in y_sorted / y_rest
-    (the others add nothing and are not read): a float32 partial over one source (out_dtype
-    float32), then the other source with that partial as the residual, gives the whole sum."""
+    that came back from other ranks and the rows that never left this rank in place."""
     t, k = pos.shape
     hid = y_sorted.shape[1]
-    if rows not in ("all", "first", "rest") or (rows != "all" and y_rest is None):
-        raise ValueError(f"combine: rows={rows!r} needs y_rest and one of all/first/rest")
     if not use_triton(y_sorted):
-        every = y_sorted if y_rest is None else torch.cat([y_sorted, y_rest])
-        ys = every.index_select(0, pos.reshape(-1)).view(t, k, hid)
-        if rows == "all":
-            out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
-            out = out if residual is None else out + residual
-            return out if out_dtype is None else out.to(out_dtype)
-        first = pos < y_sorted.shape[0]
-        used = (first if rows == "first" else ~first)[..., None]
-        out = torch.einsum("tk,tkh->th", weights.float(), torch.where(used, ys.float(), 0.0))
-        out = out if residual is None else out + residual.float()
-        return out.to(out_dtype or y_sorted.dtype)
-    out = torch.empty(t, hid, dtype=out_dtype or y_sorted.dtype, device=y_sorted.device)
+        rows = y_sorted if y_rest is None else torch.cat([y_sorted, y_rest])
+        ys = rows.index_select(0, pos.reshape(-1)).view(t, k, hid)
+        out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
+        return out if residual is None else out + residual
+    out = torch.empty(t, hid, dtype=y_sorted.dtype, device=y_sorted.device)
     block = min(1024, _pow2(hid))
     res = residual.contiguous() if residual is not None else out
     rest = y_rest.contiguous() if y_rest is not None else y_sorted
     _combine[(t, triton.cdiv(hid, block))](
         y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
         res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
-        USE_FIRST=rows != "rest", USE_REST=rows != "first", BLOCK=block,
+        BLOCK=block,
     )  # fmt: skip
     return out

@@ -107,9 +107,9 @@ def test_dispatch_combine_matches_single_process_moe(dims_args, owners, token_co
     assert sum(r["received"] for r in results) == int(expected.sum())
 
 
-def test_two_pass_combine_under_the_kernel_interpreter(monkeypatch):
-    """With the kernels on (the interpreter stands in for CUDA), combine sums the rows that
-    stayed here while the exchange runs and the returned rows after: same result."""
+def test_dispatch_combine_with_the_kernels_under_the_interpreter(monkeypatch):
+    """With the kernels on (the interpreter stands in for CUDA), the combine reads the returned
+    rows and the rows that stayed here from their two buffers: same result."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
     dims_args, token_counts = {"pp": 1, "dp": 2, "tp": 1}, (10, 7)
     results = run_ranks(_moe_rank, 2, args=(dims_args, None, token_counts), timeout_s=120)

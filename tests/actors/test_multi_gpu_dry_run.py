@@ -123,6 +123,9 @@ def test_ep_only_dry_run_times_a_baseline_beside_ours(tmp_path):
     assert ep["baseline"]["module"] == "ep_copy" and ep["baseline"]["check_max_rel_err"] < 1e-6
     for phase in ("dispatch", "combine"):
         assert ep["baseline"][phase]["ms"] > 0 and ep[phase]["ms"] > 0
+        # 2 timed iterations (CPU settings): each one's slowest rank, the median between them
+        times = ep[phase]["slowest_rank_ms"]
+        assert len(times) == 2 and min(times) <= ep[phase]["ms"] <= max(times)
     assert len(ep["profile"]) == 2 and all(p["wall_ms"] > 0 for p in ep["profile"])
     for rank in (0, 1):
         assert json.loads((tmp_path / "out" / f"ep_trace_rank{rank}.json").read_text())
