@@ -308,9 +308,7 @@ def _connect_local(world: Group, axis: str, ranks: tuple[int, ...], rank: int):
     keeps no store (NCCL, or turned off) or the members are on more than one host."""
     if world.store is None or len({world.hosts[r] for r in ranks}) != 1:
         return None
-    return LocalTransport.connect(
-        world.store,
-        f"local/{axis}/{'-'.join(map(str, ranks))}",
+    member = local_transport.Member(
         index=ranks.index(rank),
         size=len(ranks),
         label=f"{axis} group {ranks}",
@@ -318,6 +316,7 @@ def _connect_local(world: Group, axis: str, ranks: tuple[int, ...], rank: int):
         aborted=world.aborted,
         spin_s=local_transport.spin_for(world.hosts.count(world.hosts[rank])),
     )
+    return LocalTransport.connect(world.store, f"local/{axis}/{'-'.join(map(str, ranks))}", member)
 
 
 def new_axis_group(

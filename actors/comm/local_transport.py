@@ -33,6 +33,7 @@ import struct
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,23 +81,26 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    """Who this process is in its group, and how it waits."""
+
+    index: int
+    size: int
+    label: str
+    """For messages: e.g. "ep group (0, 1)"."""
+    timeout_s: float
+    aborted: threading.Event
+    spin_s: float = 0.0
+
+
 class LocalTransport:
     """One member's sockets to the other members of its group (`index` of `size`)."""
 
-    def __init__(
-        self,
-        peers: dict[int, socket.socket],
-        *,
-        index: int,
-        size: int,
-        label: str,
-        timeout_s: float,
-        aborted: threading.Event,
-        spin_s: float = 0.0,
-    ) -> None:
-        self.peers, self.index, self.size, self.label = peers, index, size, label
-        self.spin_s = spin_s
-        self.timeout_s, self.aborted = timeout_s, aborted
+    def __init__(self, peers: dict[int, socket.socket], member: Member) -> None:
+        self.peers = peers
+        self.index, self.size, self.label = member.index, member.size, member.label
+        self.timeout_s, self.aborted, self.spin_s = member.timeout_s, member.aborted, member.spin_s
         self.seq = 0
         self.broken: str | None = None
         self._fd_peer = {sock.fileno(): p for p, sock in peers.items()}
@@ -106,24 +110,14 @@ class LocalTransport:
     # ---------------------------------------------------------------- setup
 
     @classmethod
-    def connect(
-        cls,
-        store,
-        key: str,
-        *,
-        index: int,
-        size: int,
-        label: str,
-        timeout_s: float,
-        aborted: threading.Event,
-        spin_s: float = 0.0,
-    ) -> LocalTransport:
+    def connect(cls, store, key: str, member: Member) -> LocalTransport:
         """Meet the other members through `store` (keys under `key`); every member calls this.
 
         Step 1: listen in a private directory and publish the socket's path.
         Step 2: connect to every lower index and say hello (our index).
         Step 3: accept every higher index, checking its uid and hello; remove the socket.
         """
+        index, size, timeout_s = member.index, member.size, member.timeout_s
         folder = tempfile.mkdtemp(prefix="moe-local-")
         path = os.path.join(folder, "s")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -166,15 +160,7 @@ class LocalTransport:
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
-        transport = cls(
-            peers,
-            index=index,
-            size=size,
-            label=label,
-            timeout_s=timeout_s,
-            aborted=aborted,
-            spin_s=spin_s,
-        )
+        transport = cls(peers, member)
         with _OPEN_LOCK:
             _OPEN.append(transport)
         return transport
