@@ -1,4 +1,4 @@
-"""EP dispatch/combine over real gloo ranks against a single-process computation of the same MoE."""
+"""EP dispatch/combine over real CPU ranks (gloo and the same-host transport) against a single-process computation of the same MoE."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ from actors.rank_runner import run_ranks
 from placement.parallel_dims import Layout, ParallelDims
 
 HIDDEN, TOP_K, NUM_EXPERTS = 8, 2, 8
+
+
+@pytest.fixture(autouse=True, params=["local", "gloo"])
+def transport(request, monkeypatch):
+    """Every test over both transports: same-host sockets (the default on one host) and gloo's
+    asynchronous works (what ranks on several hosts use)."""
+    monkeypatch.setenv("MOE_LOCAL_TRANSPORT", "1" if request.param == "local" else "0")
+    return request.param
 
 
 def _expert_weights() -> torch.Tensor:
