@@ -65,13 +65,16 @@ def spin_for(ranks_on_host: int) -> float:
 
 
 def host_id() -> str:
-    """This machine: hostname and boot id (two containers with one hostname differ by boot id
-    only if they are different kernels; same kernel, same /tmp namespace is then checked by the
-    connect itself)."""
-    boot = ""
+    """Where a Unix socket path of this process is reachable: hostname, kernel boot id and mount
+    namespace. Processes of one container share all three; two pods on one node (even with the
+    node's hostname, as with hostNetwork) have different mount namespaces, so they keep gloo
+    instead of failing to find each other's socket."""
+    boot = mounts = ""
     with contextlib.suppress(OSError):
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return f"{socket.gethostname()}/{boot}"
+    with contextlib.suppress(OSError):
+        mounts = os.readlink("/proc/self/ns/mnt")
+    return f"{socket.gethostname()}/{boot}/{mounts}"
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

@@ -112,3 +112,11 @@ def test_spins_only_with_a_core_per_rank():
 
     assert local_transport.spin_for(1) == local_transport.SPIN_S > 0
     assert local_transport.spin_for(10_000) == 0.0
+
+
+def test_host_id_names_the_mount_namespace():
+    from actors.comm import local_transport
+
+    hid = local_transport.host_id()
+    assert os.readlink("/proc/self/ns/mnt") in hid  # pods on one node differ here
+    assert hid == local_transport.host_id()
