@@ -43,12 +43,12 @@ import secrets
 import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 from actors.comm.group import CommError
+from actors.comm.local_transport import private_socket_path
 
 TOKEN_BYTES = 32
 ACK = b"STEPCHN1"
@@ -102,13 +102,7 @@ class StepChannelServer:
 
     def __init__(self, handler: Callable[[bytearray], bytes], lock: threading.Lock) -> None:
         self._handler, self._lock = handler, lock
-        self._dir = tempfile.mkdtemp(prefix="moe-step-")  # mode 0700, owned by this uid
-        os.chmod(self._dir, 0o700)
-        self.path = os.path.join(self._dir, SOCKET_NAME)
-        if len(self.path.encode()) >= 108:  # sun_path holds 108 bytes with its NUL
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = tempfile.mkdtemp(prefix="moe-step-", dir="/tmp")
-            self.path = os.path.join(self._dir, SOCKET_NAME)
+        self._dir, self.path = private_socket_path("moe-step-", SOCKET_NAME)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.steps = 0
         self.connected = False

@@ -64,6 +64,19 @@ def spin_for(ranks_on_host: int) -> float:
     return SPIN_S if ranks_on_host <= (cores or 1) else 0.0
 
 
+def private_socket_path(prefix: str, name: str) -> tuple[str, str]:
+    """(folder, path): a socket path in a fresh `mkdtemp` folder (mode 0700, this uid's), under
+    /tmp when the temp dir's path would not fit `sun_path` (108 bytes with its NUL)."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    os.chmod(folder, 0o700)
+    path = os.path.join(folder, name)
+    if len(path.encode()) >= 108:
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        path = os.path.join(folder, name)
+    return folder, path
+
+
 def host_id() -> str:
     """Where a Unix socket path of this process is reachable: hostname, kernel boot id and mount
     namespace. Processes of one container share all three; two pods on one node (even with the
@@ -121,8 +134,7 @@ class LocalTransport:
         Step 3: accept every higher index, checking its uid and hello; remove the socket.
         """
         index, size, timeout_s = member.index, member.size, member.timeout_s
-        folder = tempfile.mkdtemp(prefix="moe-local-")
-        path = os.path.join(folder, "s")
+        folder, path = private_socket_path("moe-local-", "s")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         peers: dict[int, socket.socket] = {}
         try:

@@ -120,3 +120,20 @@ def test_host_id_names_the_mount_namespace():
     hid = local_transport.host_id()
     assert os.readlink("/proc/self/ns/mnt") in hid  # pods on one node differ here
     assert hid == local_transport.host_id()
+
+
+def test_socket_path_fits_sun_path_under_a_long_temp_dir(tmp_path, monkeypatch):
+    import stat
+    import tempfile
+
+    from actors.comm.local_transport import private_socket_path
+
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    folder, path = private_socket_path("moe-test-", "s")
+    try:
+        assert len(path.encode()) < 108 and path.startswith("/tmp/")
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    finally:
+        os.rmdir(folder)
