@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from actors.comm import local_transport
 from actors.comm.ep import ExpertParallel
 from actors.comm.group import (
     CommAborted,
@@ -162,6 +163,13 @@ def split_contiguous(items: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+def pipeline_microbatches(pp: int, by_dp: list[list[int]], stages_overlap: bool) -> int:
+    """Micro-batches of a batched step: one per stage (at most the fewest sequences of any DP
+    rank) where the stages can run at once; one where they share the cores (the pipeline
+    cannot overlap there, and every micro-batch costs each stage its own collectives)."""
+    return max(1, min(pp if stages_overlap else 1, min(len(s) for s in by_dp)))
+
+
 class ShardWorker:
     """One rank: its groups, its shard of the model, and `step`.
 
@@ -213,6 +221,8 @@ class ShardWorker:
             self.world = Group(axis="world", ranks=(0,), index=0, pg=None, aborted=self.aborted)
             groups = {axis: Group.single(axis.value) for axis in Axis}
         self.groups = groups
+        hosts = self.world.hosts  # (see pipeline_microbatches)
+        self.stages_overlap = not hosts or local_transport.core_per_rank(hosts.count(hosts[rank]))
         self.tp = TensorParallel(groups[Axis.TP])
         self.pp = PipelineParallel(groups[Axis.PP])
         ep_index = dims.ep_rank(rank)
@@ -462,7 +472,7 @@ class ShardWorker:
             num_mb = max(1, max(len(s) for s in by_dp))
             microbatches = [[i] for i in mine] + [[] for _ in range(num_mb - len(mine))]
         else:
-            num_mb = max(1, min(dims.pp, min(len(s) for s in by_dp)))
+            num_mb = pipeline_microbatches(dims.pp, by_dp, self.stages_overlap)
             microbatches = split_contiguous(mine, num_mb)
         starts = [0]
         for n in step.query_lens:

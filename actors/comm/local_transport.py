@@ -58,10 +58,15 @@ def enabled() -> bool:
     return os.environ.get("MOE_LOCAL_TRANSPORT", "1") != "0"
 
 
-def spin_for(ranks_on_host: int) -> float:
-    """`SPIN_S` when this process may use a core per rank on its host, else 0."""
+def core_per_rank(ranks_on_host: int) -> bool:
+    """Whether the cores this process may use number at least the ranks on its host."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return SPIN_S if ranks_on_host <= (cores or 1) else 0.0
+    return ranks_on_host <= (cores or 1)
+
+
+def spin_for(ranks_on_host: int) -> float:
+    """`SPIN_S` when the host has a core per rank, else 0."""
+    return SPIN_S if core_per_rank(ranks_on_host) else 0.0
 
 
 def private_socket_path(prefix: str, name: str) -> tuple[str, str]:

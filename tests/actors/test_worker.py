@@ -110,3 +110,15 @@ def test_positions_are_honoured(mixtral):
     shifted = worker.step(StepBatch(token_ids=tokens, positions=((10, 11, 12, 13),))).logits[0]
     torch.testing.assert_close(plain, again)
     assert not torch.allclose(plain, shifted)
+
+
+def test_pipeline_microbatches_only_where_stages_can_overlap():
+    from actors.comm.local_transport import core_per_rank
+    from actors.worker import pipeline_microbatches
+
+    by_dp = [[0, 2, 4], [1, 3]]
+    assert pipeline_microbatches(2, by_dp, stages_overlap=True) == 2
+    assert pipeline_microbatches(4, by_dp, stages_overlap=True) == 2  # the fewest sequences
+    assert pipeline_microbatches(2, by_dp, stages_overlap=False) == 1
+    assert pipeline_microbatches(2, [[0], []], stages_overlap=True) == 1
+    assert core_per_rank(1) and not core_per_rank(100_000)
