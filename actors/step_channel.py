@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 
 from actors.comm.group import CommError
-from actors.comm.local_transport import private_socket_path
+from actors.comm.local_transport import peer_uid, private_socket_path, recv_exact
 
 TOKEN_BYTES = 32
 ACK = b"STEPCHN1"
@@ -60,25 +60,11 @@ HELLO_TIMEOUT_S = 10.0
 SOCKET_NAME = "step.sock"
 _LEN = struct.Struct("<Q")
 _REPLY = struct.Struct("<QQ")
-_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class StepChannelError(RuntimeError):
     """A step raised in the worker with an error that is not a `CommError` (the message names
     its type); the channel itself is fine."""
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Exactly `n` bytes from `sock`; EOFError if the peer closes first."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError(f"peer closed after {got} of {n} bytes")
-        got += k
-    return buf
 
 
 def run_packed(worker, blob) -> bytes:
@@ -147,12 +133,10 @@ class StepChannelServer:
 
     def _hello(self, conn: socket.socket) -> bool:
         """Same uid (SO_PEERCRED) and the token; then the ack. False: drop the connection."""
-        cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        _, uid, _ = _PEERCRED.unpack(cred)
-        if uid != os.getuid():
+        if peer_uid(conn) != os.getuid():
             return False
         conn.settimeout(HELLO_TIMEOUT_S)
-        token = bytes(_recv_exact(conn, TOKEN_BYTES))
+        token = bytes(recv_exact(conn, TOKEN_BYTES))
         if not hmac.compare_digest(token, self.token):
             return False
         conn.settimeout(None)  # blocking: an idle channel sleeps in recv
@@ -161,10 +145,10 @@ class StepChannelServer:
 
     def _serve_connection(self, conn: socket.socket) -> None:
         while not self._closed:
-            (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+            (n,) = _LEN.unpack(recv_exact(conn, _LEN.size))
             if n > MAX_FRAME:
                 raise ValueError(f"request of {n} bytes (at most {MAX_FRAME})")
-            blob = _recv_exact(conn, n)
+            blob = recv_exact(conn, n)
             with self._lock:
                 # The channel's boundary, like a Ray task's: whatever the step raised goes back
                 # to the driver as a reply (CommError keeps its meaning: rebuild the world).
@@ -203,7 +187,7 @@ class StepChannel:
             sock.settimeout(timeout_s)
             sock.connect(path)
             sock.sendall(token)
-            if bytes(_recv_exact(sock, len(ACK))) != ACK:
+            if bytes(recv_exact(sock, len(ACK))) != ACK:
                 raise OSError(f"step channel {path}: unexpected hello reply")
         except (OSError, EOFError):
             sock.close()
@@ -232,10 +216,10 @@ class StepChannel:
             raise CommError(f"step channel of rank {self.rank} is closed; rebuild the replica")
         try:
             self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            n, status = _REPLY.unpack(_recv_exact(self._sock, _REPLY.size))
+            n, status = _REPLY.unpack(recv_exact(self._sock, _REPLY.size))
             if n > MAX_FRAME or status not in (OK, COMM_ERROR, ERROR):
                 raise ValueError(f"reply header ({n} bytes, status {status}) does not parse")
-            payload = _recv_exact(self._sock, n)
+            payload = recv_exact(self._sock, n)
         except (OSError, EOFError, ValueError) as exc:
             raise self._fail("reply", exc) from exc
         if status == OK:

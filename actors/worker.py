@@ -221,8 +221,7 @@ class ShardWorker:
             self.world = Group(axis="world", ranks=(0,), index=0, pg=None, aborted=self.aborted)
             groups = {axis: Group.single(axis.value) for axis in Axis}
         self.groups = groups
-        hosts = self.world.hosts  # (see pipeline_microbatches)
-        self.stages_overlap = not hosts or local_transport.core_per_rank(hosts.count(hosts[rank]))
+        self.stages_overlap = local_transport.core_per_rank(self.world.ranks_on_host)
         self.tp = TensorParallel(groups[Axis.TP])
         self.pp = PipelineParallel(groups[Axis.PP])
         ep_index = dims.ep_rank(rank)

@@ -165,7 +165,9 @@ class ExpertParallel:
             side.wait_stream(torch.cuda.current_stream(ids.device))
         with torch.cuda.stream(side) if side is not None else nullcontext():
             splits = [num_experts] * ep
-            pending = self._all_to_all(cnt[1], cnt[0], splits, splits) if ep > 1 else None
+            pending = (
+                self.group.start_all_to_all(cnt[1], cnt[0], splits, splits) if ep > 1 else None
+            )
 
         # Step 2: order the (token, k) pairs: rows for other ranks first, by destination rank,
         # then those staying here, each block by expert (int32 keys: half the radix passes of
@@ -233,14 +235,10 @@ class ExpertParallel:
         self.group.wait(work, "all_to_all")
         return recv_x, recv_ids, out
 
-    def _all_to_all(self, output, tensor, output_splits, input_splits):
-        """Start `all_to_all_single`; returns the work to `self.group.wait`."""
-        return self.group.start_all_to_all(output, tensor, output_splits, input_splits)
-
     def _exchange(self, output, tensor, output_counts, input_counts):
         """Start the all-to-all of the rows for other ranks (this rank's own split 0)."""
         me = self.group.index
-        return self._all_to_all(
+        return self.group.start_all_to_all(
             output, tensor,
             [0 if r == me else n for r, n in enumerate(output_counts)],
             [0 if r == me else n for r, n in enumerate(input_counts)],

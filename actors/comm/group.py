@@ -23,23 +23,12 @@ import torch
 import torch.distributed as dist
 
 from actors.comm import local_transport
+from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
 from actors.comm.local_transport import LocalTransport
 
 WAIT_SLICE = timedelta(milliseconds=20)
 """How long one blocking wait on a gloo collective lasts before the abort flag and the deadline
 are checked again."""
-
-
-class CommError(RuntimeError):
-    """A collective did not complete; the world must be rebuilt with a fresh rendezvous."""
-
-
-class CollectiveTimeout(CommError):
-    """A peer did not arrive within the group's timeout (dead, hung or absent)."""
-
-
-class CommAborted(CommError):
-    """A control call aborted the worker while it waited on a collective."""
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -98,12 +87,14 @@ class Group:
     waited_s: float = 0.0
     """Seconds this member spent blocked in `wait` (communication not hidden by compute)."""
     local: LocalTransport | None = None
-    store: dist.Store | None = field(default=None, repr=False)
-    """The world's store and each rank's `host_id`, kept on the world group (gloo only) for
-    `new_axis_group` to connect the local transports."""
-    hosts: tuple[str, ...] = ()
     """Set when every member is on this host and the backend is gloo: the collectives go over
     Unix sockets (`actors/comm/local_transport.py`), point-to-point stays on gloo."""
+    hosts: tuple[str, ...] = ()
+    """On the world group (gloo): each rank's `local_transport.host_id()`."""
+    ranks_on_host: int = 1
+    """On the world group: how many of its ranks share this rank's host (gloo; 1 otherwise)."""
+    store: dist.Store | None = field(default=None, repr=False)
+    """On the world group, while local transports may be connected: the world's store."""
 
     @classmethod
     def single(cls, axis: str, rank: int = 0) -> Group:
@@ -132,11 +123,11 @@ class Group:
         finally:
             self.waited_s += time.monotonic() - start
 
-    def _local(self, op: str, *args):
-        """Run `op` of the local transport, its time counted as waited."""
+    def _waited(self, call, *args):
+        """`call(*args)` (a local transport's collective), its time counted as waited."""
         start = time.monotonic()
         try:
-            return getattr(self.local, op)(*args)
+            return call(*args)
         finally:
             self.waited_s += time.monotonic() - start
 
@@ -201,7 +192,7 @@ class Group:
         if self.pg is None:
             return tensor
         if self.local is not None:
-            return self._local("all_reduce", tensor)
+            return self._waited(self.local.all_reduce, tensor)
         self.wait(dist.all_reduce(tensor, group=self.pg, async_op=True), "all_reduce")
         return tensor
 
@@ -229,7 +220,7 @@ class Group:
         """Start `all_to_all_single` (group of 2+); returns the work to `wait` on (None: done
         already, over the local transport)."""
         if self.local is not None:
-            self._local("all_to_all", output, tensor, output_splits, input_splits)
+            self._waited(self.local.all_to_all, output, tensor, output_splits, input_splits)
             return None
         return dist.all_to_all_single(
             output, tensor, output_splits, input_splits, group=self.pg, async_op=True
@@ -240,7 +231,7 @@ class Group:
         if self.pg is None:
             return [tensor]
         if self.local is not None:
-            return self._local("all_gather", tensor)
+            return self._waited(self.local.all_gather, tensor)
         out = [torch.empty_like(tensor) for _ in self.ranks]
         self.wait(dist.all_gather(out, tensor, group=self.pg, async_op=True), "all_gather")
         return out
@@ -295,11 +286,13 @@ def init_world(
         aborted=aborted,
     )
     # Step 4 (gloo): every rank's host; members of a group on one host talk over Unix sockets.
-    if rendezvous.backend == "gloo" and local_transport.enabled():
+    if rendezvous.backend == "gloo":
         prefixed.set(f"host/{rank}", local_transport.host_id())
         world.hosts = tuple(prefixed.get(f"host/{r}").decode() for r in range(world_size))
-        world.store = prefixed
-        world.local = _connect_local(world, "world", world.ranks, rank)
+        world.ranks_on_host = world.hosts.count(world.hosts[rank])
+        if local_transport.enabled():
+            world.store = prefixed
+            world.local = _connect_local(world, "world", world.ranks, rank)
     return world
 
 
@@ -314,7 +307,7 @@ def _connect_local(world: Group, axis: str, ranks: tuple[int, ...], rank: int):
         label=f"{axis} group {ranks}",
         timeout_s=world.timeout_s,
         aborted=world.aborted,
-        spin_s=local_transport.spin_for(world.hosts.count(world.hosts[rank])),
+        spin_s=local_transport.spin_for(world.ranks_on_host),
     )
     return LocalTransport.connect(world.store, f"local/{axis}/{'-'.join(map(str, ranks))}", member)
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
+
 HEADER = struct.Struct("<qq")
 """(sequence number, payload bytes); sequence -1 with the member index is the hello."""
 WAIT_SLICE_MS = 20
@@ -158,11 +160,8 @@ class LocalTransport:
             while len(peers) < size - 1:
                 conn, _ = listener.accept()
                 conn.settimeout(timeout_s)
-                _, peer_uid, _ = _PEERCRED.unpack(
-                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-                )
-                seq, peer = HEADER.unpack(_recv_exact(conn, HEADER.size))
-                if peer_uid != uid or seq != -1 or not index < peer < size or peer in peers:
+                seq, peer = HEADER.unpack(recv_exact(conn, HEADER.size))
+                if peer_uid(conn) != uid or seq != -1 or not index < peer < size or peer in peers:
                     conn.close()
                     continue
                 peers[peer] = conn
@@ -249,7 +248,7 @@ class LocalTransport:
         """Send `sends[p]` to and receive `recvs[p]` (exactly that many bytes) from each peer,
         all at once (no order between peers, so no member waits on another's send)."""
         if self.broken is not None:
-            raise _comm_error(f"{what} on {self.label}: the local transport is {self.broken}")
+            raise CommError(f"{what} on {self.label}: the local transport is {self.broken}")
         seq, self.seq = self.seq, self.seq + 1
         out = {p: [memoryview(HEADER.pack(seq, len(b))), b] for p, b in sends.items()}
         head = {p: bytearray(HEADER.size) for p in recvs}
@@ -281,7 +280,7 @@ class LocalTransport:
                         self._pull(p, seq, head, got, recvs)
         except (OSError, _Desync) as exc:
             self.broken = f"broken ({exc})"
-            raise _comm_error(f"{what} on {self.label} failed: {exc}") from exc
+            raise CommError(f"{what} on {self.label} failed: {exc}") from exc
 
     def _push(self, p: int, out: dict[int, list[memoryview]]) -> None:
         pending = out[p]
@@ -321,8 +320,6 @@ class LocalTransport:
                 del got[p]
 
     def _check(self, what: str, deadline: float) -> None:
-        from actors.comm.group import CollectiveTimeout, CommAborted
-
         if self.aborted.is_set():
             self.broken = "aborted"
             raise CommAborted(f"{what} on {self.label} aborted")
@@ -338,20 +335,25 @@ class _Desync(Exception):
     """The peer closed or sent a message this member did not expect."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed during the hello")
-        data += chunk
-    return bytes(data)
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly `n` bytes from blocking `sock`; EOFError if the peer closes first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return buf
 
 
-def _comm_error(message: str):
-    from actors.comm.group import CommError
-
-    return CommError(message)
+def peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of Unix socket `conn` (SO_PEERCRED)."""
+    _, uid, _ = _PEERCRED.unpack(
+        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return uid
 
 
 def close_all() -> None:
