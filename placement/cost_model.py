@@ -14,6 +14,12 @@ meaning; nothing else in `placement/` hard-codes one. The model, per pipeline st
   domain over NVLink and the rest over the network; PP send/recv of the hidden states between
   stages. Bandwidths come from the Topology (measured where it has them, else nominal) x link
   efficiency, plus the link latency per message.
+- glue: the engine's non-GEMM kernels (norms, residual adds, rotary, KV writes, the routed-row
+  gather and permutations, SwiGLU, the combine) run serially between the GEMMs. Their bytes
+  read + written per token, counted from the engine's code path (`glue_groups`; the table with
+  code references is bench/notes/planner_round1.md), at the HBM rate, each group of launches at
+  least `kernel_floor_us` per launch, are ADDED to the layer. The GEMM-like kernels of a layer
+  also take at least their launch count x the floor.
 - pipeline: m micro-batches through p stages take (m + p - 1) slowest-stage micro-steps; the
   bubble is (p - 1) / (m + p - 1).
 
@@ -71,6 +77,19 @@ class Constants:
     attention output, q/k/v staging, MoE combine output, a spare), reused by every layer."""
     kv_block_tokens: int = 16
     """KV-cache block size in tokens; the KV region is handed out in whole blocks."""
+    count_glue: bool = True
+    """Add the non-GEMM ("glue") kernels and the per-launch floor (False: GEMMs, attention reads
+    and communication alone, the model before planner round 1)."""
+    kernel_floor_us: float = 3.0
+    """Least device time of one kernel launch (CUDA graph, H200): the mean of the 11 non-GEMM
+    kernel launches per layer of the graphed Qwen3 decode step at batch 1 (gpu_moe.json
+    `profiles`; the list in bench/notes/planner_round1.md; launch gaps not included)."""
+    decode_gemm_kernels: int = 6
+    """GEMM-like launches per layer of a decode step (qkv, o_proj, _router_logits, _gqa_partial,
+    _moe_gate_up, _moe_down), counted on the GQA MoE layer's graphed path; a floor elsewhere."""
+    decode_glue_kernels: int = 9
+    """Its other launches per layer (_rms x2, _qk_rope_write, _gqa_merge, _softmax_topk, _plan,
+    _combine, the residual add, the splitK reduce); 15 x 48 layers + 26 = the profile's 746."""
 
 
 DEFAULT_CONSTANTS = Constants()
@@ -137,6 +156,15 @@ class ModelCosts:
     """Input embedding bytes (first stage, whole on every TP rank)."""
     lm_head_bytes: int
     """Output projection bytes (last stage, whole on every TP rank) plus the final norm."""
+    expert_width: int = 0
+    """Intermediate width of one routed expert (SwiGLU glue per routed row)."""
+    attn_glue: tuple[float, ...] = ()
+    """[L] elements per token the attention's non-GEMM prefill kernels read + write at tp=1
+    (split over TP by heads; `attention_glue`); () = none counted."""
+    attn_glue_kernels: tuple[tuple[int, int], ...] = ()
+    """[L] (launches per layer, launches per sequence per layer) of those kernels."""
+    mlp_glue: tuple[float, ...] = ()
+    """[L] SwiGLU glue elements per token (5 x width) of the dense MLP or the shared experts."""
     weight_dtypes: tuple[tuple[str, int], ...] = ()
     """(dtype, total bytes) of the whole model's weights, e.g. (("bf16", ...), ("mxfp4", ...))."""
     expert_dtype: str = "bf16"
@@ -154,6 +182,11 @@ class ModelCosts:
                 "kv_shards", "state_bytes_per_seq", "state_shards",
             )
         }  # fmt: skip
+        n = len(self.is_moe)
+        for name in ("attn_glue", "mlp_glue"):
+            arrays[name] = np.asarray(getattr(self, name) or (0.0,) * n, dtype=np.float64)
+        launches = np.asarray(self.attn_glue_kernels or ((0, 0),) * n, dtype=np.float64)
+        arrays["attn_kernels"], arrays["attn_kernels_per_seq"] = launches.T
         arrays["is_moe"] = np.asarray(self.is_moe, dtype=bool)
         object.__setattr__(self, "_arrays", arrays)
 
@@ -231,6 +264,8 @@ class PhaseTime:
     """Sum over the slowest stage's layers of max(compute, memory), pipeline-scaled."""
     memory_bound_ms: float
     """Part of compute_ms where memory reads dominate."""
+    glue_ms: float = 0.0
+    """Part of compute_ms spent in the non-GEMM kernels (`glue_groups`), pipeline-scaled."""
     comm_ms: float
     """TP + EP + PP communication on the critical path, pipeline-scaled."""
     bubble: float
@@ -321,6 +356,21 @@ def phase_time(
         reads = weights + tokens_dp * kv
     memory_s = reads / hbm_rate
     layer_s = np.maximum(compute_s, memory_s)
+    glue_s = np.zeros(costs.num_layers)
+    if c.count_glue:
+        # Step 3b: GEMM-like launches take at least their floor; each group of glue launches
+        # max(bytes / HBM rate, launches x floor), added to the layer.
+        floor = c.kernel_floor_us * 1e-6
+        layer_s = np.maximum(layer_s, c.decode_gemm_kernels * floor)
+        groups = glue_groups(
+            costs, c, tokens=tokens_dp, seqs=math.ceil(seqs_per_dp / m),
+            routers=math.ceil(tokens_dp / tp) if ep_ranks > 1 else tokens_dp,
+            rows=tokens_stage * costs.top_k * c.expert_imbalance / ep_ranks, tp=tp,
+            ep_ranks=ep_ranks, decode=step.decode,
+        )  # fmt: skip
+        for nbytes, launches in groups:
+            glue_s += np.maximum(nbytes / hbm_rate, launches * floor)
+        layer_s = layer_s + glue_s
     # Step 4: communication per layer.
     comm_s = np.zeros(costs.num_layers)
     if tp > 1:
@@ -344,8 +394,9 @@ def phase_time(
     # Step 5: stage sums; the first stage embeds, the last applies the lm_head.
     starts = np.asarray(stage_starts)
     stage_layer = np.add.reduceat(layer_s, starts)
-    stage_mem = np.add.reduceat(np.where(memory_s > compute_s, layer_s, 0.0), starts)
+    stage_mem = np.add.reduceat(np.where(memory_s > compute_s, layer_s - glue_s, 0.0), starts)
     stage_comm = np.add.reduceat(comm_s, starts)
+    stage_glue = np.add.reduceat(glue_s, starts)
     head_flops = logits_tokens * 2.0 * hidden * costs.vocab_size / tp
     head_s = max(head_flops / flop_rate, costs.lm_head_bytes / hbm_rate)
     stage_layer[-1] += head_s
@@ -362,10 +413,76 @@ def phase_time(
         total_ms=1e3 * scale * float(stage_total[slowest]),
         compute_ms=1e3 * scale * float(stage_layer[slowest]),
         memory_bound_ms=1e3 * scale * float(stage_mem[slowest]),
+        glue_ms=1e3 * scale * float(stage_glue[slowest]),
         comm_ms=1e3 * scale * float(stage_comm[slowest]),
         bubble=(pp - 1) / scale,
         micro_batches=m,
     )
+
+
+def glue_groups(
+    costs: ModelCosts, c: Constants, *, tokens: int, routers: int, rows: float, seqs: int,
+    tp: int, ep_ranks: int, decode: bool,
+) -> list[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """[(bytes [L], launches [L])] of the engine's non-GEMM kernels on one rank: tokens (a
+    micro-batch), routers (those it routes: its 1/tp slice under EP), rows (routed rows it
+    receives), seqs. Code lines: bench/notes/planner_round1.md. Decode: the fused path."""
+    h, he, k, ab = costs.hidden_size, costs.expert_hidden, costs.top_k, c.act_bytes
+    moe = costs.array("is_moe")
+    attn = costs.array("attn_glue") / tp
+    mlp = costs.array("mlp_glue")
+    shared = np.where(moe, mlp, 0.0)
+    if decode:
+        elems = tokens * (9 * h + attn) + np.where(moe, routers * (k + 1) * he, 0.0)
+        return [(ab * elems, np.full(len(moe), float(c.decode_glue_kernels)))]
+    ones = np.ones(len(moe))
+
+    def group(elems, launches, where=ones):
+        return ab * np.where(where, elems, 0.0), np.where(where, launches, 0.0)
+
+    ep, attn_launches = ep_ranks > 1, costs.array("attn_kernels")
+    attn_launches = attn_launches + seqs * costs.array("attn_kernels_per_seq")
+    out = [
+        group(tokens * 6 * h, 2),  # input and post-attention RMSNorm (the latter + residual)
+        group(tokens * 3 * h, 1),  # h + ff
+        group(tokens * attn, attn_launches, attn > 0),  # q/k rope, KV write, repeat, cat
+        group(tokens * mlp / tp, 2, ~moe.astype(bool) & (mlp > 0)),  # dense SwiGLU
+        group(tokens * 3 * h, 1, moe),  # router: x.to(float32), 2 + 4 bytes
+        group(routers * k * 2 * he, 1, moe),  # routed-row gather
+        group(rows * 5 * costs.expert_width, 2, moe),  # SwiGLU between the grouped GEMMs
+        group(routers * (k + 1) * he + (0 if ep else tokens) * h * (shared > 0), 1, moe),
+        group(tokens * shared, 2, shared > 0),  # shared experts' SwiGLU
+    ]
+    if ep:
+        out.append(group(rows * 4 * he, 2, moe))  # recv_x[order], y[order] =
+        out.append(group(tokens * 3 * h, 1, shared > 0))  # routed + shared
+        if tp > 1:  # the TP all-gather: zero the pad, copy in, cat
+            out.append(group(routers * 3 * he + tokens * 2 * h, 3, moe))
+    return out
+
+
+def attention_glue(att) -> tuple[float, tuple[int, int]]:
+    """Elements per token the attention's non-GEMM prefill kernels read + write (tp=1), and
+    (launches per layer, per sequence); GQA and MLA (other kinds: not counted)."""
+    nh = att.num_heads
+    if att.kind == "mla":
+        ql, kl, rope, nope, dv = (
+            att.q_lora_rank or 0, att.kv_lora_rank or 0, att.qk_rope_head_dim,
+            att.qk_nope_head_dim, att.v_head_dim,
+        )  # fmt: skip
+        qk = nope + rope
+        elems = (
+            2 * ql + 9 * (nh + 1) * rope + 2 * kl + 4 * (kl + rope) + nh * (2 * nope + rope)
+            + 2 * nh * qk + (nh * (dv + qk) if dv < qk else 0) + 2 * nh * dv
+        )  # fmt: skip
+        return float(elems), (int(ql > 0) + 14 + 5, 1 + int(dv < qk))
+    if not att.keeps_kv:
+        return 0.0, (0, 0)
+    q, kk = nh * att.head_dim, att.num_kv_heads * att.head_dim
+    v, o = att.num_kv_heads * att.v_head_dim, nh * att.v_head_dim
+    repeat = att.num_kv_heads < nh
+    elems = 2 * (q + kk) + 2 * (kk + v) + ((kk + q) + (v + o) if repeat else 0) + 2 * o
+    return float(elems), (4, 2 if repeat else 0)
 
 
 _DTYPE_LABEL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -396,10 +513,12 @@ def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
     fields: dict[str, list] = {k: [] for k in (
         "is_moe", "tp_bytes", "kv_proj_bytes", "replicated_bytes", "expert_bytes", "dense_flops",
         "expert_flops", "score_flops_per_ctx", "score_flops_const", "window", "kv_bytes_per_token",
-        "kv_shards", "state_bytes_per_seq", "state_shards",
+        "kv_shards", "state_bytes_per_seq", "state_shards", "attn_glue", "attn_glue_kernels",
+        "mlp_glue",
     )}  # fmt: skip
     dense_labels: set[str] = set()
     heads, kv_heads, mlp_width, expert_hidden, top_k, n_group, experts = 1, [], 0, 0, 0, 1, 0
+    expert_width = 0
     for i, layer in enumerate(spec.layers):
         att, ffn = layer.attention, layer.ffn
         split = {TP: 0, KV_HEADS: 0, REPLICATED: 0, EXPERTS: 0}
@@ -429,6 +548,11 @@ def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
         else:
             fields["score_flops_per_ctx"].append(0.0)
             fields["score_flops_const"].append(float(att.score_flops(1)))
+        glue, launches = attention_glue(att)
+        fields["attn_glue"].append(glue)
+        fields["attn_glue_kernels"].append(launches)
+        width = ffn.shared_intermediate_size if layer.is_moe else ffn.intermediate_size
+        fields["mlp_glue"].append(5.0 * width)
         fields["window"].append(att.window or 0)
         fields["kv_bytes_per_token"].append(att.kv_elements_per_token * kv_size)
         fields["kv_shards"].append(1 if att.kind == "mla" else max(att.num_kv_heads, 1))
@@ -442,6 +566,7 @@ def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
             top_k = max(top_k, ffn.top_k)
             n_group = max(n_group, ffn.n_group)
             expert_hidden = max(expert_hidden, ffn.expert_hidden_size or spec.hidden_size)
+            expert_width = max(expert_width, ffn.expert_intermediate_size)
     embed = lm_head = 0
     for t in spec.top_level:
         nbytes = spec.tensor_bytes(t)
@@ -463,6 +588,7 @@ def costs_from_spec(spec, *, kv_dtype: str = "bf16") -> ModelCosts:
         top_k=top_k,
         n_group=n_group,
         expert_hidden=expert_hidden,
+        expert_width=expert_width,
         mlp_width=mlp_width,
         embed_bytes=embed,
         lm_head_bytes=lm_head,
