@@ -91,7 +91,9 @@ def test_longer_prompts_favour_disaggregation(models, model, topo, lengths):
         plans.append(_plan(models[model], topology, **workload))
     gains = [r.gain_at_scale for r in plans]
     shares = [r.prefill_share for r in plans]
-    assert gains == sorted(gains) and gains[-1] > gains[0], gains
+    # Pools are sized in whole replicas, so the gain moves in steps: a longer prompt may give
+    # back up to 1% of it, never more, and the longest prompt gains more than the shortest.
+    assert all(b >= a - 0.01 for a, b in zip(gains, gains[1:])) and gains[-1] > gains[0], gains
     assert shares == sorted(shares) and shares[-1] > shares[0], shares
 
 
