@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from actors.comm import local_transport
-from actors.comm.ep import ExpertParallel
 from actors.comm.group import (
     CommAborted,
     CommError,
@@ -36,6 +35,7 @@ from actors.comm.group import (
     new_axis_group,
 )
 from actors.comm.pp import PipelineParallel
+from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
 from actors.kv_cache import KVCache, KVLayout, PagedContext
 from actors.layers.moe import MoE
@@ -224,10 +224,11 @@ class ShardWorker:
         self.stages_overlap = local_transport.core_per_rank(self.world.ranks_on_host)
         self.tp = TensorParallel(groups[Axis.TP])
         self.pp = PipelineParallel(groups[Axis.PP])
-        ep_index = dims.ep_rank(rank)
+        ep_index, ep_group = dims.ep_rank(rank), groups[Axis.EP]
+        owners = layout.expert_owner_from(ep_index)
         self.ep = (
-            ExpertParallel(groups[Axis.EP], layout.expert_owner_from(ep_index), tp=groups[Axis.TP])
-            if groups[Axis.EP].size > 1
+            expert_parallel(ep_group, owners, tp=groups[Axis.TP], device=self.device)
+            if ep_group.size > 1
             else None
         )
 

@@ -88,6 +88,10 @@ class MoE(nn.Module):
             raise InputError(
                 f"local_experts {list(local)} is a slice of {e} experts but no expert-parallel dispatcher was given"
             )
+        if getattr(ep, "grouped", False) and ep.local_experts != local:
+            raise InputError(
+                f"local_experts {list(local)}: the grouped EP dispatcher serves {list(ep.local_experts)}"
+            )
         self.arch = arch
         self.ep: ExpertDispatch = ep if ep is not None else LocalDispatch()
         self.gate = Router(arch)
@@ -110,16 +114,24 @@ class MoE(nn.Module):
         # Step 1: route and count.
         logits, ids, weights = self.gate(x)
         self.routed_counts += expert_counts(ids.reshape(-1), self.arch.num_experts)
-        # Step 2: send (token, expert) pairs to their owners; group the received rows by expert.
-        recv_x, recv_ids, handle = self.ep.dispatch(x, ids, weights)
-        local = self.global_to_local[recv_ids]
-        order = torch.argsort(local, stable=True)
-        counts = expert_counts(local, len(self.experts.local_experts))
-        # Step 3: grouped expert GEMMs, rows back in received order, weighted sum per token.
-        y_sorted = self.experts(recv_x[order], counts)
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-        routed = self.ep.combine(y, handle).to(x.dtype)
+        if getattr(self.ep, "grouped", False):
+            # Device-initiated EP (actors/comm/symm_ep.py): the rows arrive grouped by local
+            # expert with their offsets on the device; no sort, no permutation, no host sync.
+            rows, offsets, handle = self.ep.dispatch_grouped(x, ids, weights)
+            y = self.experts(rows, None, offsets)
+            routed = self.ep.combine_grouped(y, handle).to(x.dtype)
+        else:
+            # Step 2: send (token, expert) pairs to their owners; group the received rows by
+            # expert.
+            recv_x, recv_ids, handle = self.ep.dispatch(x, ids, weights)
+            local = self.global_to_local[recv_ids]
+            order = torch.argsort(local, stable=True)
+            counts = expert_counts(local, len(self.experts.local_experts))
+            # Step 3: grouped expert GEMMs, rows back in received order, weighted sum per token.
+            y_sorted = self.experts(recv_x[order], counts)
+            y = torch.empty_like(y_sorted)
+            y[order] = y_sorted
+            routed = self.ep.combine(y, handle).to(x.dtype)
         out = routed
         shared = None
         if self.shared_experts is not None:

@@ -1,0 +1,369 @@
+"""Expert parallelism over CUDA symmetric memory: the device starts every transfer, the host
+never waits.
+
+`ExpertParallel` (ep.py) must read the row counts on the host to size `all_to_all_single`: one
+host sync per MoE layer, and ~0.6-1 ms of sort, count exchange and sync before the rows move
+(bench/notes/ep_round2.md). Here every rank maps a buffer of every other rank of the EP group
+(`torch.distributed._symmetric_memory`, NVLink peer access) and writes the rows straight into
+their final place in the receiver's buffer:
+
+    rows, offsets, handle = ep.dispatch_grouped(x, topk_ids, topk_weights)
+    y = local_experts(rows, offsets)              # rows already grouped by local expert
+    out = ep.combine_grouped(y, handle)           # [T, H] = sum_k w[t, k] * expert_k(x[t])
+
+Dispatch. Step 1: count the (token, k) pairs per expert and write the counts into row `me` of
+every rank's count matrix C [ep, E]; device barrier. Step 2: from C every rank knows where each
+of its rows goes: the receiver's rows are expert-major over its local experts (ascending global
+id), and inside one expert source-major (rank 0's rows first), so row j of this rank's pairs
+for expert e lands at base(e) + sum_{s < me} C[s, e] + j. One kernel copies every row to its
+place on its owner and writes beside it where it came from (source rank, pair); device barrier.
+The receiver's expert offsets (cumulative counts) stay on the device for the grouped GEMMs.
+Combine. Every received row goes back to its source's `back` buffer at its pair's slot (one
+kernel, rows past the received count skip); device barrier; each token's weighted sum of its
+K rows (`fused.combine`, float32 accumulation).
+
+Ordering: one CUDA stream; each barrier orders the peer writes before it with the reads after
+it on every rank. Buffers are shared by all layers: a rank writes another rank's `recv`/`meta`
+only after barrier A of the next dispatch, which that rank reaches after its last combine read
+them; `back` likewise after barrier B.
+
+Limits: CUDA, one host (peer access), tp = 1 (no TP slice of the rows), a fixed capacity of
+tokens per rank chosen at construction (the buffers are allocated collectively then); the
+received-row buffer holds `ep x capacity x top_k` rows, so the grouped GEMMs run over a
+buffer whose tail past the last offset is not read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from actors.comm.group import Group
+from actors.kernels import fused as fused_kernels
+from actors.kernels import triton_available
+
+__all__ = ["SymmetricExpertParallel", "available", "received_offsets", "row_places"]
+
+
+def available(group: Group, device: torch.device) -> bool:
+    """Whether this EP group can use symmetric memory: CUDA, NCCL world, every rank on one
+    host with peer access (the caller checks the host)."""
+    if device.type != "cuda" or group.pg is None or not triton_available():
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def owner_tables(owner: torch.Tensor, ep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """owner [E] -> (by_owner [E]: experts ordered by (owner, id); first [ep]: index in that
+    order of each owner's first expert)."""
+    e = owner.numel()
+    key = owner * e + torch.arange(e, device=owner.device)
+    by_owner = torch.argsort(key)
+    counts = torch.zeros(ep, dtype=torch.int64, device=owner.device).scatter_add_(
+        0, owner, torch.ones_like(owner)
+    )
+    first = torch.cumsum(counts, 0) - counts
+    return by_owner, first
+
+
+def row_places(
+    flat: torch.Tensor, counts: torch.Tensor, me: int, owner: torch.Tensor, tables
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each of this rank's pairs goes. flat [N] global expert ids of the pairs (pair i =
+    token i // K, choice i % K); counts [ep, E] the count matrix (row s: rank s's pairs per
+    expert); owner [E]; tables = owner_tables(owner, ep).
+    Returns (order [N]: pairs sorted by expert, dest [N]: owner rank of each sorted pair,
+    place [N]: its row in the owner's received buffer). All on the device, no sync."""
+    by_owner, first = tables
+    n = flat.numel()
+    totals = counts.sum(0)
+    # Step 1: where each expert's block starts in its owner's buffer (exclusive cumulative sum
+    # in (owner, id) order, restarted at every owner).
+    t_sorted = totals.index_select(0, by_owner)
+    excl = torch.cumsum(t_sorted, 0) - t_sorted
+    owner_sorted = owner.index_select(0, by_owner)
+    base = torch.empty_like(excl)
+    base[by_owner] = excl - excl.index_select(0, first.index_select(0, owner_sorted))
+    # Step 2: this rank's rows of expert e follow those of ranks before it.
+    start = base + counts[:me].sum(0)
+    # Step 3: row j of this rank's pairs for expert e.
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat.index_select(0, order)
+    mine = counts[me]
+    own_first = torch.cumsum(mine, 0) - mine
+    j = torch.arange(n, device=flat.device) - own_first.index_select(0, e_sorted)
+    place = start.index_select(0, e_sorted) + j
+    return order, owner.index_select(0, e_sorted), place
+
+
+def received_offsets(counts: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """[E_local] int32 cumulative received rows per local expert (grouped GEMM offsets)."""
+    return torch.cumsum(counts.sum(0).index_select(0, local), 0).to(torch.int32)
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _put_counts(cnt_ptr, ptrs_ptr, row, E: tl.constexpr, BLOCK: tl.constexpr):
+        d = tl.program_id(0)
+        base = tl.load(ptrs_ptr + d).to(tl.pointer_type(tl.int64))
+        offs = tl.arange(0, BLOCK)
+        m = offs < E
+        tl.store(base + row * E + offs, tl.load(cnt_ptr + offs, mask=m), mask=m)
+
+    @triton.jit
+    def _put_rows(
+        x_ptr, order_ptr, dest_ptr, place_ptr, ptrs_ptr, meta_ptrs_ptr, meta_base, n,
+        K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        offs = tl.arange(0, BLOCK_H)
+        for r in range(ROWS):
+            i = tl.program_id(0).to(tl.int64) * ROWS + r
+            if i < n:
+                pair = tl.load(order_ptr + i)
+                d = tl.load(dest_ptr + i)
+                p = tl.load(place_ptr + i)
+                out = tl.load(ptrs_ptr + d).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                src = x_ptr + (pair // K) * H
+                for h in range(0, H, BLOCK_H):
+                    m = h + offs < H
+                    tl.store(out + p * H + h + offs, tl.load(src + h + offs, mask=m), mask=m)
+                meta = tl.load(meta_ptrs_ptr + d).to(tl.pointer_type(tl.int64))
+                tl.store(meta + p, meta_base + pair)
+
+    @triton.jit
+    def _push_back(
+        y_ptr, meta_ptr, total_ptr, ptrs_ptr, pairs_cap,
+        H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        total = tl.load(total_ptr)
+        offs = tl.arange(0, BLOCK_H)
+        for r in range(ROWS):
+            p = tl.program_id(0).to(tl.int64) * ROWS + r
+            if p < total:
+                meta = tl.load(meta_ptr + p)
+                out = tl.load(ptrs_ptr + meta // pairs_cap).to(
+                    tl.pointer_type(y_ptr.dtype.element_ty)
+                )
+                dst = out + (meta % pairs_cap) * H
+                for h in range(0, H, BLOCK_H):
+                    m = h + offs < H
+                    tl.store(dst + h + offs, tl.load(y_ptr + p * H + h + offs, mask=m), mask=m)
+
+
+ROWS_PER_PROGRAM = 4
+"""Rows one program of the copy kernels moves (measured on H200 x2: 4 rows of 1024-element
+chunks keep enough stores in flight over NVLink)."""
+
+
+class _Handle:
+    """What `combine_grouped` needs: the router weights [T, K], T x K, and the received rows
+    (a [1] device tensor: the push-back kernel skips the rows past it)."""
+
+    __slots__ = ("shape", "total", "weights")
+
+    def __init__(self, weights: torch.Tensor, shape: tuple[int, int], total: torch.Tensor) -> None:
+        self.weights, self.shape, self.total = weights, shape, total
+
+
+@dataclass(frozen=True, kw_only=True)
+class Buffers:
+    """One rank's shared buffers and the device addresses of every rank's copy of them (index
+    = EP rank), as this rank's kernels write them; `barrier(channel)` waits on the device until
+    every rank has reached it."""
+
+    recv: torch.Tensor
+    """[ep x capacity x K, H] received rows, grouped by local expert."""
+    meta: torch.Tensor
+    """[ep x capacity x K] int64 source rank x capacity x K + pair of each received row."""
+    back: torch.Tensor
+    """[capacity x K, H] this rank's rows after the experts, by pair."""
+    counts: torch.Tensor
+    """[ep, E] int64 pairs per expert of every rank (row s written by rank s)."""
+    peers: dict[str, torch.Tensor]
+    """name -> [ep] int64 addresses of every rank's buffer of that name."""
+    barrier: Callable[[int], None]
+
+
+def symmetric_buffers(
+    group: Group, *, rows: int, pairs: int, hidden: int, experts: int, dtype, device
+) -> Buffers:
+    """Allocate the buffers in symmetric memory (collective) and map every rank's."""
+    import torch.distributed._symmetric_memory as symm
+
+    made = {
+        "recv": symm.empty((rows, hidden), dtype=dtype, device=device),
+        "meta": symm.empty(rows, dtype=torch.int64, device=device),
+        "back": symm.empty((pairs, hidden), dtype=dtype, device=device),
+        "counts": symm.empty((group.size, experts), dtype=torch.int64, device=device),
+    }
+    handles = {name: symm.rendezvous(t, group.pg) for name, t in made.items()}
+    peers = {
+        name: torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
+        for name, h in handles.items()
+    }
+    timeout_ms = int(group.timeout_s * 1000)
+
+    def barrier(channel: int) -> None:
+        handles["recv"].barrier(channel=channel, timeout_ms=timeout_ms)
+
+    return Buffers(**made, peers=peers, barrier=barrier)
+
+
+class SymmetricExpertParallel:
+    """Device-initiated EP dispatch/combine of one rank (see the module docstring).
+
+    `owner_of_expert[e]`: the EP index serving expert e; this rank's local experts are the ones
+    it owns in ascending id (the MoE layer checks its own list matches). `capacity_tokens`:
+    the most tokens one dispatch of any rank carries. `top_k`, `hidden`, `dtype` of the rows:
+    given, the buffers are allocated here (collective: every EP rank, same arguments); left
+    out, by the first dispatch. `buffers`: given by tests that
+    play every rank in one process (`Buffers` of plain tensors, a barrier that does nothing,
+    each phase called for every rank in turn)."""
+
+    grouped = True
+
+    def __init__(
+        self,
+        group: Group,
+        owner_of_expert: tuple[int, ...],
+        *,
+        capacity_tokens: int,
+        device: torch.device,
+        top_k: int | None = None,
+        hidden: int | None = None,
+        dtype: torch.dtype | None = None,
+        num_layers: int = 0,
+        buffers: Buffers | None = None,
+    ) -> None:
+        ep, me, e = group.size, group.index, len(owner_of_expert)
+        if max(owner_of_expert) >= ep or e < ep:
+            raise ValueError(f"{e} experts over {ep} EP ranks: every rank needs an expert")
+        self.group, self.capacity, self.device = group, capacity_tokens, device
+        self.owner = torch.tensor(owner_of_expert, dtype=torch.int64, device=device)
+        self.tables = owner_tables(self.owner, ep)
+        self.local = (self.owner == me).nonzero().flatten()
+        self.local_experts = tuple(self.local.tolist())
+        self.routed = torch.zeros(num_layers, e, dtype=torch.int64)
+        """Kept for `ExpertParallel`'s interface; the MoE layer's own counters hold the
+        routing statistics (no host read here)."""
+        self.buf: Buffers | None = buffers
+        self.top_k = self.hidden = self.pairs_cap = 0
+        if top_k is not None and hidden is not None and dtype is not None:
+            self._ensure(top_k, hidden, dtype)
+
+    def _ensure(self, top_k: int, hidden: int, dtype: torch.dtype) -> None:
+        """Size the buffers for rows of `hidden` x `dtype` and `top_k` choices (collective: the
+        first dispatch of every EP rank allocates them together); later calls must match."""
+        if self.pairs_cap:
+            if (top_k, hidden) != (self.top_k, self.hidden) or dtype != self.buf.recv.dtype:
+                raise ValueError(
+                    f"rows of {hidden} x {dtype}, top-{top_k}: this EP communicator was sized "
+                    f"for {self.hidden} x {self.buf.recv.dtype}, top-{self.top_k}"
+                )
+            return
+        self.top_k, self.hidden = top_k, hidden
+        self.pairs_cap = self.capacity * top_k
+        if self.buf is None:
+            self.buf = symmetric_buffers(
+                self.group, rows=self.group.size * self.pairs_cap, pairs=self.pairs_cap,
+                hidden=hidden, experts=self.owner.numel(), dtype=dtype, device=self.device,
+            )  # fmt: skip
+        self._pos = torch.arange(self.pairs_cap, device=self.device)
+        self._block = min(1024, 1 << max(0, (hidden - 1).bit_length()))
+
+    def for_layer(self, layer: int) -> SymmetricExpertParallel:
+        return self
+
+    def dispatch_grouped(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
+        """x [T, H], topk_ids [T, K], topk_weights [T, K] -> rows [ep x capacity x K, H] grouped
+        by local expert, offsets [E_local] int32 (cumulative; rows past the last are not
+        data), handle."""
+        self._ensure(topk_ids.shape[1], x.shape[1], x.dtype)
+        self.put_counts(topk_ids)
+        self.buf.barrier(0)
+        out = self.put_rows(x, topk_ids, topk_weights)
+        self.buf.barrier(1)
+        return out
+
+    def combine_grouped(self, y: torch.Tensor, handle: _Handle) -> torch.Tensor:
+        """y [rows, H] expert outputs in the dispatched layout -> out [T, H]."""
+        self.push_back(y, handle)
+        self.buf.barrier(2)
+        return self.weighted_sum(handle)
+
+    # The four phases, each between device barriers.
+
+    def put_counts(self, topk_ids: torch.Tensor) -> None:
+        """Phase 1: this rank's pairs per expert into row `me` of every rank's count matrix."""
+        t = topk_ids.shape[0]
+        if t > self.capacity:
+            raise ValueError(
+                f"{t} tokens in one dispatch: this EP communicator holds at most {self.capacity}"
+            )
+        flat = topk_ids.reshape(-1)
+        e = self.owner.numel()
+        cnt = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        _put_counts[(self.group.size,)](
+            cnt, self.buf.peers["counts"], self.group.index, E=e, BLOCK=1 << (e - 1).bit_length()
+        )  # fmt: skip
+
+    def put_rows(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
+        """Phase 2: every row to its place on its owner, with (source, pair) beside it."""
+        t, k = topk_ids.shape
+        me, n = self.group.index, t * k
+        counts = self.buf.counts
+        order, dest, place = row_places(topk_ids.reshape(-1), counts, me, self.owner, self.tables)
+        offsets = received_offsets(counts, self.local)
+        total = offsets[-1:].to(torch.int64)
+        if n:
+            _put_rows[(-(-n // ROWS_PER_PROGRAM),)](
+                x.contiguous(), order, dest, place, self.buf.peers["recv"],
+                self.buf.peers["meta"], me * self.pairs_cap, n, K=k, H=self.hidden,
+                BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
+            )  # fmt: skip
+        return self.buf.recv, offsets, _Handle(topk_weights, (t, k), total)
+
+    def push_back(self, y: torch.Tensor, handle: _Handle) -> None:
+        """Phase 3: every received row's expert output to its source's `back`, at its pair."""
+        _push_back[(-(-y.shape[0] // ROWS_PER_PROGRAM),)](
+            y, self.buf.meta, handle.total, self.buf.peers["back"], self.pairs_cap,
+            H=self.hidden, BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
+        )  # fmt: skip
+
+    def weighted_sum(self, handle: _Handle) -> torch.Tensor:
+        """Phase 4: each token's weighted sum of its K returned rows."""
+        t, k = handle.shape
+        pos = self._pos[: t * k].view(t, k)
+        return fused_kernels.combine(self.buf.back[: t * k], pos, handle.weights)
+
+
+def expert_parallel(group: Group, owner_of_expert: tuple[int, ...], *, tp: Group, device):
+    """The EP communicator of a rank: this module's where `MOE_EP_TRANSPORT=symm` asks for it
+    and it can run (CUDA, NCCL, tp = 1; every EP rank on one host with NVLink peer access:
+    the setting asserts that), `MOE_EP_SYMM_TOKENS` tokens per dispatch at most (default
+    16384); otherwise `actors.comm.ep.ExpertParallel` (all-to-all, one host sync a layer)."""
+    from actors.comm.ep import ExpertParallel
+
+    device = torch.device(device)
+    if os.environ.get("MOE_EP_TRANSPORT") == "symm" and tp.size == 1 and available(group, device):
+        tokens = int(os.environ.get("MOE_EP_SYMM_TOKENS", "16384"))
+        return SymmetricExpertParallel(
+            group, owner_of_expert, capacity_tokens=tokens, device=device
+        )
+    return ExpertParallel(group, owner_of_expert, tp=tp)

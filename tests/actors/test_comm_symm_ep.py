@@ -1,0 +1,162 @@
+"""The symmetric-memory EP (actors/comm/symm_ep.py) without GPUs: the placement of every row
+against a brute-force layout, and every phase's kernels under TRITON_INTERPRET=1 with all ranks
+played in one process (plain tensors as the shared buffers, their addresses as the peer table).
+The GPU run itself is bench/multi_gpu.py's EP phase."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.comm.symm_ep import owner_tables, received_offsets, row_places
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _routing(tokens: list[int], experts: int, k: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(t, experts, generator=gen).topk(k, dim=-1).indices for t in tokens]
+
+
+def _expected_layout(ids: list[torch.Tensor], owner: list[int], rank: int) -> list[tuple]:
+    """Receiver `rank`'s rows as (source, pair): its experts in ascending id, each expert's rows
+    by source rank, each source's rows in pair order."""
+    rows = []
+    for e in [x for x in range(len(owner)) if owner[x] == rank]:
+        for s, sent in enumerate(ids):
+            rows += [(s, p) for p, x in enumerate(sent.reshape(-1).tolist()) if x == e]
+    return rows
+
+
+@pytest.mark.parametrize("tokens", [[5, 0, 4], [3, 7, 1], [1, 1, 1]])
+def test_row_places_group_rows_by_expert_then_source(tokens):
+    owner = [2, 0, 1, 0, 2, 1, 0]  # irregular: no contiguous expert blocks
+    e, k, ep = len(owner), 2, len(tokens)
+    ids = _routing(tokens, e, k)
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=e) for i in ids])
+    own = torch.tensor(owner)
+    tables = owner_tables(own, ep)
+    got: list[dict[int, tuple]] = [{} for _ in range(ep)]
+    for s in range(ep):
+        order, dest, place = row_places(ids[s].reshape(-1), counts, s, own, tables)
+        assert sorted(order.tolist()) == list(range(ids[s].numel()))
+        for pair, d, p in zip(order.tolist(), dest.tolist(), place.tolist(), strict=True):
+            assert p not in got[d], "two rows written to one place"
+            got[d][p] = (s, pair)
+    for r in range(ep):
+        want = _expected_layout(ids, owner, r)
+        assert [got[r][p] for p in range(len(got[r]))] == want
+        local = (own == r).nonzero().flatten()
+        offs = received_offsets(counts, local).tolist()
+        per_expert = [sum(1 for s, p in want if int(ids[s].reshape(-1)[p]) == x) for x in local]
+        assert offs == torch.tensor(per_expert).cumsum(0).tolist()
+
+
+PLAY = r"""
+import json, threading
+import torch
+from actors.comm.group import Group
+from actors.comm.symm_ep import Buffers, SymmetricExpertParallel
+
+owner, k, hidden, cap = [1, 0, 2, 0, 1, 2, 2, 0], 3, 40, 6
+tokens = [5, 0, 6]
+ep, e = len(tokens), len(owner)
+gen = torch.Generator().manual_seed(3)
+xs = [torch.randn(t, hidden, generator=gen) for t in tokens]
+ids = [torch.rand(t, e, generator=gen).topk(k, dim=-1).indices for t in tokens]
+ws = [torch.rand(t, k, generator=gen).softmax(-1) for t in tokens]
+rows, pairs = ep * cap * k, cap * k
+bufs = [dict(recv=torch.full((rows, hidden), float("nan")), meta=torch.full((rows,), -1),
+             back=torch.full((pairs, hidden), float("nan")), counts=torch.zeros(ep, e, dtype=torch.int64))
+        for _ in range(ep)]
+peers = {n: torch.tensor([b[n].data_ptr() for b in bufs], dtype=torch.int64) for n in bufs[0]}
+eps = [SymmetricExpertParallel(Group(axis="ep", ranks=tuple(range(ep)), index=r, pg=None),
+                               tuple(owner), top_k=k, capacity_tokens=cap, hidden=hidden,
+                               dtype=torch.float32, device=torch.device("cpu"),
+                               buffers=Buffers(**bufs[r], peers=peers, barrier=lambda c: None))
+       for r in range(ep)]
+for r in range(ep):
+    eps[r].put_counts(ids[r])
+got = [eps[r].put_rows(xs[r], ids[r], ws[r]) for r in range(ep)]
+# Each expert scales its rows by (its global id + 1); the row's expert follows from the offsets.
+ys = []
+for r, (recv, offsets, handle) in enumerate(got):
+    local = torch.tensor(eps[r].local_experts)
+    expert = local[torch.searchsorted(offsets.long(), torch.arange(recv.shape[0]), right=True).clamp(max=len(local) - 1)]
+    ys.append(recv * (expert[:, None] + 1).float())
+for r in range(ep):
+    eps[r].push_back(ys[r], got[r][2])
+errs = []
+for r in range(ep):
+    out = eps[r].weighted_sum(got[r][2])
+    ref = (ws[r][..., None] * (ids[r][..., None] + 1).float() * xs[r][:, None, :]).sum(1)
+    errs.append(float((out - ref).abs().max()) if tokens[r] else 0.0)
+    assert out.shape == (tokens[r], hidden)
+totals = [int(g[1][-1]) for g in got]
+print(json.dumps({"errs": errs, "totals": totals, "sent": sum(tokens) * k}))
+"""
+
+
+MOE = r"""
+import json
+import torch
+from actors.arch import ArchConfig
+from actors.comm.group import Group
+from actors.comm.symm_ep import Buffers, SymmetricExpertParallel
+from actors.layers.moe import MoE
+from tests.actors.checkpoints import tiny_config
+
+arch = ArchConfig.from_hf(tiny_config("qwen3_moe").to_dict())
+e, k, h, cap = arch.num_experts, arch.top_k, arch.hidden_size, 16
+torch.manual_seed(0)
+ref = MoE(arch)
+for p in ref.parameters():
+    p.data.normal_(0, 0.1)
+bufs = dict(recv=torch.full((cap * k, h), float("nan")), meta=torch.full((cap * k,), -1),
+            back=torch.full((cap * k, h), float("nan")), counts=torch.zeros(1, e, dtype=torch.int64))
+peers = {n: torch.tensor([t.data_ptr()], dtype=torch.int64) for n, t in bufs.items()}
+ep = SymmetricExpertParallel(Group(axis="ep", ranks=(0,), index=0, pg=None), (0,) * e,
+                             capacity_tokens=cap, device=torch.device("cpu"),
+                             buffers=Buffers(**bufs, peers=peers, barrier=lambda c: None))
+moe = MoE(arch, local_experts=range(e), ep=ep)
+moe.load_state_dict(ref.state_dict())
+x = torch.randn(11, h)
+with torch.no_grad():
+    a, b = moe(x), ref(x)
+print(json.dumps({"err": float((a - b).abs().max() / b.abs().max()),
+                  "counts": bool((moe.routed_counts == ref.routed_counts).all())}))
+"""
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+
+def _play(script: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+def test_moe_through_the_grouped_dispatcher_matches_the_local_moe():
+    out = _play(MOE)
+    assert out["err"] < 1e-5 and out["counts"], out
+
+
+@needs_triton
+def test_every_phase_round_trips_rows_through_their_experts():
+    out = _play(PLAY)
+    assert sum(out["totals"]) == out["sent"]
+    assert max(out["errs"]) < 1e-5, out
