@@ -271,7 +271,9 @@ def run(
         "world": world,
         "device_name": torch.cuda.get_device_name(0) if s.device == "cuda" else "cpu",
         "backend": backend,
-        "env": {k: os.environ.get(k) for k in NO_MULTICAST},
+        "env": {
+            k: os.environ.get(k) for k in (*NO_MULTICAST, "MOE_EP_TRANSPORT", "MOE_EP_SYMM_TOKENS")
+        },
         "versions": report.versions(),
         "settings": report.settings_json(s),
         "model": {"config": cfg, "params": report.param_count(cfg)},

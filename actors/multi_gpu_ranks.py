@@ -112,6 +112,7 @@ def ep_bench(
     """
     import importlib
 
+    from actors.comm import symm_ep
     from actors.comm.ep import ExpertParallel
 
     if device.type == "cuda":
@@ -123,6 +124,13 @@ def ep_bench(
         impls = {"ours": ExpertParallel(group, owners)}
         if baseline is not None:
             impls["baseline"] = importlib.import_module(baseline).ExpertParallel(group, owners)
+        if world > 1 and symm_ep.available(group, device):
+            impls["symm"] = _Grouped(
+                symm_ep.SymmetricExpertParallel(
+                    group, owners, top_k=shape.top_k, capacity_tokens=shape.tokens,
+                    hidden=shape.hidden, dtype=dtype, device=device,
+                )
+            )  # fmt: skip
         # Step 1: uniform random routing (seeded per rank) and softmax weights over the top-k.
         gen = torch.Generator().manual_seed(1000 + rank)
         x = torch.randn(shape.tokens, shape.hidden, generator=gen).to(device, dtype)
@@ -167,7 +175,11 @@ def ep_bench(
             t4 = time.perf_counter()
             if i >= shape.warmup:
                 data_s.append(t4 - t3)
-        # Step 5: one more dispatch + combine of ours under torch.profiler (after a barrier).
+        # Step 5: back to back, as nccl-tests times a collective: every round trip issued
+        # without a host wait between them, device-clock events around each phase (CUDA).
+        b2b = {name: _back_to_back(ep, x, top_ids, top_w, group, device, shape.iters)
+               for name, ep in impls.items()}  # fmt: skip
+        # Step 6: one more dispatch + combine of ours under torch.profiler (after a barrier).
         ours = impls["ours"]
 
         def round_trip() -> None:
@@ -185,16 +197,66 @@ def ep_bench(
             "check_rel_err": rel["ours"],
             "profile": profile_summary(round_trip, device, top=16, trace=trace),
         }
-        if baseline is not None:
-            out["baseline"] = {
-                "module": baseline,
-                "dispatch_s": times["baseline"][0],
-                "combine_s": times["baseline"][1],
-                "check_rel_err": rel["baseline"],
+        if b2b["ours"] is not None:
+            out["b2b_dispatch_s"], out["b2b_combine_s"] = b2b["ours"]
+        for name in ("baseline", "symm"):
+            if name not in impls:
+                continue
+            out[name] = {
+                "module": baseline if name == "baseline" else "actors.comm.symm_ep",
+                "dispatch_s": times[name][0],
+                "combine_s": times[name][1],
+                "check_rel_err": rel[name],
             }
+            if b2b[name] is not None:
+                out[name]["b2b_dispatch_s"], out[name]["b2b_combine_s"] = b2b[name]
+        if "symm" in impls:
+            symm = impls["symm"]
+
+            def symm_round_trip() -> None:
+                group.barrier()
+                recv, _, h = symm.dispatch(x, top_ids, top_w)
+                symm.combine(recv, h)
+
+            out["symm"]["profile"] = profile_summary(symm_round_trip, device, top=16)
         return out
     finally:
         destroy_world()
+
+
+class _Grouped:
+    """`SymmetricExpertParallel` under `ExpertParallel`'s names (the bench's identity experts
+    take the grouped rows as they come)."""
+
+    def __init__(self, ep) -> None:
+        self.ep = ep
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        return self.ep.dispatch_grouped(x, topk_ids, topk_weights)
+
+    def combine(self, y, handle):
+        return self.ep.combine_grouped(y, handle)
+
+
+def _back_to_back(ep, x, top_ids, top_w, group, device, iters: int):
+    """([dispatch s], [combine s]) of `iters` round trips issued back to back, from CUDA events
+    around each phase; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(iters)]
+    group.barrier()
+    _sync(device)
+    for ev in events:
+        ev[0].record()
+        got, _, h = ep.dispatch(x, top_ids, top_w)
+        ev[1].record()
+        ep.combine(got, h)
+        ev[2].record()
+    _sync(device)
+    return (
+        [ev[0].elapsed_time(ev[1]) / 1e3 for ev in events],
+        [ev[1].elapsed_time(ev[2]) / 1e3 for ev in events],
+    )
 
 
 def _dest_major(handle, me: int) -> torch.Tensor:
