@@ -72,6 +72,9 @@ def correctness(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dic
             for s in seqs:
                 s.append(int(torch.randint(0, vocab, (1,), generator=gen)))
             steps.append(_steps(seqs, [1, 1, 1], tables, bs))
+        # Fresh prompts of one length take the batched prefill attention (one causal call).
+        same = [torch.randint(0, vocab, (24,), generator=gen).tolist() for _ in range(3)]
+        steps.append(_steps(same, [24, 24, 24], [[41, 42], [43, 44], [45, 46]], bs))
         per_step: dict[str, list[float]] = {"fast": [], "paged": []}
         for step in steps:
             want = ref.forward(step)
