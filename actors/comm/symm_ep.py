@@ -121,8 +121,47 @@ if triton_available():
         tl.store(base + row * E + offs, tl.load(cnt_ptr + offs, mask=m), mask=m)
 
     @triton.jit
+    def _plan(
+        counts_ptr, owner_ptr, by_owner_ptr, first_ptr, local_ptr, n_local, me, E,
+        start_ptr, own_first_ptr, offsets_ptr, total_ptr, scratch_ptr, EP: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """`row_places` and `received_offsets` in one program over the experts: start [E]
+        (where this rank's first row of expert e lands on its owner), own_first [E] (this
+        rank's first sorted pair of expert e), offsets [E_local] int32, total [1]."""
+        e = tl.arange(0, BLOCK)
+        m = e < E
+        totals = tl.zeros([BLOCK], dtype=tl.int64)
+        before = tl.zeros([BLOCK], dtype=tl.int64)
+        for s in range(EP):
+            c = tl.load(counts_ptr + s * E + e, mask=m, other=0)
+            totals += c
+            before += tl.where(s < me, c, 0)
+        mine = tl.load(counts_ptr + me * E + e, mask=m, other=0)
+        tl.store(own_first_ptr + e, tl.cumsum(mine, 0) - mine, mask=m)
+        tl.store(scratch_ptr + e, totals, mask=m)
+        tl.store(scratch_ptr + 2 * BLOCK + e, before, mask=m)
+        tl.debug_barrier()
+        # Block starts: exclusive sums in (owner, id) order, restarted at every owner.
+        bo = tl.load(by_owner_ptr + e, mask=m, other=0)
+        t_sorted = tl.load(scratch_ptr + bo, mask=m, other=0)
+        excl = tl.cumsum(t_sorted, 0) - t_sorted
+        tl.store(scratch_ptr + BLOCK + e, excl, mask=m)
+        tl.debug_barrier()
+        seg = tl.load(first_ptr + tl.load(owner_ptr + bo, mask=m, other=0), mask=m, other=0)
+        base = excl - tl.load(scratch_ptr + BLOCK + seg, mask=m, other=0)
+        tl.store(start_ptr + bo, base + tl.load(scratch_ptr + 2 * BLOCK + bo, mask=m, other=0),
+                 mask=m)  # fmt: skip
+        # This rank's received rows per local expert, cumulative.
+        ml = e < n_local
+        got = tl.load(scratch_ptr + tl.load(local_ptr + e, mask=ml, other=0), mask=ml, other=0)
+        tl.store(offsets_ptr + e, tl.cumsum(got, 0).to(tl.int32), mask=ml)
+        tl.store(total_ptr, tl.sum(got, 0))
+
+    @triton.jit
     def _put_rows(
-        x_ptr, order_ptr, dest_ptr, place_ptr, ptrs_ptr, meta_ptrs_ptr, meta_base, n,
+        x_ptr, order_ptr, flat_ptr, owner_ptr, start_ptr, own_first_ptr, ptrs_ptr,
+        meta_ptrs_ptr, meta_base, n,
         K: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
         offs = tl.arange(0, BLOCK_H)
@@ -130,13 +169,14 @@ if triton_available():
             i = tl.program_id(0).to(tl.int64) * ROWS + r
             if i < n:
                 pair = tl.load(order_ptr + i)
-                d = tl.load(dest_ptr + i)
-                p = tl.load(place_ptr + i)
+                e = tl.load(flat_ptr + pair)
+                d = tl.load(owner_ptr + e)
+                p = tl.load(start_ptr + e) + i - tl.load(own_first_ptr + e)
                 out = tl.load(ptrs_ptr + d).to(tl.pointer_type(x_ptr.dtype.element_ty))
                 src = x_ptr + (pair // K) * H
                 for h in range(0, H, BLOCK_H):
-                    m = h + offs < H
-                    tl.store(out + p * H + h + offs, tl.load(src + h + offs, mask=m), mask=m)
+                    mh = h + offs < H
+                    tl.store(out + p * H + h + offs, tl.load(src + h + offs, mask=mh), mask=mh)
                 meta = tl.load(meta_ptrs_ptr + d).to(tl.pointer_type(tl.int64))
                 tl.store(meta + p, meta_base + pair)
 
@@ -280,6 +320,7 @@ class SymmetricExpertParallel:
             )  # fmt: skip
         self._pos = torch.arange(self.pairs_cap, device=self.device)
         self._block = min(1024, 1 << max(0, (hidden - 1).bit_length()))
+        self._plan_block = 1 << max(0, (self.owner.numel() - 1).bit_length())
 
     def for_layer(self, layer: int) -> SymmetricExpertParallel:
         return self
@@ -324,18 +365,25 @@ class SymmetricExpertParallel:
     def put_rows(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
-        """Phase 2: every row to its place on its owner, with (source, pair) beside it."""
+        """Phase 2: every row to its place on its owner, with (source, pair) beside it (the
+        places from `_plan`, the device form of `row_places`: one launch, not ~25 ops)."""
         t, k = topk_ids.shape
-        me, n = self.group.index, t * k
-        counts = self.buf.counts
-        order, dest, place = row_places(topk_ids.reshape(-1), counts, me, self.owner, self.tables)
-        offsets = received_offsets(counts, self.local)
-        total = offsets[-1:].to(torch.int64)
+        me, n, e = self.group.index, t * k, self.owner.numel()
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        plan = torch.empty(3 * e + 1 + 3 * self._plan_block, dtype=torch.int64, device=x.device)
+        start, own_first, total = plan[:e], plan[e : 2 * e], plan[2 * e : 2 * e + 1]
+        offsets = torch.empty(len(self.local_experts), dtype=torch.int32, device=x.device)
+        _plan[(1,)](
+            self.buf.counts, self.owner, self.tables[0], self.tables[1], self.local,
+            len(self.local_experts), me, e, start, own_first, offsets, total, plan[3 * e + 1 :],
+            EP=self.group.size, BLOCK=self._plan_block,
+        )  # fmt: skip
         if n:
             _put_rows[(-(-n // ROWS_PER_PROGRAM),)](
-                x.contiguous(), order, dest, place, self.buf.peers["recv"],
-                self.buf.peers["meta"], me * self.pairs_cap, n, K=k, H=self.hidden,
-                BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
+                x.contiguous(), order, flat, self.owner, start, own_first,
+                self.buf.peers["recv"], self.buf.peers["meta"], me * self.pairs_cap, n, K=k,
+                H=self.hidden, BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
             )  # fmt: skip
         return self.buf.recv, offsets, _Handle(topk_weights, (t, k), total)
 
