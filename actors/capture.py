@@ -104,8 +104,11 @@ def capture_rank(
     dtype: str,
     kv_blocks: int,
     block_size: int,
+    device: str = "cpu",
 ) -> dict:
     """One rank: build its ShardWorker, run one captured step, measure. Plain containers out.
+
+    `device` "cuda": rank r runs on GPU r of this host (NCCL); its captures come back on the CPU.
 
     Step 1: build the worker (joins the world, loads the shard), cast to `dtype`.
     Step 2: hook the stage's forward to pass a fresh capture dict per micro-batch, and time ops.
@@ -120,6 +123,7 @@ def capture_rank(
         rank=rank,
         checkpoint_dir=checkpoint_dir,
         rendezvous=rendezvous if world_size > 1 else None,
+        device=f"cuda:{rank}" if device == "cuda" else "cpu",
     )
     try:
         model = worker.model
@@ -163,7 +167,7 @@ def capture_rank(
                     )
                 for name, value in cap.items():
                     for s, part in zip(seqs, torch.split(value, lens), strict=True):
-                        outputs.setdefault(name, {})[s] = part.detach().clone()
+                        outputs.setdefault(name, {})[s] = part.detach().to("cpu", copy=True)
 
         memory = dict(result.memory_bytes)
         stage = layout.layer_range(worker.coord.pp)
@@ -233,20 +237,24 @@ def capture_layout(
     block_size: int = 16,
     use_ray: bool = False,
     timeout_s: float = 120.0,
+    device: str = "cpu",
 ) -> LayoutCapture:
-    """Run `token_ids` (>= 1 sequences) through every rank of `layout`; reassemble by sequence."""
-    args = (layout, str(checkpoint_dir), [list(s) for s in token_ids], dtype, kv_blocks, block_size)
+    """Run `token_ids` (>= 1 sequences) through every rank of `layout`; reassemble by sequence.
+    `device` "cuda": one process per GPU of this host over NCCL (no Ray)."""
+    args = (layout, str(checkpoint_dir), [list(s) for s in token_ids], dtype, kv_blocks,
+            block_size, device)  # fmt: skip
     world = layout.dims.world
     if use_ray:
         per_rank = _run_ray(layout, args, timeout_s)
     elif world == 1:
         per_rank = [capture_rank(0, 1, None, *args)]
     else:
+        backend = "nccl" if device == "cuda" else "gloo"
         per_rank = run_ranks(
             capture_rank,
             world,
             args=args,
-            rendezvous=Rendezvous.fresh(timeout_s=timeout_s),
+            rendezvous=Rendezvous.fresh(timeout_s=timeout_s, backend=backend),
             timeout_s=timeout_s * 2,
         )
     n = len(token_ids)

@@ -57,6 +57,9 @@ def validate_command(
         ),
     ] = 256,
     use_ray: Annotated[bool, typer.Option("--ray", help="Run the ranks as Ray tasks.")] = False,
+    device: Annotated[
+        str, typer.Option(help="cpu (gloo ranks) or cuda (one rank per GPU of this host, NCCL).")
+    ] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Compare hidden states after every layer and operator with transformers; name the first divergence.
@@ -93,6 +96,7 @@ def validate_command(
             seed=seed,
             kv_tokens=kv_tokens,
             use_ray=use_ray,
+            device=device,
         )
     except RankFailed as exc:
         raise CheckFailed(str(exc).splitlines()[0]) from None

@@ -407,10 +407,15 @@ def validate(
     block_size: int = 16,
     use_ray: bool = False,
     timeout_s: float = 120.0,
+    device: str = "cpu",
 ) -> ValidationReport:
-    """Run the five steps of the module docstring; the report says whether it passed."""
+    """Run the five steps of the module docstring; the report says whether it passed.
+    `device` "cuda": our ranks on this host's GPUs (one each, NCCL); the reference stays on the
+    CPU in float32."""
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"--device {device!r}: expected cpu or cuda")
     if kv_tokens < block_size or kv_tokens % block_size:
         raise InputError(f"--kv-tokens {kv_tokens}: expected a positive multiple of {block_size}")
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
@@ -419,6 +424,14 @@ def validate(
     ref_dir = reference_dir if reference_dir is not None else model_dir
     pre = preflight(model_dir, layout=layout, plan_file=plan_file, reference_dir=ref_dir)
     arch = pre.arch
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        if use_ray or pre.layout.dims.world > gpus:
+            raise InputError(
+                f"--device cuda: layout {pre.layout.dims.shorthand} needs "
+                f"{pre.layout.dims.world} GPUs of this host, it has {gpus}"
+                + (" (and --ray runs CPU ranks only)" if use_ray else "")
+            )
     tokens = validation_inputs(arch.vocab_size, seq_lens, seed=seed)
 
     from actors.reference import load_reference_model, reference_capture
@@ -433,6 +446,7 @@ def validate(
         block_size=block_size,
         use_ray=use_ray,
         timeout_s=timeout_s,
+        device=device,
     )
     reference = reference_capture(ref_model, tokens)
     del ref_model

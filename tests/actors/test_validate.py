@@ -220,6 +220,13 @@ def test_bad_input_is_one_line_before_any_computation(checkpoints, moectl, tmp_p
     assert code == 0, err
     code, _, err = moectl("validate", original, "--plan", plan)
     assert code == 2 and "32 layers" in err and "4 layers" in err
+    # A device that is not there (this machine has no GPU) or not known.
+    code, _, err = moectl("validate", original, "--layout", "ep2", "--device", "cuda")
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        assert code == 2 and f"needs 2 GPUs of this host, it has {gpus}" in err, err
+    code, _, err = moectl("validate", original, "--device", "tpu")
+    assert code == 2 and "--device 'tpu'" in err
 
 
 def test_ray_tasks_run_the_same_ranks(checkpoints, moectl, ray_session):
