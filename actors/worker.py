@@ -225,9 +225,8 @@ class ShardWorker:
         self.tp = TensorParallel(groups[Axis.TP])
         self.pp = PipelineParallel(groups[Axis.PP])
         ep_index, ep_group = dims.ep_rank(rank), groups[Axis.EP]
-        owners = layout.expert_owner_from(ep_index)
         self.ep = (
-            expert_parallel(ep_group, owners, tp=groups[Axis.TP], device=self.device)
+            expert_parallel(ep_group, layout, ep_index, tp=groups[Axis.TP], device=self.device)
             if ep_group.size > 1
             else None
         )

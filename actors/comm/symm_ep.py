@@ -401,17 +401,24 @@ class SymmetricExpertParallel:
         return fused_kernels.combine(self.buf.back[: t * k], pos, handle.weights)
 
 
-def expert_parallel(group: Group, owner_of_expert: tuple[int, ...], *, tp: Group, device):
-    """The EP communicator of a rank: this module's where `MOE_EP_TRANSPORT=symm` asks for it
-    and it can run (CUDA, NCCL, tp = 1; every EP rank on one host with NVLink peer access:
-    the setting asserts that), `MOE_EP_SYMM_TOKENS` tokens per dispatch at most (default
-    16384); otherwise `actors.comm.ep.ExpertParallel` (all-to-all, one host sync a layer)."""
+def expert_parallel(group: Group, layout, ep_index: int, *, tp: Group, device):
+    """The EP communicator of EP rank `ep_index` of `layout`: this module's where
+    `MOE_EP_TRANSPORT=symm` asks for it and it can run (CUDA, NCCL, tp = 1, one owner per expert:
+    with replicated experts each sender has its own owner table, which the shared layout of the
+    received rows cannot follow; every EP rank on one host with NVLink peer access: the setting
+    asserts that), `MOE_EP_SYMM_TOKENS` tokens per dispatch at most (default 16384); otherwise
+    `actors.comm.ep.ExpertParallel` (all-to-all, one host sync a layer)."""
     from actors.comm.ep import ExpertParallel
 
     device = torch.device(device)
-    if os.environ.get("MOE_EP_TRANSPORT") == "symm" and tp.size == 1 and available(group, device):
+    owners = layout.expert_owner_from(ep_index)
+    single_owner = all(len(o) == 1 for o in layout.expert_owners)
+    if (
+        os.environ.get("MOE_EP_TRANSPORT") == "symm"
+        and tp.size == 1
+        and single_owner
+        and available(group, device)
+    ):
         tokens = int(os.environ.get("MOE_EP_SYMM_TOKENS", "16384"))
-        return SymmetricExpertParallel(
-            group, owner_of_expert, capacity_tokens=tokens, device=device
-        )
-    return ExpertParallel(group, owner_of_expert, tp=tp)
+        return SymmetricExpertParallel(group, owners, capacity_tokens=tokens, device=device)
+    return ExpertParallel(group, owners, tp=tp)

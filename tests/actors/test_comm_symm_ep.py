@@ -160,3 +160,39 @@ def test_every_phase_round_trips_rows_through_their_experts():
     out = _play(PLAY)
     assert sum(out["totals"]) == out["sent"]
     assert max(out["errs"]) < 1e-5, out
+
+
+def test_the_switch_keeps_all_to_all_where_the_shared_layout_cannot_follow(monkeypatch):
+    from actors.comm import symm_ep
+    from actors.comm.ep import ExpertParallel
+    from actors.comm.group import Group
+    from placement.parallel_dims import Layout, parse_layout
+
+    made = []
+
+    class Stub:
+        def __init__(self, group, owners, **kwargs):
+            made.append(owners)
+
+    monkeypatch.setattr(symm_ep, "available", lambda group, device: True)
+    monkeypatch.setattr(symm_ep, "SymmetricExpertParallel", Stub)
+    group, tp = Group(axis="ep", ranks=(0, 1), index=0, pg=None), Group.single("tp")
+    dims = parse_layout("ep2")
+    plain = Layout.build(dims, num_layers=1, num_experts=4)
+    replicated = Layout.build(
+        dims, num_layers=1, num_experts=4, expert_owners=((0,), (0, 1), (1,), (1,))
+    )
+    # Without the switch, and with a replicated expert (each sender has its own owner table):
+    # the all-to-all path; with it and one owner per expert: the symmetric-memory one.
+    assert isinstance(
+        symm_ep.expert_parallel(group, plain, 0, tp=tp, device="cuda"), ExpertParallel
+    )
+    monkeypatch.setenv("MOE_EP_TRANSPORT", "symm")
+    got = symm_ep.expert_parallel(group, replicated, 0, tp=tp, device="cuda")
+    assert isinstance(got, ExpertParallel) and not made
+    assert isinstance(symm_ep.expert_parallel(group, plain, 0, tp=tp, device="cuda"), Stub)
+    assert made == [plain.expert_owner_from(0)]
+    two = Group(axis="tp", ranks=(0, 1), index=0, pg=None)
+    assert isinstance(
+        symm_ep.expert_parallel(group, plain, 0, tp=two, device="cuda"), ExpertParallel
+    )
