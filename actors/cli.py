@@ -81,6 +81,8 @@ def validate_command(
     if reference not in ("transformers", "vllm"):
         raise InputError(f"--reference {reference!r}: expected transformers or vllm")
     if reference == "vllm":
+        if device != "cpu":
+            raise InputError(f"--device {device}: --reference vllm runs our ranks on the CPU only")
         _validate_vllm(model_dir, layout, reference_dir, dtype, tolerance, lens, seed,
                        greedy_tokens, use_ray, as_json)  # fmt: skip
         return

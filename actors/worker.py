@@ -300,8 +300,6 @@ class ShardWorker:
 
         return timed_forward
 
-    # ------------------------------------------------------------------ step
-
     @contextlib.contextmanager
     def _timed_step(self) -> Iterator[None]:
         """Around one step: refuse a broken rank, reset the per-step counters, mark the rank
@@ -352,6 +350,8 @@ class ShardWorker:
         mine = owners[self.coord.dp]
         num_mb = max(1, min(dims.pp, min(len(o) for o in owners)))
         microbatches = split_contiguous(mine, num_mb)
+        if getattr(self.ep, "grouped", False):
+            self.ep.check_step(owners, num_mb, lambda s: len(batch.token_ids[s]))
         hidden = self.model.arch.hidden_size
 
         def tokens_of(m: int) -> int:
@@ -383,8 +383,6 @@ class ShardWorker:
             lens = [len(batch.token_ids[s]) for s in microbatches[m]]
             logits.extend(t.cpu() for t in torch.split(out, lens))
         return tuple(s for mb in microbatches for s in mb), tuple(logits)
-
-    # ------------------------------------------------------------ paged KV step
 
     def kv_head_range(self) -> tuple[int, int]:
         """Global KV heads [start, stop) this rank stores (MLA: (0, 1), replicated over TP)."""
@@ -473,6 +471,8 @@ class ShardWorker:
         else:
             num_mb = pipeline_microbatches(dims.pp, by_dp, self.stages_overlap)
             microbatches = split_contiguous(mine, num_mb)
+        if getattr(self.ep, "grouped", False):
+            self.ep.check_step(by_dp, num_mb, lambda i: step.query_lens[i])
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
@@ -562,8 +562,6 @@ class ShardWorker:
                 torch.cuda.max_memory_allocated(self.device) - weights - buffers
             )
         return out
-
-    # --------------------------------------------------------------- control
 
     def abort(self) -> bool:
         """Fail the step in flight (if any) at its next wait; the worker must then be rebuilt.

@@ -44,6 +44,7 @@ import torch
 from actors.comm.group import Group
 from actors.kernels import fused as fused_kernels
 from actors.kernels import triton_available
+from cluster.errors import InputError
 
 __all__ = ["SymmetricExpertParallel", "available", "received_offsets", "row_places"]
 
@@ -297,6 +298,8 @@ class SymmetricExpertParallel:
         """Kept for `ExpertParallel`'s interface; the MoE layer's own counters hold the
         routing statistics (no host read here)."""
         self.buf: Buffers | None = buffers
+        self._bound: int | None = None
+        """Tokens of all ranks in this step's largest micro-batch (`check_step`); None: unknown."""
         self.top_k = self.hidden = self.pairs_cap = 0
         if top_k is not None and hidden is not None and dtype is not None:
             self._ensure(top_k, hidden, dtype)
@@ -325,6 +328,24 @@ class SymmetricExpertParallel:
     def for_layer(self, layer: int) -> SymmetricExpertParallel:
         return self
 
+    def check_step(self, by_dp: list[list[int]], num_mb: int, length: Callable) -> None:
+        """Before a step, alike on every EP rank (the step tells each rank every DP rank's
+        sequences, `length(seq)` tokens each, cut into `num_mb` micro-batches as the worker cuts
+        them): one dispatch with more tokens than the buffers hold raises the same InputError on
+        every rank before any device work (raised on one rank alone, it would leave the others
+        waiting in a device barrier); and the experts run over no more received rows than this
+        step's micro-batches can send (not the whole buffer)."""
+        from actors.worker import split_contiguous
+
+        per = [[sum(length(i) for i in mb) for mb in split_contiguous(s, num_mb)] for s in by_dp]
+        most = max((t for row in per for t in row), default=0)
+        if most > self.capacity:
+            raise InputError(
+                f"a micro-batch of {most} tokens on one EP rank: the symmetric-memory EP holds "
+                f"{self.capacity} (MOE_EP_SYMM_TOKENS); raise it or send smaller batches"
+            )
+        self._bound = max((sum(col) for col in zip(*per, strict=True)), default=0)
+
     def dispatch_grouped(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
@@ -334,9 +355,11 @@ class SymmetricExpertParallel:
         self._ensure(topk_ids.shape[1], x.shape[1], x.dtype)
         self.put_counts(topk_ids)
         self.buf.barrier(0)
-        out = self.put_rows(x, topk_ids, topk_weights)
+        rows, offsets, handle = self.put_rows(x, topk_ids, topk_weights)
         self.buf.barrier(1)
-        return out
+        if self._bound is not None:
+            rows = rows[: min(rows.shape[0], self._bound * self.top_k)]
+        return rows, offsets, handle
 
     def combine_grouped(self, y: torch.Tensor, handle: _Handle) -> torch.Tensor:
         """y [rows, H] expert outputs in the dispatched layout -> out [T, H]."""
@@ -389,6 +412,9 @@ class SymmetricExpertParallel:
 
     def push_back(self, y: torch.Tensor, handle: _Handle) -> None:
         """Phase 3: every received row's expert output to its source's `back`, at its pair."""
+        if not y.is_contiguous() or y.dtype != self.buf.back.dtype:
+            raise ValueError(f"expert outputs {y.dtype}, contiguous {y.is_contiguous()}: the "
+                             f"push-back kernel reads contiguous {self.buf.back.dtype} rows")  # fmt: skip
         _push_back[(-(-y.shape[0] // ROWS_PER_PROGRAM),)](
             y, self.buf.meta, handle.total, self.buf.peers["back"], self.pairs_cap,
             H=self.hidden, BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,

@@ -57,17 +57,19 @@ def grouped_swiglu(
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     if x_sorted.device.type == "cpu":
         return _swiglu_per_expert(x_sorted, counts, w_gate_up, w_down)
-    # Step 1: each row's expert and slot inside that expert's padded block.
+    # Step 1: each row's expert and slot inside that expert's padded block (rows past the last
+    # offset, a grouped EP buffer's tail, are not data: they come back as zeros).
     expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts)
+    used = expert.shape[0]
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(r, device=counts.device) - starts[expert]
+    slot = torch.arange(used, device=counts.device) - starts[expert]
     capacity = int(counts.max())
     # Step 2: scatter into [E, capacity, H], two batched matmuls, gather back.
     padded = x_sorted.new_zeros(e, capacity, x_sorted.shape[1])
-    padded[expert, slot] = x_sorted
+    padded[expert, slot] = x_sorted[:used]
     gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))
-    return out[expert, slot]
+    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))[expert, slot]
+    return out if used == r else torch.cat([out, out.new_zeros(r - used, out.shape[1])])
 
 
 def _swiglu_per_expert(

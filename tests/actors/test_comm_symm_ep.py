@@ -128,6 +128,7 @@ ep = SymmetricExpertParallel(Group(axis="ep", ranks=(0,), index=0, pg=None), (0,
 moe = MoE(arch, local_experts=range(e), ep=ep)
 moe.load_state_dict(ref.state_dict())
 x = torch.randn(11, h)
+ep.check_step([[0]], 1, lambda i: 11)  # the experts then run over 11 x K rows, not the buffer
 with torch.no_grad():
     a, b = moe(x), ref(x)
 print(json.dumps({"err": float((a - b).abs().max() / b.abs().max()),
@@ -196,3 +197,29 @@ def test_the_switch_keeps_all_to_all_where_the_shared_layout_cannot_follow(monke
     assert isinstance(
         symm_ep.expert_parallel(group, plain, 0, tp=two, device="cuda"), ExpertParallel
     )
+
+
+def test_a_step_too_large_for_the_buffers_fails_alike_before_any_device_work():
+    from actors.comm.group import Group
+    from actors.comm.symm_ep import Buffers, SymmetricExpertParallel
+    from cluster.errors import InputError
+
+    def on(rank: int) -> SymmetricExpertParallel:
+        bufs = {"recv": torch.zeros(2 * 8 * 2, 4), "meta": torch.zeros(32, dtype=torch.int64),
+                "back": torch.zeros(16, 4), "counts": torch.zeros(2, 4, dtype=torch.int64)}  # fmt: skip
+        peers = {n: torch.zeros(2, dtype=torch.int64) for n in bufs}
+        return SymmetricExpertParallel(
+            Group(axis="ep", ranks=(0, 1), index=rank, pg=None), (0, 0, 1, 1),
+            capacity_tokens=8, device=torch.device("cpu"), top_k=2, hidden=4,
+            dtype=torch.float32, buffers=Buffers(**bufs, peers=peers, barrier=lambda c: None),
+        )  # fmt: skip
+
+    lengths = [3, 4, 5]
+    for rank in (0, 1):  # every rank decides alike from the same step
+        ep = on(rank)
+        ep.check_step([[0, 1], [2]], 1, lambda i: lengths[i])  # 7 and 5 tokens: fits
+        assert ep._bound == 12
+        ep.check_step([[0, 1], [2]], 2, lambda i: lengths[i])  # micro-batches (3 + 5), (4 + 0)
+        assert ep._bound == 8
+        with pytest.raises(InputError, match=r"micro-batch of 9 tokens.*holds 8"):
+            ep.check_step([[0, 1], [2]], 1, lambda i: [4, 5, 1][i])
