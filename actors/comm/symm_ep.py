@@ -267,9 +267,9 @@ class SymmetricExpertParallel:
     it owns in ascending id (the MoE layer checks its own list matches). `capacity_tokens`:
     the most tokens one dispatch of any rank carries. `top_k`, `hidden`, `dtype` of the rows:
     given, the buffers are allocated here (collective: every EP rank, same arguments); left
-    out, by the first dispatch. `buffers`: given by tests that
-    play every rank in one process (`Buffers` of plain tensors, a barrier that does nothing,
-    each phase called for every rank in turn)."""
+    out, by the first dispatch. `buffers`: given by tests that play every rank in one process
+    (`Buffers` of plain tensors, a barrier that does nothing, each phase called for every rank
+    in turn)."""
 
     grouped = True
 
@@ -349,9 +349,9 @@ class SymmetricExpertParallel:
     def dispatch_grouped(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
-        """x [T, H], topk_ids [T, K], topk_weights [T, K] -> rows [ep x capacity x K, H] grouped
-        by local expert, offsets [E_local] int32 (cumulative; rows past the last are not
-        data), handle."""
+        """x [T, H], topk_ids [T, K], topk_weights [T, K] -> rows [R, H] grouped by local
+        expert (R: the step's bound x K, or the whole buffer), offsets [E_local] int32
+        (cumulative; rows past the last are not data), handle."""
         self._ensure(topk_ids.shape[1], x.shape[1], x.dtype)
         self.put_counts(topk_ids)
         self.buf.barrier(0)
@@ -415,6 +415,8 @@ class SymmetricExpertParallel:
         if not y.is_contiguous() or y.dtype != self.buf.back.dtype:
             raise ValueError(f"expert outputs {y.dtype}, contiguous {y.is_contiguous()}: the "
                              f"push-back kernel reads contiguous {self.buf.back.dtype} rows")  # fmt: skip
+        if y.shape[0] == 0:
+            return
         _push_back[(-(-y.shape[0] // ROWS_PER_PROGRAM),)](
             y, self.buf.meta, handle.total, self.buf.peers["back"], self.pairs_cap,
             H=self.hidden, BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
