@@ -10,9 +10,8 @@ meaning; nothing else in `placement/` hard-codes one. The model, per pipeline st
   and linear-attention state) / (HBM bandwidth x efficiency). A layer takes max(compute, memory).
 - communication, not overlapped: TP all-reduce (ring, 2 (t-1)/t of the bytes) twice per layer;
   EP all-to-all dispatch + combine per MoE layer (a routed token goes to each of the etp ranks
-  that hold a slice of its expert), with the bytes for ranks in the same NVLink
-  domain over NVLink and the rest over the network; PP send/recv of the hidden states between
-  stages. Bandwidths come from the Topology (measured where it has them, else nominal) x link
+  that hold a slice of its expert), the bytes for ranks in the same NVLink domain over NVLink
+  and the rest over the network; PP send/recv of the hidden states between stages. Bandwidths come from the Topology (measured where it has them, else nominal) x link
   efficiency, plus the link latency per message.
 - glue: the engine's non-GEMM kernels (norms, residual adds, rotary, KV writes, the routed-row
   gather and permutations, SwiGLU, the combine) run serially between the GEMMs. Their bytes
@@ -20,8 +19,7 @@ meaning; nothing else in `placement/` hard-codes one. The model, per pipeline st
   code references is bench/notes/planner_round1.md), at the HBM rate, each group of launches at
   least `kernel_floor_us` per launch, are ADDED to the layer. The GEMM-like kernels of a layer
   also take at least their launch count x the floor.
-- pipeline: m micro-batches through p stages take (m + p - 1) slowest-stage micro-steps; the
-  bubble is (p - 1) / (m + p - 1).
+- pipeline: m micro-batches through p stages take (m + p - 1) slowest-stage micro-steps.
 
 Units: bytes, FLOPs, seconds inside; the `Estimate` reports milliseconds.
 """
@@ -77,9 +75,11 @@ class Constants:
     attention output, q/k/v staging, MoE combine output, a spare), reused by every layer."""
     kv_block_tokens: int = 16
     """KV-cache block size in tokens; the KV region is handed out in whole blocks."""
+    ep_symm_tokens: int = 0
+    """Tokens one dispatch of the symmetric-memory EP holds (a deployment's MOE_EP_SYMM_TOKENS
+    with MOE_EP_TRANSPORT=symm; its buffers where tp = 1 < ep); 0: the all-to-all path."""
     count_glue: bool = True
-    """Add the non-GEMM ("glue") kernels and the per-launch floor (False: GEMMs, attention reads
-    and communication alone, the model before planner round 1)."""
+    """Add the non-GEMM ("glue") kernels and the per-launch floor (False: the model before)."""
     kernel_floor_us: float = 3.0
     """Least device time of one kernel launch (CUDA graph, H200): the mean of the 11 non-GEMM
     kernel launches per layer of the graphed Qwen3 decode step at batch 1 (gpu_moe.json

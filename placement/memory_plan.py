@@ -145,6 +145,9 @@ def _sizing(
         expert_width = int(max(costs.expert_flops) // (6 * costs.expert_hidden))
     ep = dp * tp // etp
     received = math.ceil(staging_tokens / tp) * costs.top_k * dp * tp // max(ep, 1)
+    symm = c.ep_symm_tokens if costs.num_experts and ep > 1 and tp == 1 else 0
+    if symm:  # the experts run over every rank's rows of a micro-batch (actors/comm/symm_ep.py)
+        received = staging_tokens * costs.top_k * dp
     per_layer = staging_tokens * (c.hidden_buffers * hidden + 2 * costs.mlp_width / tp)
     per_layer += received * 2 * expert_width / etp
     activations = math.ceil(per_layer * c.act_bytes)
@@ -153,12 +156,16 @@ def _sizing(
     logits = max(decode_sequences, 1) * costs.vocab_size * c.logits_bytes
     # Step 2: workspace.
     a2a = 0
-    if costs.num_experts and ep > 1:
+    if symm:  # received rows (ep x tokens x K) + returned rows + their sources + counts
+        rows = symm * costs.top_k
+        a2a = (ep + 1) * rows * costs.expert_hidden * c.dispatch_bytes + ep * rows * 8
+        a2a += ep * costs.num_experts * 8
+    elif costs.num_experts and ep > 1:
         a2a = 2 * 2 * math.ceil(staging_tokens / tp) * costs.top_k * costs.expert_hidden
         a2a *= c.dispatch_bytes
     groups = sum(1 for size in (tp, ep, pp) if size > 1)
     parts = (
-        ("all_to_all", a2a),
+        ("symmetric_ep" if symm else "all_to_all", a2a),
         ("gemm", c.gemm_workspace_bytes),
         ("attention", c.attention_workspace_bytes),
         ("communication", groups * c.nccl_buffer_bytes),

@@ -11,6 +11,7 @@ Without --topology the local machine is discovered. Bad input is one line on std
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,6 +59,12 @@ def plan_command(
     kv_gbps: float = typer.Option(
         None, "--kv-GBps", help="KV handoff bandwidth per GPU; default: the topology's."
     ),
+    ep_symm_tokens: int = typer.Option(
+        0,
+        "--ep-symm-tokens",
+        help="Count the symmetric-memory EP's buffers (MOE_EP_TRANSPORT="
+        "symm) for this many tokens a dispatch (its MOE_EP_SYMM_TOKENS); 0: all-to-all EP.",
+    ),
 ) -> None:
     """Choose tp x pp x ep x dp for a model on a topology, or rebalance experts (--rebalance)."""
     if as_json and output is not None:
@@ -95,7 +102,7 @@ def plan_command(
     _plan(
         model, topology, context=context, isl=isl, osl=osl, concurrency=concurrency,
         objective=objective, kv_dtype=kv_dtype, redundant=redundant, explain=explain,
-        as_json=as_json, output=output,
+        as_json=as_json, output=output, ep_symm_tokens=ep_symm_tokens,
     )  # fmt: skip
 
 
@@ -112,7 +119,8 @@ def _load_topology(path: str | None):
 
 
 def _plan(model, topology, *, context, isl, osl, concurrency, objective, kv_dtype, redundant,
-          explain, as_json, output) -> None:  # fmt: skip
+          explain, as_json, output, ep_symm_tokens=0) -> None:  # fmt: skip
+    from placement.cost_model import DEFAULT_CONSTANTS
     from placement.model_spec import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
@@ -129,7 +137,10 @@ def _plan(model, topology, *, context, isl, osl, concurrency, objective, kv_dtyp
         context=context, isl=isl, osl=osl, concurrency=concurrency, objective=objective,
         kv_dtype=kv_dtype,
     )  # fmt: skip
-    result = plan(spec, topo, workload, redundant=redundant)
+    if ep_symm_tokens < 0:
+        raise InputError(f"--ep-symm-tokens {ep_symm_tokens}: expected 0 or a positive count")
+    constants = dataclasses.replace(DEFAULT_CONSTANTS, ep_symm_tokens=ep_symm_tokens)
+    result = plan(spec, topo, workload, redundant=redundant, constants=constants)
     if as_json:
         typer.echo(json.dumps(result.to_json()))
         return

@@ -168,3 +168,31 @@ def test_weights_per_rank_equal_what_the_runtime_allocates(tmp_path, family, lay
                 for name, t in model.state_dict().items()
             )
             assert allocated == stages[stage].weights, (stage, ep_rank)
+
+
+def test_symmetric_memory_ep_buffers_come_out_of_the_kv_region(specs):
+    import dataclasses
+
+    from placement.cost_model import DEFAULT_CONSTANTS
+
+    spec = specs["deepseek-v3"]
+    costs = costs_from_spec(spec)
+    symm = dataclasses.replace(DEFAULT_CONSTANTS, ep_symm_tokens=4096)
+
+    def plan(dp: int, tp: int, constants):
+        (mem,) = predict_memory(spec, _layout(spec, dp=dp, tp=tp), hbm_bytes=H200, context=4096,
+                                prefill_tokens=4096, constants=constants)  # fmt: skip
+        return mem
+
+    ep, k, h = 8, costs.top_k, costs.expert_hidden
+    base, with_symm = plan(8, 1, DEFAULT_CONSTANTS), plan(8, 1, symm)
+    parts = dict(with_symm.workspace_parts)
+    # Received rows (ep x tokens x K) and returned rows (tokens x K) of bf16 hidden states,
+    # the source of every received row (int64) and the count matrix [ep, E] (int64).
+    want = (ep + 1) * 4096 * k * h * 2 + ep * 4096 * k * 8 + ep * costs.num_experts * 8
+    assert "all_to_all" not in parts and parts["symmetric_ep"] == want
+    assert with_symm.activations > base.activations  # experts run over every rank's rows
+    lost = (with_symm.workspace - base.workspace) + (with_symm.activations - base.activations)
+    assert base.kv_cache - with_symm.kv_cache == lost
+    # tp > 1 keeps the all-to-all path (the runtime's switch): nothing changes.
+    assert plan(4, 2, symm) == plan(4, 2, DEFAULT_CONSTANTS)

@@ -98,6 +98,17 @@ def test_yaml_output_round_trips(run, shared_dir, tmp_path):
             ("--model", "M", "--topology", EXAMPLES / "hgx-h200-8gpu.yaml", "--context", "999999"),
             "maximum",
         ),
+        (
+            (
+                "--model",
+                "M",
+                "--topology",
+                EXAMPLES / "hgx-h200-8gpu.yaml",
+                "--ep-symm-tokens",
+                "-1",
+            ),
+            "--ep-symm-tokens -1",
+        ),
         (("--rebalance", "T"), "--ep"),
         (("--model", "M", "--ep", "4"), "--ep"),
         ((), "--model"),
