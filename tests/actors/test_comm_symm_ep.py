@@ -5,19 +5,11 @@ The GPU run itself is bench/multi_gpu.py's EP phase."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from actors.comm.symm_ep import owner_tables, received_offsets, row_places
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.actors.interpreted import needs_triton, run_interpreted
 
 
 def _routing(tokens: list[int], experts: int, k: int, seed: int = 0) -> list[torch.Tensor]:
@@ -135,30 +127,16 @@ print(json.dumps({"err": float((a - b).abs().max() / b.abs().max()),
                   "counts": bool((moe.routed_counts == ref.routed_counts).all())}))
 """
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"
-)
-
-
-def _play(script: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 @needs_triton
 def test_moe_through_the_grouped_dispatcher_matches_the_local_moe():
-    out = _play(MOE)
+    out = run_interpreted(MOE)
     assert out["err"] < 1e-5 and out["counts"], out
 
 
 @needs_triton
 def test_every_phase_round_trips_rows_through_their_experts():
-    out = _play(PLAY)
+    out = run_interpreted(PLAY)
     assert sum(out["totals"]) == out["sent"]
     assert max(out["errs"]) < 1e-5, out
 

@@ -4,11 +4,6 @@ paged path and a brute-force softmax; the Triton kernel under TRITON_INTERPRET=1
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +13,8 @@ from actors.kv_cache import slots_for
 from actors.runner import LocalRunner, StepInput
 from actors.sampler import RowSampling
 from tests.actors.checkpoints import make_tiny_checkpoint
+from tests.actors.interpreted import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
 
 
@@ -142,11 +137,5 @@ print(json.dumps(errs))
     reason="triton is not installed here (the GPU machine has it; add it to dev deps to run this)",
 )
 def test_triton_gqa_decode_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = run_interpreted(TRITON_SCRIPT, timeout=240)
     assert max(errs) < 1e-4, errs

@@ -4,16 +4,7 @@ tiny models' decode path with the kernels on vs off."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.actors.interpreted import needs_triton, run_interpreted
 
 KERNELS = """
 import torch, json
@@ -142,24 +133,10 @@ for family in ("qwen3_moe", "deepseek_v3"):
 print(json.dumps(out))
 """
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed here"
-)
-
-
-def _run(script: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
 
 @needs_triton
 def test_fused_kernels_match_torch_references():
-    errs = _run(KERNELS)
+    errs = run_interpreted(KERNELS)
     for name in ("ids", "src", "pos", "offs", "routed", "src_sort", "pos_sort", "offs_sort",
                  "routed_sort"):  # fmt: skip
         assert errs[name] == 0, (name, errs)
@@ -170,7 +147,7 @@ def test_fused_kernels_match_torch_references():
 
 @needs_triton
 def test_decode_with_fused_kernels_matches_the_unfused_path():
-    out = _run(END_TO_END)
+    out = run_interpreted(END_TO_END)
     for family, (logit_err, summary_err, same_counts) in out.items():
         assert logit_err < 1e-5, (family, out)
         assert summary_err < 1e-5, (family, out)
