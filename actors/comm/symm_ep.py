@@ -46,7 +46,7 @@ from actors.kernels import fused as fused_kernels
 from actors.kernels import triton_available
 from cluster.errors import InputError
 
-__all__ = ["SymmetricExpertParallel", "available", "received_offsets", "row_places"]
+__all__ = ["SymmetricExpertParallel", "available", "expert_parallel"]
 
 
 def available(group: Group, device: torch.device) -> bool:
@@ -74,41 +74,6 @@ def owner_tables(owner: torch.Tensor, ep: int) -> tuple[torch.Tensor, torch.Tens
     return by_owner, first
 
 
-def row_places(
-    flat: torch.Tensor, counts: torch.Tensor, me: int, owner: torch.Tensor, tables
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each of this rank's pairs goes. flat [N] global expert ids of the pairs (pair i =
-    token i // K, choice i % K); counts [ep, E] the count matrix (row s: rank s's pairs per
-    expert); owner [E]; tables = owner_tables(owner, ep).
-    Returns (order [N]: pairs sorted by expert, dest [N]: owner rank of each sorted pair,
-    place [N]: its row in the owner's received buffer). All on the device, no sync."""
-    by_owner, first = tables
-    n = flat.numel()
-    totals = counts.sum(0)
-    # Step 1: where each expert's block starts in its owner's buffer (exclusive cumulative sum
-    # in (owner, id) order, restarted at every owner).
-    t_sorted = totals.index_select(0, by_owner)
-    excl = torch.cumsum(t_sorted, 0) - t_sorted
-    owner_sorted = owner.index_select(0, by_owner)
-    base = torch.empty_like(excl)
-    base[by_owner] = excl - excl.index_select(0, first.index_select(0, owner_sorted))
-    # Step 2: this rank's rows of expert e follow those of ranks before it.
-    start = base + counts[:me].sum(0)
-    # Step 3: row j of this rank's pairs for expert e.
-    order = torch.argsort(flat, stable=True)
-    e_sorted = flat.index_select(0, order)
-    mine = counts[me]
-    own_first = torch.cumsum(mine, 0) - mine
-    j = torch.arange(n, device=flat.device) - own_first.index_select(0, e_sorted)
-    place = start.index_select(0, e_sorted) + j
-    return order, owner.index_select(0, e_sorted), place
-
-
-def received_offsets(counts: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """[E_local] int32 cumulative received rows per local expert (grouped GEMM offsets)."""
-    return torch.cumsum(counts.sum(0).index_select(0, local), 0).to(torch.int32)
-
-
 if triton_available():
     import triton
     import triton.language as tl
@@ -127,7 +92,7 @@ if triton_available():
         start_ptr, own_first_ptr, offsets_ptr, total_ptr, scratch_ptr, EP: tl.constexpr,
         BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """`row_places` and `received_offsets` in one program over the experts: start [E]
+        """Where this rank's rows go, in one program over the experts: start [E]
         (where this rank's first row of expert e lands on its owner), own_first [E] (this
         rank's first sorted pair of expert e), offsets [E_local] int32, total [1]."""
         e = tl.arange(0, BLOCK)
@@ -385,28 +350,35 @@ class SymmetricExpertParallel:
             cnt, self.buf.peers["counts"], self.group.index, E=e, BLOCK=1 << (e - 1).bit_length()
         )  # fmt: skip
 
-    def put_rows(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
-        """Phase 2: every row to its place on its owner, with (source, pair) beside it (the
-        places from `_plan`, the device form of `row_places`: one launch, not ~25 ops)."""
-        t, k = topk_ids.shape
-        me, n, e = self.group.index, t * k, self.owner.numel()
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        plan = torch.empty(3 * e + 1 + 3 * self._plan_block, dtype=torch.int64, device=x.device)
+    def plan(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Where this rank's (token, k) pairs go, from the count matrix (after barrier A):
+        order [N] (pairs sorted by expert), start [E], own_first [E] (sorted pair i of expert e
+        lands at row start[e] + i - own_first[e] of owner[e]'s buffer), offsets [E_local] int32
+        (this rank's received rows per local expert, cumulative), total [1]. One program."""
+        me, e = self.group.index, self.owner.numel()
+        order = torch.argsort(topk_ids.reshape(-1), stable=True)
+        plan = torch.empty(3 * e + 1 + 3 * self._plan_block, dtype=torch.int64, device=order.device)
         start, own_first, total = plan[:e], plan[e : 2 * e], plan[2 * e : 2 * e + 1]
-        offsets = torch.empty(len(self.local_experts), dtype=torch.int32, device=x.device)
+        offsets = torch.empty(len(self.local_experts), dtype=torch.int32, device=order.device)
         _plan[(1,)](
             self.buf.counts, self.owner, self.tables[0], self.tables[1], self.local,
             len(self.local_experts), me, e, start, own_first, offsets, total, plan[3 * e + 1 :],
             EP=self.group.size, BLOCK=self._plan_block,
         )  # fmt: skip
+        return order, start, own_first, offsets, total
+
+    def put_rows(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, _Handle]:
+        """Phase 2: every row to its place on its owner (`plan`), with (source, pair) beside it."""
+        t, k = topk_ids.shape
+        n = t * k
+        order, start, own_first, offsets, total = self.plan(topk_ids)
         if n:
             _put_rows[(-(-n // ROWS_PER_PROGRAM),)](
-                x.contiguous(), order, flat, self.owner, start, own_first,
-                self.buf.peers["recv"], self.buf.peers["meta"], me * self.pairs_cap, n, K=k,
-                H=self.hidden, BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
+                x.contiguous(), order, topk_ids.reshape(-1), self.owner, start, own_first,
+                self.buf.peers["recv"], self.buf.peers["meta"], self.group.index * self.pairs_cap,
+                n, K=k, H=self.hidden, BLOCK_H=self._block, ROWS=ROWS_PER_PROGRAM,
             )  # fmt: skip
         return self.buf.recv, offsets, _Handle(topk_weights, (t, k), total)
 

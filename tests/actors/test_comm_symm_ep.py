@@ -5,10 +5,11 @@ The GPU run itself is bench/multi_gpu.py's EP phase."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from actors.comm.symm_ep import owner_tables, received_offsets, row_places
 from tests.actors.interpreted import needs_triton, run_interpreted
 
 
@@ -27,28 +28,57 @@ def _expected_layout(ids: list[torch.Tensor], owner: list[int], rank: int) -> li
     return rows
 
 
+PLAN = r"""
+import json
+import torch
+from actors.comm.group import Group
+from actors.comm.symm_ep import Buffers, SymmetricExpertParallel
+
+owner, ids, k = json.loads(%r)
+ep, e = 1 + max(owner), len(owner)
+counts = [torch.zeros(ep, e, dtype=torch.int64) for _ in range(ep)]
+peers = {"counts": torch.tensor([c.data_ptr() for c in counts], dtype=torch.int64)}
+eps = [SymmetricExpertParallel(Group(axis="ep", ranks=tuple(range(ep)), index=r, pg=None),
+                               tuple(owner), capacity_tokens=8, device=torch.device("cpu"),
+                               buffers=Buffers(recv=None, meta=None, back=None, counts=counts[r],
+                                               peers=peers, barrier=lambda c: None))
+       for r in range(ep)]
+for r in range(ep):
+    eps[r]._ensure(k, 4, torch.float32)
+topk = [torch.tensor(i, dtype=torch.int64).view(-1, k) for i in ids]
+for r in range(ep):
+    eps[r].put_counts(topk[r])
+out = []
+for r in range(ep):
+    order, start, own_first, offsets, total = eps[r].plan(topk[r])
+    out.append([order.tolist(), start.tolist(), own_first.tolist(), offsets.tolist(), int(total)])
+print(json.dumps(out))
+"""
+
+
+@needs_triton
 @pytest.mark.parametrize("tokens", [[5, 0, 4], [3, 7, 1], [1, 1, 1]])
-def test_row_places_group_rows_by_expert_then_source(tokens):
+def test_the_plan_groups_rows_by_expert_then_source(tokens):
     owner = [2, 0, 1, 0, 2, 1, 0]  # irregular: no contiguous expert blocks
     e, k, ep = len(owner), 2, len(tokens)
     ids = _routing(tokens, e, k)
-    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=e) for i in ids])
-    own = torch.tensor(owner)
-    tables = owner_tables(own, ep)
+    plans = run_interpreted(PLAN % json.dumps([owner, [i.tolist() for i in ids], k]))
     got: list[dict[int, tuple]] = [{} for _ in range(ep)]
-    for s in range(ep):
-        order, dest, place = row_places(ids[s].reshape(-1), counts, s, own, tables)
-        assert sorted(order.tolist()) == list(range(ids[s].numel()))
-        for pair, d, p in zip(order.tolist(), dest.tolist(), place.tolist(), strict=True):
+    for s, (order, start, own_first, _, _) in enumerate(plans):
+        flat = ids[s].reshape(-1).tolist()
+        assert sorted(order) == list(range(len(flat)))
+        for i, pair in enumerate(order):
+            x = flat[pair]
+            d, p = owner[x], start[x] + i - own_first[x]
             assert p not in got[d], "two rows written to one place"
             got[d][p] = (s, pair)
     for r in range(ep):
         want = _expected_layout(ids, owner, r)
         assert [got[r][p] for p in range(len(got[r]))] == want
-        local = (own == r).nonzero().flatten()
-        offs = received_offsets(counts, local).tolist()
+        local = [x for x in range(e) if owner[x] == r]
         per_expert = [sum(1 for s, p in want if int(ids[s].reshape(-1)[p]) == x) for x in local]
-        assert offs == torch.tensor(per_expert).cumsum(0).tolist()
+        assert plans[r][3] == torch.tensor(per_expert).cumsum(0).tolist()
+        assert plans[r][4] == len(want)
 
 
 PLAY = r"""
