@@ -248,7 +248,6 @@ class SymmetricExpertParallel:
         top_k: int | None = None,
         hidden: int | None = None,
         dtype: torch.dtype | None = None,
-        num_layers: int = 0,
         buffers: Buffers | None = None,
     ) -> None:
         ep, me, e = group.size, group.index, len(owner_of_expert)
@@ -259,9 +258,6 @@ class SymmetricExpertParallel:
         self.tables = owner_tables(self.owner, ep)
         self.local = (self.owner == me).nonzero().flatten()
         self.local_experts = tuple(self.local.tolist())
-        self.routed = torch.zeros(num_layers, e, dtype=torch.int64)
-        """Kept for `ExpertParallel`'s interface; the MoE layer's own counters hold the
-        routing statistics (no host read here)."""
         self.buf: Buffers | None = buffers
         self._bound: int | None = None
         """Tokens of all ranks in this step's largest micro-batch (`check_step`); None: unknown."""
