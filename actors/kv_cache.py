@@ -145,7 +145,7 @@ class KVCache:
         self, layer: int, block_table: Sequence[int], length: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first `length` tokens of a sequence: keys [L, kv, d] (MLA latents [L, latent]), values."""
-        ids = torch.as_tensor(list(block_table), dtype=torch.int64, device=self.k[layer].device)
+        ids = to_device(torch.as_tensor(list(block_table), dtype=torch.int64), self.k[layer].device)
         k = self.k[layer].index_select(0, ids).flatten(0, 1)[:length]
         v = self.v[layer].index_select(0, ids).flatten(0, 1)[:length] if self.v else None
         return k, v
@@ -176,7 +176,7 @@ class KVCache:
         nblk = -(-length // self.layout.block_size)
         rows = [list(blocks[:nblk]) for blocks in block_tables]
         table = torch.tensor([row + [0] * (nblk - len(row)) for row in rows], dtype=torch.int64)
-        return table.to(self._stacked["k"].device)
+        return to_device(table, self._stacked["k"].device)
 
     def update_summaries(self, block_ids: Sequence[int]) -> None:
         """Recompute the min/max key summaries of `block_ids` in every layer (one gather and
@@ -195,7 +195,7 @@ class KVCache:
             raise InputError(f"block ids {low}..{high} outside [0, {self.num_blocks})")
         if high - low + 1 == len(ids) and ids == list(range(low, high + 1)):
             return slice(low, high + 1)
-        return torch.as_tensor(ids, dtype=torch.int64).to(self._stacked["k"].device)
+        return to_device(torch.as_tensor(ids, dtype=torch.int64), self._stacked["k"].device)
 
     def _take(self, name: str, block_ids: Sequence[int]) -> torch.Tensor:
         """Blocks `block_ids` of every layer of one stacked tensor: [layers, n, ...]."""
@@ -310,7 +310,7 @@ class PagedContext:
         if mask is None or mask.device != device:
             lens = torch.as_tensor(self.context_lens)
             mask = torch.arange(int(lens.max()))[None, :] < lens[:, None]
-            mask = self.__dict__["_decode_mask"] = mask.to(device)
+            mask = self.__dict__["_decode_mask"] = to_device(mask, device)
         return mask
 
     def layer(self, index: int) -> LayerKV:
@@ -318,9 +318,7 @@ class PagedContext:
 
     def filled_blocks(self) -> list[int]:
         """Blocks whose last slot was written this step (their summaries need refreshing)."""
-        b = self.cache.layout.block_size
-        full = self.slot_mapping[(self.slot_mapping % b) == b - 1] // b
-        return sorted(set(full.tolist()))
+        return filled_blocks(self.slot_mapping, self.cache.layout.block_size)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -346,6 +344,24 @@ class LayerKV:
 
     def gather_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.context.gather_batch(self.index)
+
+
+def filled_blocks(slot_mapping: torch.Tensor, block_size: int) -> list[int]:
+    """Blocks whose last slot `slot_mapping` writes. Pass the host copy of the slots: a CUDA
+    tensor makes the host wait for every kernel queued before the read."""
+    full = slot_mapping[(slot_mapping % block_size) == block_size - 1] // block_size
+    return sorted(set(full.tolist()))
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor `t` on `device`. To CUDA through pinned memory without blocking: a plain
+    `.to("cuda")` of pageable memory waits for the stream (every kernel queued before it), which
+    keeps the host from running ahead of the device, e.g. between pipeline micro-batches. The
+    caching host allocator keeps the pinned copy alive until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def slots_for(block_table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:

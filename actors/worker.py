@@ -37,7 +37,7 @@ from actors.comm.group import (
 from actors.comm.pp import PipelineParallel
 from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
-from actors.kv_cache import KVCache, KVLayout, PagedContext
+from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks, to_device
 from actors.layers.moe import MoE
 from actors.runner import StepInput
 from actors.sampler import TokenLogprob, sample
@@ -478,6 +478,9 @@ class ShardWorker:
             starts.append(starts[-1] + n)
         sampled = {seq: row for row, seq in enumerate(step.sample_seqs)}
         hidden = self.model.arch.hidden_size
+        tokens, positions, slots = (  # on the device once, with no host wait (`to_device`)
+            to_device(t, self.device) for t in (step.token_ids, step.positions, step.slot_mapping)
+        )
 
         def token_rows(seqs: list[int]) -> slice | torch.Tensor:
             """The step's token rows of `seqs`: a slice (a view) when they are one run."""
@@ -492,10 +495,10 @@ class ShardWorker:
         def compute(m: int, x: torch.Tensor | None) -> torch.Tensor:
             seqs = microbatches[m]
             rows = token_rows(seqs)
+            on_device = rows if isinstance(rows, slice) else to_device(rows, self.device)
             lens = tuple(step.query_lens[i] for i in seqs)
             if x is None:
-                x = step.token_ids[rows].to(self.device)
-            positions = step.positions[rows].to(self.device)
+                x = tokens[on_device]
             logits_rows = None
             if self.pp.is_last:
                 # The last new token of each sampled sequence of the micro-batch.
@@ -504,20 +507,21 @@ class ShardWorker:
                     end += step.query_lens[i]
                     if i in sampled:
                         ends.append(end)
-                logits_rows = torch.tensor(ends, dtype=torch.int64).to(self.device)
+                logits_rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
             t0 = time.perf_counter()
             if not seqs:
-                out = self.model(x, positions, lens, logits_rows=logits_rows)
+                out = self.model(x, positions[on_device], lens, logits_rows=logits_rows)
             else:
                 ctx = PagedContext(
                     cache=cache,
                     query_lens=lens,
                     context_lens=tuple(step.context_lens[i] for i in seqs),
                     block_tables=tuple(step.block_tables[i] for i in seqs),
-                    slot_mapping=step.slot_mapping[rows].to(self.device),
+                    slot_mapping=slots[on_device],
                 )
-                out = self.model(x, positions, lens, paged=ctx, logits_rows=logits_rows)
-                cache.update_summaries(ctx.filled_blocks())
+                out = self.model(x, positions[on_device], lens, paged=ctx, logits_rows=logits_rows)
+                size = cache.layout.block_size  # the host's slots: no wait for the device
+                cache.update_summaries(filled_blocks(step.slot_mapping[rows], size))
             self._timings["stage_forward"] += time.perf_counter() - t0
             return out
 
