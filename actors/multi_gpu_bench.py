@@ -183,6 +183,7 @@ def run(
     the goals judged: EP's). `ep_baseline`: a module whose `ExpertParallel` is timed beside
     ours (`RankJob.ep_baseline`). `ep_trace`: a Chrome trace per rank of one dispatch +
     combine, written to `out_dir`."""
+    from actors import multi_gpu_goals as goals
     from actors import multi_gpu_report as report
     from actors.comm.group import Rendezvous, free_tcp_address
     from actors.rank_runner import run_ranks
@@ -282,7 +283,7 @@ def run(
     result["topology"] = report.topology(runs)
     result["ep"] = report.ep(per_rank, result["collectives"], s.ep)
     if ep_only:
-        result["goals"] = report.goals(result, judge_speed=s.device == "cuda")
+        result["goals"] = goals.goals(result, judge_speed=s.device == "cuda")
         phase["total"] = time.perf_counter() - started
         result["phase_s"] = phase
         return result
@@ -293,7 +294,7 @@ def run(
         floor=floor,
     )  # fmt: skip
     report.planner(result, cfg, s, per_rank)
-    result["goals"] = report.goals(result, judge_speed=s.device == "cuda")
+    result["goals"] = goals.goals(result, judge_speed=s.device == "cuda")
     phase["total"] = time.perf_counter() - started
     result["phase_s"] = phase
     return result
@@ -302,7 +303,7 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from actors import multi_gpu_report as report
+    from actors import multi_gpu_goals as goals
     from cluster.errors import EnvironmentMissing, InputError
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -371,6 +372,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"error: {exc}")
         return exc.exit_code
     (out / "multi_gpu.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(report.table(result))
+    print(goals.table(result))
     log(f"wrote {out / 'multi_gpu.json'} in {result['phase_s']['total']:.1f} s")
     return 0 if all(g["met"] is not False for g in result["goals"].values()) else 1

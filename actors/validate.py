@@ -64,7 +64,13 @@ class OpError:
     tokens: int
     """Tokens compared (all, less those whose routing flipped in an earlier router)."""
     ok: bool
-    """Within the tolerance (a router also needs its expert choice within the flip budget)."""
+    """Within the tolerance; a router also needs each routing flip within the flip budget or
+    a near tie (`flips_beyond_ties` 0)."""
+    flips: int = 0
+    """Router: tokens (of `tokens`) whose expert set differs from the reference's."""
+    flips_beyond_ties: int | None = None
+    """Router: flips the logits' own difference cannot explain (see `beyond_ties`); None where
+    the reference's choice is not a plain top-k of its logits (bias, group-limited routing)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,8 +278,9 @@ def compare(
 
     A token whose chosen expert set differs from the reference's (a routing flip) is compared no
     further: from that layer's experts on, the reference is no longer its target. The router op
-    fails when its logits are off or when more than `flip_budget` of the tokens flipped (0 in
-    float32, where a flip means a bug; reduced precision may flip near-ties).
+    fails when its logits are off, or when more than `flip_budget` of the tokens flipped (0 in
+    float32; reduced precision may flip near-ties) and a flip is not a near tie: one whose
+    reference margin the two runs' logits difference could not bridge (`beyond_ties`).
     """
     order: list[tuple[int | None, str, str]] = [(None, "embedding", "model.embed_tokens")]
     for i in range(num_layers):
@@ -302,7 +309,7 @@ def compare(
         scale = ref.norm().item()
         rel = diff / scale if scale > 0 else diff
         max_abs = (got - ref).abs().max().item() if ref.numel() else 0.0
-        ok = rel <= tolerance
+        ok, flipped, tie = rel <= tolerance, 0, None
         ids = f"{name}.topk_ids"
         if op == "router" and ids in reference and ids in ours:
             a = torch.cat(reference[ids]).sort(dim=-1).values
@@ -310,15 +317,38 @@ def compare(
             same = (a == b).all(dim=-1)
             agreement[layer] = same.float().mean().item()
             flipped = int((kept & ~same).sum())
-            ok = ok and flipped <= flip_budget * int(kept.sum())
+            ids_kept = torch.cat(reference[ids])[kept]
+            tie = beyond_ties(ref, got, ids_kept, (~same)[kept])
+            ok = ok and (flipped <= flip_budget * int(kept.sum()) or tie == 0)
             kept = kept & same
         errors.append(
             OpError(
                 layer=layer, op=op, module=name, rel_err=rel, max_abs_err=max_abs,
-                tokens=int(ref.shape[0]), ok=ok,
+                tokens=int(ref.shape[0]), ok=ok, flips=flipped, flips_beyond_ties=tie,
             )
         )  # fmt: skip
     return errors, agreement
+
+
+def beyond_ties(
+    ref: torch.Tensor, got: torch.Tensor, ref_ids: torch.Tensor, flipped: torch.Tensor
+) -> int | None:
+    """Of the `flipped` tokens (bool [T]), those whose routing flip the router logits cannot
+    explain: swapping expert i of the reference's choice for an unchosen j needs
+    got_i < got_j while ref_i >= ref_j, i.e. err_j - err_i >= ref_i - ref_j >= the margin
+    (the lowest chosen minus the highest unchosen reference logit), so a flip needs
+    margin <= 2 max|got - ref| over the token's logits. A flip with a wider margin means the
+    experts were picked from other scores than the logits compared: a bug. None where the
+    reference's choice is not the plain top-k of `ref` (a bias or group limits chose)."""
+    if ref.dim() != 2 or ref_ids.shape[0] != ref.shape[0]:
+        return None
+    chosen = torch.zeros_like(ref, dtype=torch.bool).scatter_(1, ref_ids.long(), True)
+    inf = torch.tensor(float("inf"), dtype=ref.dtype)
+    margin = torch.where(chosen, ref, inf).amin(-1) - torch.where(chosen, -inf, ref).amax(-1)
+    if bool((margin < -1e-6 * ref.abs().amax(-1)).any()):
+        return None
+    err = (got - ref).abs().amax(-1)
+    return int((flipped & (margin > 2 * err)).sum())
 
 
 # ----------------------------------------------------------------------------- memory

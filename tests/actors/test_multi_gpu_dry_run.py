@@ -96,6 +96,7 @@ def test_dry_run_aligns_every_layout_and_writes_the_json(dry_run):
     assert len(floor["router_flips"]) == num_layers and floor["max_rel_err"] > 0
     for entry in [*result["layouts"], result["reference"]["vs_transformers"]]:
         assert entry["mean_flips"] == 0.0 and entry["within_noise_floor"]
+        assert entry["flips_beyond_ties"] == 0 and entry["max_router_flips"] == 0.0
     assert result["goals"]["aligned_noise_floor"]["met"] is None  # judged in bf16 only
     assert result["goals"]["aligned"]["met"] is True
     assert result["goals"]["ep_busbw"]["met"] is None  # speed is not judged on CPU
