@@ -107,7 +107,7 @@ def paged_attend(
     if _batched_decode_suits(q, paged, window):
         return _batched_decode(q, paged, expand, scale, grouped=grouped)
     if not q.is_cuda:
-        return _cpu_paged_attend(q, paged, expand, scale, window, grouped)
+        return _cpu_paged_attend(q, paged, expand, scale, window, grouped, written)
     lens = set(paged.query_lens)
     if (
         len(lens) == 1
@@ -193,17 +193,34 @@ def _cpu_paged_attend(
     scale: float,
     window: int | None,
     grouped: bool,
+    written: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """`paged_attend` on the CPU, one sequence at a time, through SDPA's flash kernel for the
-    CPU (it wants 4-D inputs; 3-D ones fall back to the math kernel, which materialises the
-    [h, n, ctx] scores and takes ~4x longer on a 2K prompt). A fresh prompt (no cached prefix,
-    no window) is plainly causal (`is_causal`: the kernel skips the blocks above the diagonal);
-    a chunk after a cached prefix gets the bottom-right causal mask; a single decode token sees
-    its whole context (no mask). The three give the same values as one boolean mask, bit for
-    bit (the kernel adds 0 or -inf), so a cached prefix does not change a sequence's results."""
+    """`paged_attend` on the CPU through SDPA's flash kernel for the CPU (it wants 4-D inputs;
+    3-D ones fall back to the math kernel, which materialises the [h, n, ctx] scores and takes
+    ~4x longer on a 2K prompt). A fresh prompt (no cached prefix, no window) is plainly causal
+    (`is_causal`: the kernel skips the blocks above the diagonal); a chunk after a cached prefix
+    gets the bottom-right causal mask; a single decode token sees its whole context (no mask).
+    The three give the same values as one boolean mask, bit for bit (the kernel adds 0 or
+    -inf), so a cached prefix does not change a sequence's results.
+
+    Consecutive fresh GQA prompts of one length (a prefill batch) run as one batched causal
+    call over the K/V this step just wrote (`written`), not one gather and one call per
+    sequence: the kernel computes each (sequence, head) problem alone with the same blocking,
+    so the rows are the per-sequence call's, bit for bit. Other sequences run one at a time."""
     outs = []
-    start = 0
-    for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
+    start, seq, count = 0, 0, len(paged.query_lens)
+    runs = grouped and window is None and written is not None and _same_dtype(written, paged)
+    while seq < count:
+        n, ctx = paged.query_lens[seq], paged.context_lens[seq]
+        if runs and ctx == n > 1:  # Step 1: a run of fresh prompts of length n
+            stop = seq + 1
+            while stop < count and paged.query_lens[stop] == n == paged.context_lens[stop]:
+                stop += 1
+            rows = slice(start, start + (stop - seq) * n)
+            outs.append(_fresh_run(q[rows], written[0][rows], written[1][rows], n, scale))
+            start, seq = rows.stop, stop
+            continue
+        # Step 2: one sequence over its gathered context
         ck, cv = paged.gather(seq)
         k, v = (ck, cv) if grouped else expand(ck, cv)
         if grouped and n == 1 and window is None:  # a decode token: as in _batched_decode
@@ -212,23 +229,34 @@ def _cpu_paged_attend(
                 qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale
             )
             outs.append(o.reshape(1, q.shape[1], v.shape[-1]))
-            start += n
-            continue
-        qs = q[start : start + n].transpose(0, 1)[None]
-        mask, causal = None, False
-        if window is None and ctx == n:
-            causal = n > 1
-        elif window is not None or n > 1:
-            mask = causal_mask(n, ctx, window, q.device)
-        o = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-            is_causal=causal, scale=scale, enable_gqa=grouped,
-        )  # fmt: skip
-        outs.append(o[0].transpose(0, 1))
+        else:
+            qs = q[start : start + n].transpose(0, 1)[None]
+            mask, causal = None, False
+            if window is None and ctx == n:
+                causal = n > 1
+            elif window is not None or n > 1:
+                mask = causal_mask(n, ctx, window, q.device)
+            o = F.scaled_dot_product_attention(
+                qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                is_causal=causal, scale=scale, enable_gqa=grouped,
+            )  # fmt: skip
+            outs.append(o[0].transpose(0, 1))
         start += n
+        seq += 1
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
+
+
+def _fresh_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float
+) -> torch.Tensor:
+    """B fresh prompts of n tokens each, one causal SDPA call with the KV heads read as they are
+    (`enable_gqa`). q [B x n, h, d], k [B x n, hk, d], v [B x n, hk, dv] -> [B x n, h, dv]."""
+    b = q.shape[0] // n
+    qs, ks, vs = (t.view(b, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).reshape(b * n, o.shape[1], o.shape[-1])
 
 
 def _same_dtype(written: tuple[torch.Tensor, torch.Tensor | None], paged: LayerKV) -> bool:

@@ -1,0 +1,80 @@
+"""The CPU prefill paths of issue 13's second round (bench/notes/cpu_engine_speed.md): they must
+give the values of the paths they replace, bit for bit, and really be taken.
+
+- consecutive fresh GQA prompts of one length attend in one batched causal call over the K/V the
+  step just wrote (no gather, no call per sequence);
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
+from actors.layers.attention import paged_attend
+
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def _expand(k, v):
+    return k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+
+
+def _step(query_lens, context_lens, block_size=4):
+    """A one-layer GQA cache (2 KV heads of 16) holding every sequence's context, scattered
+    blocks, and the step's (q, written K/V, LayerKV)."""
+    tables, slots, blocks = [], [], list(range(200))[::-1]
+    for ctx in context_lens:
+        need = -(-ctx // block_size)
+        tables.append(tuple(blocks[:need]))
+        blocks = blocks[need:]
+    layout = KVLayout(
+        mla=False, block_size=block_size, layer_range=(0, 1), kv_head_range=(0, 2), head_dim=16
+    )
+    cache = KVCache(layout, 200)
+    torch.manual_seed(1)
+    new_k, new_v = [], []
+    for table, n, ctx in zip(tables, query_lens, context_lens, strict=True):
+        all_slots = torch.tensor(slots_for(table, 0, ctx, block_size))
+        k, v = torch.randn(ctx, 2, 16), torch.randn(ctx, 2, 16)
+        cache.write(0, all_slots, k, v)
+        slots.append(all_slots[ctx - n :])
+        new_k.append(k[ctx - n :])
+        new_v.append(v[ctx - n :])
+    t = sum(query_lens)
+    paged = PagedContext(
+        cache=cache, query_lens=tuple(query_lens), context_lens=tuple(context_lens),
+        block_tables=tuple(tables), slot_mapping=torch.cat(slots),
+    ).layer(0)  # fmt: skip
+    return torch.randn(t, 8, 16), (torch.cat(new_k), torch.cat(new_v)), paged
+
+
+def test_fresh_prompts_of_one_length_attend_in_one_call_equal_to_one_call_each():
+    lens = (7, 7, 7, 5, 9, 9)
+    q, written, paged = _step(lens, lens)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batched = paged_attend(q, paged, _expand, scale=0.25, written=written, grouped=True)
+    calls = [e.name for e in prof.events()].count(FLASH)
+    assert calls == 3  # runs (7, 7, 7), (5), (9, 9)
+    per_seq = paged_attend(q, paged, _expand, scale=0.25, grouped=True)  # no written: gathers
+    assert torch.equal(batched, per_seq)
+
+
+def test_a_mixed_step_keeps_each_sequence_in_its_rows():
+    """Decode tokens, a chunk after a cached prefix and fresh prompts in one step."""
+    query_lens = (1, 6, 6, 3, 1, 6)
+    context_lens = (9, 6, 6, 11, 14, 6)
+    q, written, paged = _step(query_lens, context_lens)
+    got = paged_attend(q, paged, _expand, scale=0.25, written=written, grouped=True)
+    start = 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        # the sequence alone, over its context as cached, with one boolean mask
+        k, v = paged.context.cache.gather(0, paged.context.block_tables[i], ctx)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1)[None],
+            k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n), scale=0.25,
+            enable_gqa=True,
+        )[0].transpose(0, 1)  # fmt: skip
+        torch.testing.assert_close(got[start : start + n], ref, rtol=1e-6, atol=1e-6)
+        start += n
