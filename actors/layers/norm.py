@@ -26,6 +26,13 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             # One fused kernel (statistics in float32 inside it); equal up to bf16 rounding.
             return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        cpu = x.device.type == "cpu" and not torch.is_grad_enabled()
+        if cpu and x.dtype == self.weight.dtype == torch.float32:
+            # The same operations in the same order, one [.., dim] buffer instead of three
+            # (bit for bit the lines below; a [T, heads, d] q/k norm ~3x faster on a prompt).
+            sq = x.pow(2)
+            inv = sq.mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+            return torch.mul(x, inv, out=sq).mul_(self.weight)
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

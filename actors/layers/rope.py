@@ -92,6 +92,9 @@ def apply_rotary(
     (x_{2i}, x_{2i+1}); the interleaved result is returned de-interleaved (rotated evens, then
     odds), which leaves q.k unchanged as long as q and k get the same treatment.
     """
+    cpu = x.device.type == "cpu" and not torch.is_grad_enabled()
+    if cpu and not interleave and x.dtype == cos.dtype == sin.dtype:
+        return _rotate_halves_into(x, cos, sin)
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
@@ -99,3 +102,17 @@ def apply_rotary(
         x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _rotate_halves_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` (halves) on the CPU: the same products and sums, bit for bit, written into
+    the two halves of one output (no concatenation pass, one temporary)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    tmp = torch.mul(x2, s)
+    torch.mul(x1, c, out=out[..., :half]).sub_(tmp)  # x1 c - x2 s
+    torch.mul(x1, s, out=tmp)
+    torch.mul(x2, c, out=out[..., half:]).add_(tmp)  # x2 c + x1 s
+    return out

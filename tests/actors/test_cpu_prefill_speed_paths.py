@@ -3,6 +3,8 @@ give the values of the paths they replace, bit for bit, and really be taken.
 
 - consecutive fresh GQA prompts of one length attend in one batched causal call over the K/V the
   step just wrote (no gather, no call per sequence);
+- RMSNorm and the rotary embedding (halves) write into fewer buffers, under no_grad (the
+  engine's forward); with gradients on they run the plain formulas, the reference here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers.attention import paged_attend
+from actors.layers.norm import RMSNorm
+from actors.layers.rope import apply_rotary
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
@@ -78,3 +82,26 @@ def test_a_mixed_step_keeps_each_sequence_in_its_rows():
         )[0].transpose(0, 1)  # fmt: skip
         torch.testing.assert_close(got[start : start + n], ref, rtol=1e-6, atol=1e-6)
         start += n
+
+
+def test_rms_norm_and_rotary_without_grad_equal_the_plain_formulas_bit_for_bit():
+    torch.manual_seed(2)
+    norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32))
+    for shape in ((300, 32), (300, 4, 32), (1, 32)):
+        x = torch.randn(shape) * 3
+        with torch.no_grad():
+            fast = norm(x)
+        with torch.enable_grad():
+            plain = norm(x)
+        assert plain.requires_grad  # the reference really took the other path
+        assert torch.equal(fast, plain.detach())
+    x = torch.randn(300, 4, 32)
+    angles = torch.arange(300.0)[:, None] * torch.rand(16)
+    cos, sin = angles.cos(), angles.sin()
+    with torch.no_grad():
+        fast = apply_rotary(x, cos, sin, interleave=False)
+    half1, half2 = x[..., :16], x[..., 16:]
+    c, s = cos[:, None], sin[:, None]
+    assert torch.equal(fast, torch.cat((half1 * c - half2 * s, half2 * c + half1 * s), dim=-1))
