@@ -4,8 +4,9 @@ move in a few large copies instead of one small copy per layer and block.
 - store: the blocks [n, *block_shape] (on the GPU) are copied a piece at a time (<= 32 MiB) into
   host rows `[HEADER_BYTES | payload]` (one async device->host copy per piece, through a device
   staging ring). MIX64: each block's header (`row_headers`, the header words' sum in the
-  checksum field) is written into its staging row on the device, the payloads' sums run on a
-  second stream; the host adds those to the landed checksum fields, checks the headers
+  checksum field) is written into its staging row on the device and the payloads' sums added to
+  it there, piece by piece on the staging stream (round 10; MOE_KV_STORE_BASE=1: round 9's sums
+  on a second stream, added by the host to the landed fields); the host checks the headers
   (`codec.encode_rows(written=True)`, one compare) and puts the rows, a batch of pieces
   (<= PUT_BATCH_BYTES, the last piece alone) at a time. XXH3: worker threads hash each piece as
   it lands (8 workers: 13 GB/s on the H200 VM). Rows: a top tier with an arena (the host tier
@@ -45,7 +46,7 @@ from actors.kv_cache_calls import (
     host_arena,
     reads_unverified,
 )
-from actors.kv_store_puts import Puts, encode_part, plan_batches
+from actors.kv_store_puts import Puts, base_store, cut, encode_part, piece_bounds, plan_batches
 from actors.kv_trace import Marks, trace_for
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
@@ -109,6 +110,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
     finally:
         if lease is not None:
             lease.close()
+    marks.mark("closed")
     if not adopt:
         t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
     marks.mark("end")
@@ -117,17 +119,17 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
 
 
 def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: bool) -> list:
-    """(a, b, host rows [R, width], first row, from the arena) per piece of <= STORE_CHUNK_BYTES:
-    block a..b goes to rows first..first + b - a. The arena's runs first, fresh or spare rows for
-    whatever it could not lend."""
+    """(a, b, host rows [R, width], first row, from the arena) per piece (`_bounds`): block a..b
+    goes to rows first..first + b - a. The arena's runs first, fresh or spare rows for whatever it
+    could not lend; a piece never spans two runs (`piece_bounds` says where pieces end)."""
     per = max(1, STORE_CHUNK_BYTES // width)
+    cuts = piece_bounds(n, per)
     out, a = [], 0
     for slab, first, count in lease.runs if lease is not None else []:
-        for lo in range(0, count, per):
-            k = min(per, count - lo)
-            out.append((a, a + k, slab, first + lo, True))
-            a += k
-    spans = [(x, min(n, x + per)) for x in range(a, n, per)]
+        for x, y in cut(a, a + count, cuts, per):
+            out.append((x, y, slab, first + x - a, True))
+        a += count
+    spans = cut(a, n, cuts, per)
     rows = t._rows([y - x for x, y in spans], width, pinned=pinned, fresh=fresh)
     out += [(x, y, host, 0, False) for (x, y), host in zip(spans, rows, strict=True)]
     return out
@@ -135,8 +137,10 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
 
 def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks) -> list:
     width = row_bytes(src.shape[1])
-    batches = plan_batches(pieces, width)
-    puts = Puts(t, keys, dtype, shape, pieces, batches, lease, adopt)
+    alone = 1 if piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)) is None else 3
+    batches = plan_batches(pieces, width, alone)
+    puts = Puts(t, keys, dtype, shape, pieces, batches, lease, adopt, marks)
+    puts.written = mix
     landed: list[Any] = []
     staging = None  # the device staging ring stays allocated until every copy from it is done
     if _on_cuda(src):
@@ -170,6 +174,7 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
             if puts.summed is not None:
                 puts.summed.synchronize()
         puts.put_next()
+    marks.mark("puts_done")
     del staging
     return puts.out
 
@@ -188,8 +193,10 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
 
     Step 1 (MIX64, `_headers`): every block's header, its checksum field holding the MIX64 of
     the header's words, from the host, uploaded once after the first piece's payloads are staged;
-    it goes into each row's header gap, so the rows land whole blocks but for the payload's sum
-    (Step 4 adds it). Step 2: each piece's payloads (and headers) go into a ring of STAGING_SLOTS
+    it goes into each row's header gap and the piece's payload sums (`mix64` of the staged rows,
+    ~9 kernels a piece) are added to it there, so the rows land whole blocks and the host's put
+    of a batch waits for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks
+    stream after the first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's payloads (and headers) go into a ring of STAGING_SLOTS
     device buffers on a staging stream; the copy stream runs only the device->host copies, back
     to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its slot. None waits
     for the payloads' sums (that idled the copies ~1.5 ms a store: round 8). Torch calls per piece
@@ -212,6 +219,7 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
     rows, bodies = staging.unbind(0), staging_w[:, :, gap:].unbind(0)
     gaps, parts = staging_w[:, :, :gap].unbind(0), src.view(wide).split(sizes)
     heads: Any = None
+    on_device = mix and wide is torch.int64 and not base_store()
     landed: list[Any] = []
     rounds = [(0, 1)] + [(c, min(np_, c + slots)) for c in range(1, np_, slots)]
     try:
@@ -226,7 +234,11 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
                     if heads is None:
                         heads = _headers(t, keys, dtype, shape).to(device, non_blocking=True)
                         heads = heads.split(sizes)
-                    (gaps[slot] if k == per else gaps[slot][:k]).copy_(heads[c])
+                    gap_c = gaps[slot] if k == per else gaps[slot][:k]
+                    gap_c.copy_(heads[c])
+                    if on_device:  # the payloads' sums into the checksum fields, here
+                        body = bodies[slot] if k == per else bodies[slot][:k]
+                        gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
                 t._event(device, 1 + np_ + c, staging_stream)  # staged
             torch.cuda.set_stream(stream)
             for c in range(c0, c1):
@@ -238,13 +250,16 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
                 host[first : first + k].copy_(rows[slot] if k == per else rows[slot][:k],
                                               non_blocking=True)  # fmt: skip
                 landed.append(t._event(device, 1 + c, stream))
-            if mix and r == 0:
+                if marks.on:
+                    marks.mark(f"landed{c}", stream)
+            if mix and r == 0 and not on_device:
                 puts.sums, puts.summed = _payload_sums(t, src, 1 + 2 * np_)
             if mix:
                 puts.put_landed(c1, landed)
     finally:
         torch.cuda.set_stream(current)
     marks.mark("copies_done", stream)
+    marks.mark("launched")
     return landed, staging
 
 

@@ -6,6 +6,8 @@ threads' `encode_part`)."""
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,14 +22,52 @@ if TYPE_CHECKING:
 PUT_BATCH_BYTES = 1 << 26
 """A store puts ~64 MiB of adjacent pieces at a time (the last piece alone)."""
 
+TAIL_MIN_ROWS = 8
+"""`piece_bounds` shapes stores whose full pieces hold at least this many rows (Qwen3's 1.5 MB
+blocks: 21 a piece); smaller pieces gain nothing from quartering."""
 
-def plan_batches(pieces: list, width: int) -> list[tuple[int, int]]:
+
+def piece_bounds(n: int, per: int) -> list[int] | None:
+    """Piece boundaries (block indices) of a store of n blocks, `per` blocks a full piece: a
+    store of at least 3 full pieces of at least TAIL_MIN_ROWS starts with a quarter piece (its
+    copy starts early) and ends with a half and two quarter pieces, each put alone
+    (`plan_batches(alone=3)`): a batch's put then runs while the later, smaller pieces copy, and
+    only a quarter piece's put follows the last copy. None (round 9's plan: MOE_KV_STORE_BASE=1,
+    or a smaller store): full pieces per arena run."""
+    if base_store() or per < TAIL_MIN_ROWS or n < 3 * per:
+        return None
+    head, tail = max(1, per // 4), [max(1, per // 2), max(1, per // 4), max(1, per // 4)]
+    body = n - head - sum(tail)
+    sizes = [head] + [per] * (body // per) + ([body % per] if body % per else []) + tail
+    cuts, at = [], 0
+    for k in sizes:
+        at += k
+        cuts.append(at)
+    return cuts
+
+
+def cut(a: int, b: int, cuts: list[int] | None, per: int) -> list[tuple[int, int]]:
+    """Blocks a..b in pieces: at `cuts` (`piece_bounds`), or (None) every `per` blocks from a."""
+    if cuts is None:
+        return [(x, min(b, x + per)) for x in range(a, b, per)]
+    edges = [a] + [c for c in cuts if a < c < b] + [b]
+    return [(x, y) for x, y in itertools.pairwise(edges) if y > x]
+
+
+def base_store() -> bool:
+    """MOE_KV_STORE_BASE=1: round 9's store (full pieces, the payloads' sums on the checks
+    stream and added on the host), for A/B runs in one process."""
+    return os.environ.get("MOE_KV_STORE_BASE") == "1"
+
+
+def plan_batches(pieces: list, width: int, alone: int = 1) -> list[tuple[int, int]]:
     """Pieces lo..hi put together: adjacent rows of one host tensor, at most PUT_BATCH_BYTES,
-    the last piece alone (the host's work after the last copy is one piece's)."""
+    the last `alone` pieces alone (the host's work after the last copy is one piece's, and each
+    earlier batch's put runs while the later pieces copy)."""
     out, start, n = [], 0, len(pieces)
     for c in range(1, n + 1):
         prev = pieces[c - 1]
-        if (c < n - 1 and pieces[c][2] is prev[2] and pieces[c][3] == prev[3] + prev[1] - prev[0]
+        if (c < n - alone and pieces[c][2] is prev[2] and pieces[c][3] == prev[3] + prev[1] - prev[0]
                 and (pieces[c][1] - pieces[start][0]) * width <= PUT_BATCH_BYTES):  # fmt: skip
             continue
         out.append((start, c))
@@ -45,15 +85,24 @@ def landed_batches(batches: list, done: int, queued: int, landed) -> int:
 
 class Puts:
     """Step 4 of a store: the batches (`plan_batches`) put in order, each once its rows landed.
-    MIX64: the payloads' sums (`sums`, ready after the event `summed` on CUDA) added to the
-    landed checksum fields (one numpy add) and the headers checked against `row_headers`
+    MIX64 (`written`): the payloads' sums (`sums`, ready after the event `summed` on CUDA; None
+    where the device added them) added to the landed checksum fields (one numpy add) and the
+    headers checked against `row_headers`
     (`encode_rows(written=True)`); XXH3: its pieces' worker `tasks`. Rows of the arena are owned
     by their blocks from here on."""
 
-    def __init__(self, t: KVTiers, keys, dtype, shape, pieces, batches, lease, adopt) -> None:
+    def __init__(self, t: KVTiers, keys, dtype, shape, pieces, batches, lease, adopt,
+                 marks: Any = None) -> None:  # fmt: skip
         self.t, self.keys, self.dtype, self.shape = t, keys, dtype, shape
         self.pieces, self.batches, self.lease, self.adopt = pieces, batches, lease, adopt
+        self.marks = marks
+        """kv_trace.Marks or None: `seen{i}` / `put{i}` per batch i (its rows seen landed, its
+        put returned)."""
+        self.written = False
+        """MIX64: the rows land with their headers written (checked here, not written)."""
         self.sums: Any = None
+        """MIX64 with the payloads' sums added on the host: [n] int64 (else None: the device
+        added them to the headers before the copies)."""
         self.summed: Any = None
         self.tasks: list = []
         self.done = 0  # batches put
@@ -71,13 +120,22 @@ class Puts:
 
     def put_next(self) -> None:
         """Put the next batch; its rows have landed."""
+        marks, i = self.marks, self.done
+        if marks is not None and marks.on:
+            marks.mark(f"seen{i}")
+        self._put(i)
+        if marks is not None and marks.on:
+            marks.mark(f"put{i}")
+
+    def _put(self, i: int) -> None:
         t, keys, pieces = self.t, self.keys, self.pieces
-        lo, hi = self.batches[self.done]
+        lo, hi = self.batches[i]
         self.done += 1
         (a, _, host, first, lent), b = pieces[lo], pieces[hi - 1][1]
-        if self.sums is not None:
-            field = host.numpy().view(np.uint64)[first : first + b - a, HEADER_WORDS]
-            field += self.sums[a:b].numpy().view(np.uint64)  # modulo 2^64, as MIX64 sums
+        if self.written:
+            if self.sums is not None:
+                field = host.numpy().view(np.uint64)[first : first + b - a, HEADER_WORDS]
+                field += self.sums[a:b].numpy().view(np.uint64)  # modulo 2^64, as MIX64 sums
             try:
                 encoded = encode_rows(host, keys[a:b], dtype=self.dtype, shape=self.shape,
                                       first=first, written=True)  # fmt: skip
