@@ -92,6 +92,33 @@ def _swiglu_per_expert(
     return out
 
 
+def swiglu_into_pairs(
+    x: torch.Tensor,
+    src: torch.Tensor,
+    order: torch.Tensor,
+    counts: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """The CPU experts of one MoE layer (world size 1, no autograd), rows in (token, k) order.
+
+    x [T, H]; order [R] the (token, k) pairs (flat index t * K + k) sorted by expert, src [R]
+    their tokens, counts [E] pairs per expert. Returns y [R, H]: y[order[r]] = the SwiGLU of
+    x[src[r]] by its expert, the same products as `grouped_swiglu` over x[src] (bit for bit),
+    but each expert gathers its own rows (still in cache for its first GEMM) and scatters its
+    outputs to their pairs, so the weighted sum reads them without gathering them back."""
+    y = x.new_empty(order.shape[0], w_down.shape[1])
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate, up = torch.mm(x.index_select(0, src[rows]), w_gate_up[e].t()).chunk(2, dim=-1)
+        y.index_copy_(0, order[rows], torch.mm(F.silu(gate) * up, w_down[e].t()))
+        start += n
+    return y
+
+
 def grouped_mm_suits(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs these operands: CUDA bf16 on sm_90+, 16-byte rows."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and w_gate_up.dtype == torch.bfloat16):

@@ -16,7 +16,7 @@ from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
-from actors.layers.experts import GroupedExperts
+from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
 from actors.layers.router import Router
 from actors.layers.share import Share
@@ -148,7 +148,9 @@ class MoE(nn.Module):
 
     def _forward_local(self, x: torch.Tensor, capture: dict | None, name: str) -> torch.Tensor:
         """World size 1: sort the (token, k) pairs once, and combine through the inverse
-        permutation (a gather and a weighted sum per token: no scatter, no atomics)."""
+        permutation (a gather and a weighted sum per token: no scatter, no atomics). On the
+        CPU (no autograd) the experts scatter their rows back to (token, k) order themselves,
+        so the weighted sum reads them in place: the same values, one pass over the rows less."""
         t, k = x.shape[0], self.arch.top_k
         e = self.arch.num_experts
         # Step 1: route (one fused router for softmax scoring on small batches).
@@ -161,6 +163,8 @@ class MoE(nn.Module):
             logits, ids, weights = self.gate(x)
         flat = ids.reshape(-1)
         # Step 2: counts, offsets, the sort (src: token of each sorted row) and its inverse.
+        # (CPU without autograd: no inverse; the experts write their rows in pair order.)
+        cpu = not small and x.device.type == "cpu" and not torch.is_grad_enabled()
         if small:
             src, pos, offsets = fused_kernels.dispatch_plan(flat, k, e, self.routed_counts)
             counts = None
@@ -169,21 +173,31 @@ class MoE(nn.Module):
             self.routed_counts += counts
             order = torch.argsort(flat, stable=True)
             src = torch.div(order, k, rounding_mode="floor")
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(order.shape[0], device=order.device)
+            if not cpu:
+                pos = torch.empty_like(order)
+                pos[order] = torch.arange(order.shape[0], device=order.device)
             offsets = None
         # Step 3: grouped GEMMs in expert order (decode batches: the fused expert kernels, which
         # gather the rows themselves), then the weighted sum per token (+ shared).
         ex = self.experts
-        if small and fused_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
+        if cpu:
+            y_pairs = swiglu_into_pairs(x, src, order, counts, ex.w_gate_up, ex.w_down)
+        elif small and fused_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
             y_sorted = fused_kernels.moe_experts(x, src, offsets, ex.w_gate_up, ex.w_down)
         else:
             y_sorted = ex(x.index_select(0, src), counts, offsets)  # = x[src], ~3x faster on CPU
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        pairs = pos.view(t, k)
+
+        def combine(residual: torch.Tensor | None = None) -> torch.Tensor:
+            if cpu:  # fused.combine's CPU form, over rows already in (token, k) order
+                ys = y_pairs.view(t, k, y_pairs.shape[1])
+                out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
+                return out if residual is None else out + residual
+            return fused_kernels.combine(y_sorted, pos.view(t, k), weights, residual=residual)
+
         if capture is None:
-            return fused_kernels.combine(y_sorted, pairs, weights, residual=shared).to(x.dtype)
-        routed = fused_kernels.combine(y_sorted, pairs, weights).to(x.dtype)
+            return combine(shared).to(x.dtype)
+        routed = combine().to(x.dtype)
         capture[f"{name}.gate"] = logits
         capture[f"{name}.gate.topk_ids"] = ids
         capture[f"{name}.gate.topk_weights"] = weights

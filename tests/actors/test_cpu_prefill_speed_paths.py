@@ -3,6 +3,8 @@ give the values of the paths they replace, bit for bit, and really be taken.
 
 - consecutive fresh GQA prompts of one length attend in one batched causal call over the K/V the
   step just wrote (no gather, no call per sequence);
+- the world-size-1 MoE's experts write their rows in (token, k) order (`swiglu_into_pairs`), so
+  the weighted sum reads them without a gather;
 - RMSNorm and the rotary embedding (halves) write into fewer buffers, under no_grad (the
   engine's forward); with gradients on they run the plain formulas, the reference here.
 """
@@ -12,8 +14,11 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from actors.arch import ArchConfig
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers.attention import paged_attend
+from actors.layers.experts import grouped_swiglu, swiglu_into_pairs
+from actors.layers.moe import MoE
 from actors.layers.norm import RMSNorm
 from actors.layers.rope import apply_rotary
 
@@ -105,3 +110,52 @@ def test_rms_norm_and_rotary_without_grad_equal_the_plain_formulas_bit_for_bit()
     half1, half2 = x[..., :16], x[..., 16:]
     c, s = cos[:, None], sin[:, None]
     assert torch.equal(fast, torch.cat((half1 * c - half2 * s, half2 * c + half1 * s), dim=-1))
+
+
+def test_experts_into_pairs_equal_the_grouped_experts_gathered_back():
+    torch.manual_seed(3)
+    t, k, e, h, i = 50, 2, 6, 32, 24
+    x = torch.randn(t, h)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    ids[:, 0] = torch.where(ids[:, 0] == 4, 0, ids[:, 0])  # expert 4 busy only as second choice
+    ids[ids == 5] = 1  # expert 5 idle
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    order = torch.argsort(flat, stable=True)
+    src = order // k
+    w_gu, w_d = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    w_gu[5] = float("nan")  # never read
+    y = swiglu_into_pairs(x, src, order, counts, w_gu, w_d)
+    expected = grouped_swiglu(x[src], counts, w_gu, w_d)
+    assert torch.equal(y[order], expected)
+
+
+def test_moe_without_grad_equals_the_gathered_combine_bit_for_bit():
+    """The engine's forward (no_grad: rows in pair order) against the same layer with gradients
+    on (the sort, the inverse permutation and fused.combine's gather)."""
+    arch = ArchConfig.from_hf(
+        {
+            "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
+            "moe_intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2,
+            "vocab_size": 64, "norm_topk_prob": True,
+        }
+    )  # fmt: skip
+    torch.manual_seed(4)
+    moe = MoE(arch)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(40, 32)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fast = moe(x)
+    assert "aten::index_copy_" in [e.name for e in prof.events()]  # the pair-order path ran
+    with torch.no_grad():
+        captured: dict = {}
+        fast_captured = moe(x, captured, "m")
+    with torch.enable_grad():
+        x_grad = x.clone().requires_grad_(True)
+        plain = moe(x_grad)
+    assert torch.equal(fast, plain.detach())
+    assert torch.equal(fast_captured, fast)
+    assert set(captured) >= {"m.gate", "m.experts"}
