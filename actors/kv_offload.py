@@ -114,7 +114,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
     if not adopt:
         t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
     marks.mark("end")
-    marks.log("store", n, width)
+    marks.log("store", n, width, mix64=mix, base=base_store())
     return out
 
 
@@ -322,7 +322,7 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     t.counts["hits"] += m
     t._credit(before, hits if hits is not None else t._tier_counters(), m)
     marks.mark("end")
-    marks.log("load", n, width)
+    marks.log("load", n, width, mix64=t._mix64(device) and width % 8 == 0)
     return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
 
 

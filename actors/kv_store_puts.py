@@ -28,15 +28,15 @@ blocks: 21 a piece); smaller pieces gain nothing from quartering."""
 
 
 def piece_bounds(n: int, per: int) -> list[int] | None:
-    """Piece boundaries (block indices) of a store of n blocks, `per` blocks a full piece: a
-    store of at least 3 full pieces of at least TAIL_MIN_ROWS starts with a quarter piece (its
-    copy starts early) and ends with a half and two quarter pieces, each put alone
-    (`plan_batches(alone=3)`): a batch's put then runs while the later, smaller pieces copy, and
-    only a quarter piece's put follows the last copy. None (round 9's plan: MOE_KV_STORE_BASE=1,
-    or a smaller store): full pieces per arena run."""
+    """Piece boundaries (block indices) of a store of n blocks, `per` blocks a full piece. A
+    store of at least 3 full pieces of at least TAIL_MIN_ROWS starts with a half piece (its copy
+    starts early; a quarter's would end before the next piece is staged) and ends with a half
+    and two quarter pieces, each put alone (`plan_batches(alone=3)`): a batch's put then runs
+    while the later, smaller pieces copy, and only a quarter piece's put follows the last copy.
+    None (round 9's plan: MOE_KV_STORE_BASE=1, or a smaller store): full pieces per arena run."""
     if base_store() or per < TAIL_MIN_ROWS or n < 3 * per:
         return None
-    head, tail = max(1, per // 4), [max(1, per // 2), max(1, per // 4), max(1, per // 4)]
+    head, tail = max(1, per // 2), [max(1, per // 2), max(1, per // 4), max(1, per // 4)]
     body = n - head - sum(tail)
     sizes = [head] + [per] * (body // per) + ([body % per] if body % per else []) + tail
     cuts, at = [], 0

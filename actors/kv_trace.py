@@ -102,11 +102,11 @@ class Marks:
         if name == "end" and self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
-    def log(self, op: str, n: int, width: int) -> None:
+    def log(self, op: str, n: int, width: int, **extra: Any) -> None:
         """Append this call's split to the MOE_KV_TRACE file, if set (one JSON line)."""
         path = os.environ.get("MOE_KV_TRACE")
         if self.trace is None or not path:
             return
-        row = {"op": op, "blocks": n, "row_bytes": width, **split_ms(self.trace)}
+        row = {"op": op, "blocks": n, "row_bytes": width, **extra, **split_ms(self.trace)}
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -133,7 +133,7 @@ def main() -> int:
         med = {k: round(sorted(v)[len(v) // 2], 3) for k, v in times.items()}
         pinned_ms = _pinned_round_trip(nbytes, device)
         ours = sum(med.values())
-        split = {w: {k: round(sorted(d[k] for d in v)[len(v) // 2], 3) for k in v[0]}
+        split = {w: {k: round(_median([d[k] for d in v if k in d]), 3) for k in v[0]}
                  for w, v in splits.items() if v}  # fmt: skip
         arena = getattr(cache.tiers[0], "arena", None)
         row = {
@@ -198,6 +198,10 @@ def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout
     out["ok"] = out["stored"] and out["loaded"] == 5 and out["prefix_exact"] and out["dropped"]
     cache.evict(keys)
     return out
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def _pinned_round_trip(nbytes: int, device: torch.device) -> float:

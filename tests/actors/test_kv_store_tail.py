@@ -1,4 +1,4 @@
-"""The store's tail (offload round 10): the piece plan of a large store (a quarter piece first,
+"""The store's tail (offload round 10): the piece plan of a large store (a half piece first,
 a half and two quarter pieces last, each of those put alone), the payloads' MIX64 sums added
 into the staging rows' checksum fields on the device (no host add), the round 9 plan behind
 MOE_KV_STORE_BASE=1, and the trace's per-batch points. The CUDA launch loop runs on CPU tensors
@@ -28,11 +28,11 @@ from tests.cache_service.kv_blocks import SHAPE, keys_for
 WIDTH = HEADER_BYTES + SHAPE_BYTES
 
 
-def test_a_large_store_starts_with_a_quarter_piece_and_ends_with_a_half_and_two_quarters():
+def test_a_large_store_starts_with_a_half_piece_and_ends_with_a_half_and_two_quarters():
     # Qwen3 on the H200: 256 blocks, 21 a piece.
     cuts = piece_bounds(256, 21)
     sizes = [b - a for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
-    assert sizes == [5] + [21] * 11 + [10, 5, 5] and cuts[-1] == 256
+    assert sizes == [10] + [21] * 10 + [16, 10, 5, 5] and cuts[-1] == 256
     assert piece_bounds(62, 21) is None  # fewer than three full pieces: round 9's plan
     assert piece_bounds(256, 7) is None  # pieces too small to quarter
 
@@ -61,7 +61,7 @@ def _fake_cuda(monkeypatch, tiers: KVTiers) -> None:
 
 @pytest.fixture
 def eight_a_piece(monkeypatch):
-    """Pieces of 8 blocks: a store of 40 blocks is shaped [2, 8, 8, 8, 6, 4, 2, 2]."""
+    """Pieces of 8 blocks: a store of 40 blocks is shaped [4, 8, 8, 8, 4, 4, 2, 2]."""
     monkeypatch.setattr(kv_offload, "STORE_CHUNK_BYTES", 8 * WIDTH)
 
 
@@ -84,7 +84,7 @@ def test_cuda_store_with_device_sums_lands_encode_blocks_rows(eight_a_piece, mon
         [b - a for a, b, *_ in p]) or real_plan(p, w, alone))  # fmt: skip
     keys, data = keys_for(40, seed=31), blocks(40, seed=31)
     assert tiers.store_many(keys, data) == [True] * 40
-    assert sizes == [[8] * 5] if base else [[2, 8, 8, 8, 6, 4, 2, 2]]
+    assert sizes == [[8] * 5] if base else [[4, 8, 8, 8, 4, 4, 2, 2]]
     for i, key in enumerate(keys):
         row = cache.tiers[0]._blocks[key][0]
         assert bytes(memoryview(row)) == bytes(encode_block(data[i], key=key, checksum="mix64"))

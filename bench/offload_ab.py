@@ -1,0 +1,136 @@
+"""A/B of KVTiers' store on a GPU, in one call: round 9's store (MOE_KV_STORE_BASE=1: full
+pieces, the payloads' MIX64 sums on the checks stream and added by the host) against this
+code's (round 10: sums added on the device, a shaped tail), interleaved, each run a fresh process
+of bench/gpu_moe.py's offload row (Qwen3-30B-A3B, 256 blocks of 1.5 MB) and optionally
+bench/offload_profile.py (no model); then one traced run each (MOE_KV_TRACE) whose MIX64 stores
+and loads are split per batch (host clock when each batch's rows were seen landed, after its
+put, the phases after the last copy; ms relative to the end of the last copy on the device).
+
+    python3 bench/offload_ab.py --out $OUT            # ~2-3 min on the H200 machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"base": "1", "r10": "0"}
+GPU_MOE = ["bench/gpu_moe.py", "--models", "qwen3-30b-a3b", "--no-decode", "--no-prefill",
+           "--skip-hf"]  # fmt: skip
+
+
+START = time.perf_counter()
+
+
+def run(out: Path, name: str, variant: str, args: list[str], trace: bool, limit: float,
+        budget: float) -> None:  # fmt: skip
+    """One fresh process of `args` with the variant's MOE_KV_STORE_BASE; skipped past `budget`
+    seconds since the start, and given at most what is left of it."""
+    left = budget - (time.perf_counter() - START)
+    if left < 20:
+        print(f"{name}: skipped (budget)", flush=True)
+        return
+    limit = min(limit, left)
+    env = dict(os.environ, MOE_KV_STORE_BASE=VARIANTS[variant])
+    if trace:
+        env["MOE_KV_TRACE"] = str(out / f"trace_{name}.jsonl")
+    t0 = time.perf_counter()
+    with open(out / f"log_{name}.txt", "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=limit).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    print(f"{name}: rc {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def offload_row(path: Path) -> dict:
+    try:
+        row = json.loads(path.read_text())["offload"]["qwen3-30b-a3b"]
+    except (OSError, KeyError, ValueError) as exc:
+        return {"error": repr(exc)}
+    ms = {k: round(1e3 * row[k], 2) for k in ("ours_s", "down_s", "up_s", "load_many_s",
+                                              "pinned_copy_s") if k in row}  # fmt: skip
+    return {"of_pinned": round(row.get("fraction_of_pinned", 0.0), 4), **ms,
+            "exact": row.get("round_trips_exact")}  # fmt: skip
+
+
+def trace_rows(path: Path) -> dict:
+    """Medians over the MIX64 stores / loads of a gpu_moe trace after the first (warm-up):
+    the fixed split, and the last 4 batches' seen/put points and the phases after them."""
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    except OSError as exc:
+        return {"error": repr(exc)}
+    out = {}
+    for op in ("store", "load"):
+        mine = [r for r in rows if r["op"] == op and r.get("mix64") and r["blocks"] == 256][1:4]
+        if not mine:
+            continue
+        batches = sorted({int(k[4:-3]) for k in mine[0] if k.startswith("seen")})
+        keys = ["all", "before_first_copy", "copies", "after_copies_on_device",
+                "host_after_device", "gc_collections", "gc_ms", "launched_ms", "puts_done_ms",
+                "closed_ms"]  # fmt: skip
+        keys += [f"{w}{i}_ms" for i in batches[-4:] for w in ("seen", "put")]
+        pieces = sorted(int(k[6:-3]) for k in mine[0] if k.startswith("landed"))
+        keys += [f"landed{c}_ms" for c in pieces[-4:]]
+        med = {}
+        for k in keys:
+            vals = sorted(r[k] for r in mine if k in r)
+            if vals:
+                med[k] = round(vals[len(vals) // 2], 3)
+        out[op] = {"calls": len(mine), "batches": len(batches), **med}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=2, help="untraced gpu_moe pairs")
+    p.add_argument("--no-trace", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also offload_profile.py, each")
+    p.add_argument("--limit-s", type=float, default=75.0, help="per run")
+    p.add_argument("--budget-s", type=float, default=215.0, help="no run starts past this")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"runs": {}, "traces": {}, "profiles": {}}
+    for rep in range(args.reps):
+        for v in VARIANTS:
+            name = f"{v}_{rep}"
+            run(out, name, v, [*GPU_MOE, "--out", str(out / f"off_{name}.json")], False,
+                args.limit_s, args.budget_s)  # fmt: skip
+            summary["runs"][name] = offload_row(out / f"off_{name}.json")
+    if not args.no_trace:
+        for v in VARIANTS:
+            name = f"{v}_traced"
+            run(out, name, v, [*GPU_MOE, "--out", str(out / f"off_{name}.json")], True,
+                args.limit_s, args.budget_s)  # fmt: skip
+            summary["runs"][name] = offload_row(out / f"off_{name}.json")
+            summary["traces"][v] = trace_rows(out / f"trace_{name}.jsonl")
+    if args.profile:
+        for v in VARIANTS:
+            name = f"profile_{v}"
+            run(out, name, v, ["bench/offload_profile.py", "--no-profile", "--json",
+                               str(out / f"{name}.json")], False, args.limit_s, args.budget_s)  # fmt: skip
+            try:
+                lay = json.loads((out / f"{name}.json").read_text())["layouts"]["qwen3"]
+                summary["profiles"][v] = {k: lay[k] for k in ("median_ms", "ours_ms",
+                    "pinned_round_trip_ms", "fraction_of_pinned", "exact", "split_ms",
+                    "integrity")}  # fmt: skip
+            except (OSError, KeyError, ValueError) as exc:
+                summary["profiles"][v] = {"error": repr(exc)}
+    text = json.dumps(summary, indent=1)
+    (out / "summary.json").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
