@@ -7,7 +7,8 @@ Besides the fixed points (start, first_copy, copies_done, verified, end) a call 
 other name: a store marks, per put batch i, `seen{i}` (the host saw its rows landed) and
 `put{i}` (its put returned), per piece c `landed{c}` (a timing event after its copy), and
 `launched`, `puts_done`, `closed` (the phases after the copies). The garbage collector's
-collections during the call are counted (`gc_collections`, `gc_ms`)."""
+collections during the call are counted (`gc_collections`, `gc_ms`; the latest traced call of
+the process counts them)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ class Marks:
         if trace is not None:
             trace.clear()
             trace["gc"] = [0, 0.0]
+            # A call that raised never reached "end": its callback goes now (at most one stays).
+            gc.callbacks[:] = [c for c in gc.callbacks if not isinstance(
+                getattr(c, "__self__", None), Marks)]  # fmt: skip
             gc.callbacks.append(self._on_gc)
             self.mark("start", None if device is None else torch.cuda.current_stream(device))
 
