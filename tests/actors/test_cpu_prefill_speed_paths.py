@@ -5,22 +5,29 @@ give the values of the paths they replace, bit for bit, and really be taken.
   step just wrote (no gather, no call per sequence);
 - the world-size-1 MoE's experts write their rows in (token, k) order (`swiglu_into_pairs`), so
   the weighted sum reads them without a gather;
+- pure decode steps over an unchanged batch extend last step's padded contexts
+  (`runner.DecodeMirror`) instead of gathering them from the paged cache again;
 - RMSNorm and the rotary embedding (halves) write into fewer buffers, under no_grad (the
   engine's forward); with gradients on they run the plain formulas, the reference here.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from actors import runner as runner_module
 from actors.arch import ArchConfig
+from actors.engine import Engine, SamplingParams
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers.attention import paged_attend
 from actors.layers.experts import grouped_swiglu, swiglu_into_pairs
 from actors.layers.moe import MoE
 from actors.layers.norm import RMSNorm
 from actors.layers.rope import apply_rotary
+from tests.actors.checkpoints import make_tiny_checkpoint
+from tests.actors.test_engine import prompt
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 
@@ -159,3 +166,49 @@ def test_moe_without_grad_equals_the_gathered_combine_bit_for_bit():
     assert torch.equal(fast, plain.detach())
     assert torch.equal(fast_captured, fast)
     assert set(captured) >= {"m.gate", "m.experts"}
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def ckpt(request, tmp_path_factory):
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _generate(ckpt, *, mirror_bytes: int, extended: list | None = None) -> dict:
+    """Five requests of different lengths (the batch shrinks as they finish, one joins late),
+    greedy with logprobs; `extended` counts the layers served from last step's tensors."""
+    engine = Engine.from_checkpoint(
+        ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+        batch_invariant=False,
+    )  # fmt: skip
+    mirror = engine.runner.mirror
+    original = mirror.gather
+
+    def gather(ctx, layer):
+        if extended is not None and mirror.extend and layer in mirror.k:
+            extended.append(layer)
+        return original(ctx, layer)
+
+    mirror.gather = gather
+    saved = runner_module.MIRROR_MAX_BYTES
+    runner_module.MIRROR_MAX_BYTES = mirror_bytes
+    try:
+        for i, (n, out) in enumerate(((9, 12), (11, 7), (12, 10), (10, 3), (6, 9))):
+            engine.add_request(f"r{i}", prompt(n, 60 + i), SamplingParams(
+                max_tokens=out, ignore_eos=True, logprobs=2))  # fmt: skip
+        outs: dict = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).append(
+                    (o.new_token_ids, o.logprobs[0].logprob, o.logprobs[0].top)
+                )
+    finally:
+        runner_module.MIRROR_MAX_BYTES = saved
+    return outs
+
+
+def test_decode_mirror_gives_the_gathered_steps_values_bit_for_bit(ckpt):
+    extended: list = []
+    mirrored = _generate(ckpt, mirror_bytes=1 << 30, extended=extended)
+    gathered = _generate(ckpt, mirror_bytes=0)
+    assert extended, "no decode step extended last step's tensors"
+    assert mirrored == gathered
