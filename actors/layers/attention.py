@@ -173,7 +173,7 @@ def _batched_decode(
     lens = paged.context_lens
     b, longest = len(lens), max(lens)
     ck, cv = paged.gather_batch()
-    valid = paged.context.decode_mask(q.device)[:, None, None, :]
+    valid = _decode_bias(paged.context, q)
     if grouped:  # the query heads of one KV head as rows of one problem: [B, hk, rep, d]
         k, v = ck.transpose(1, 2), cv.transpose(1, 2)
         qg = q.view(b, k.shape[1], -1, q.shape[-1])
@@ -184,6 +184,17 @@ def _batched_decode(
     v = v.view(b, longest, *v.shape[1:]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid, scale=scale)
     return o[:, :, 0, :]
+
+
+def _decode_bias(context, q: torch.Tensor) -> torch.Tensor:
+    """[B, 1, 1, max context] additive mask of a decode step (0 on each context's slots, -inf
+    on the padding), built once per step: SDPA turns a boolean mask into this on every call."""
+    bias = context.__dict__.get("_decode_bias")
+    if bias is None or bias.device != q.device or bias.dtype != q.dtype:
+        valid = context.decode_mask(q.device)[:, None, None, :]
+        bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+        context.__dict__["_decode_bias"] = bias.masked_fill_(~valid, float("-inf"))
+    return bias
 
 
 def _cpu_paged_attend(

@@ -169,7 +169,7 @@ class MoE(nn.Module):
             src, pos, offsets = fused_kernels.dispatch_plan(flat, k, e, self.routed_counts)
             counts = None
         else:
-            counts = expert_counts(flat, e)
+            counts = torch.bincount(flat, minlength=e) if cpu else expert_counts(flat, e)
             self.routed_counts += counts
             order = torch.argsort(flat, stable=True)
             src = torch.div(order, k, rounding_mode="floor")
@@ -189,9 +189,9 @@ class MoE(nn.Module):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
 
         def combine(residual: torch.Tensor | None = None) -> torch.Tensor:
-            if cpu:  # fused.combine's CPU form, over rows already in (token, k) order
+            if cpu:  # fused.combine's CPU form (its einsum is this bmm), rows in pair order
                 ys = y_pairs.view(t, k, y_pairs.shape[1])
-                out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
+                out = torch.bmm(weights.to(ys.dtype)[:, None, :], ys)[:, 0]
                 return out if residual is None else out + residual
             return fused_kernels.combine(y_sorted, pos.view(t, k), weights, residual=residual)
 
