@@ -30,7 +30,7 @@ from torch import nn
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
 from actors.kernels.decode_step import DecodeView
-from actors.layers.norm import RMSNorm
+from actors.layers.norm import RMSNorm, rms_norm_into
 from actors.layers.rope import apply_rotary
 from actors.layers.share import Share, cols, full, rows
 from cluster.errors import InputError
@@ -153,8 +153,7 @@ BATCHED_DECODE_PADDING = 2.0
 
 def _batched_decode_suits(q: torch.Tensor, paged: LayerKV, window: int | None) -> bool:
     """A CPU decode step of several sequences (one new token each, no sliding window) whose
-    contexts are close enough in length that padding them to the longest costs little. (A
-    batch-invariant engine runs one sequence per call, so it never takes this path.)"""
+    contexts are close enough in length that padding them to the longest costs little."""
     lens = paged.context_lens
     if not BATCHED_DECODE[0] or q.is_cuda or window is not None or len(lens) < 2:
         return False
@@ -166,10 +165,9 @@ def _batched_decode_suits(q: torch.Tensor, paged: LayerKV, window: int | None) -
 def _batched_decode(
     q: torch.Tensor, paged: LayerKV, expand: Expand, scale: float, *, grouped: bool = False
 ) -> torch.Tensor:
-    """One decode token per sequence, q [B, h, d]: the contexts gathered at once (padded to the
-    longest, the padding masked) and one attention call for the batch. Returns [B, h, dv].
-    `grouped` (GQA): the KV heads are read as cached, not repeated, and the query heads sharing
-    one are the rows of one attention problem (one small GEMM instead of one per head)."""
+    """One decode token per sequence, q [B, h, d] -> [B, h, dv]: the contexts gathered at once
+    (padded, masked), one call. `grouped` (GQA): the query heads of one cached KV head are the
+    rows of one problem (one small GEMM instead of one per head)."""
     lens = paged.context_lens
     b, longest = len(lens), max(lens)
     ck, cv = paged.gather_batch()
@@ -187,13 +185,11 @@ def _batched_decode(
 
 
 def _decode_bias(context, q: torch.Tensor) -> torch.Tensor:
-    """[B, 1, 1, max context] additive mask of a decode step (0 on each context's slots, -inf
-    on the padding), built once per step: SDPA turns a boolean mask into this on every call."""
+    """decode_mask as an additive [B, 1, 1, L] mask, once per step (SDPA converts per call)."""
     bias = context.__dict__.get("_decode_bias")
     if bias is None or bias.device != q.device or bias.dtype != q.dtype:
         valid = context.decode_mask(q.device)[:, None, None, :]
-        bias = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
-        context.__dict__["_decode_bias"] = bias.masked_fill_(~valid, float("-inf"))
+        bias = context.__dict__["_decode_bias"] = torch.where(valid, 0.0, -torch.inf).to(q.dtype)
     return bias
 
 
@@ -206,20 +202,15 @@ def _cpu_paged_attend(
     grouped: bool,
     written: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """`paged_attend` on the CPU through SDPA's flash kernel for the CPU (it wants 4-D inputs;
-    3-D ones fall back to the math kernel, which materialises the [h, n, ctx] scores and takes
-    ~4x longer on a 2K prompt). A fresh prompt (no cached prefix, no window) is plainly causal
-    (`is_causal`: the kernel skips the blocks above the diagonal); a chunk after a cached prefix
-    gets the bottom-right causal mask; a single decode token sees its whole context (no mask).
-    The three give the same values as one boolean mask, bit for bit (the kernel adds 0 or
-    -inf), so a cached prefix does not change a sequence's results.
+    """`paged_attend` on the CPU through SDPA's CPU flash kernel (4-D inputs; 3-D ones fall to
+    the math kernel, ~4x slower on a 2K prompt). A fresh prompt is `is_causal`, a chunk after a
+    cached prefix gets the bottom-right mask, a decode token none: the same values as one
+    boolean mask, bit for bit, so a cached prefix does not change a sequence's results.
 
-    Consecutive fresh GQA prompts of one length (a prefill batch) run as one batched causal
-    call over the K/V this step just wrote (`written`), not one gather and one call per
-    sequence: the kernel computes each (sequence, head) problem alone with the same blocking,
-    so the rows are the per-sequence call's, bit for bit. Other sequences run one at a time."""
-    outs = []
-    start, seq, count = 0, 0, len(paged.query_lens)
+    Consecutive fresh GQA prompts of one length run as one causal call over the K/V just
+    written (`written`), not a gather and a call each: the kernel blocks each (sequence, head)
+    problem alike, so the rows are the per-sequence calls', bit for bit."""
+    outs, start, seq, count = [], 0, 0, len(paged.query_lens)
     runs = grouped and window is None and written is not None and _same_dtype(written, paged)
     while seq < count:
         n, ctx = paged.query_lens[seq], paged.context_lens[seq]
@@ -252,18 +243,14 @@ def _cpu_paged_attend(
                 is_causal=causal, scale=scale, enable_gqa=grouped,
             )  # fmt: skip
             outs.append(o[0].transpose(0, 1))
-        start += n
-        seq += 1
+        start, seq = start + n, seq + 1
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 
 
-def _fresh_run(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float
-) -> torch.Tensor:
-    """B fresh prompts of n tokens each, one causal SDPA call with the KV heads read as they are
-    (`enable_gqa`). q [B x n, h, d], k [B x n, hk, d], v [B x n, hk, dv] -> [B x n, h, dv]."""
+def _fresh_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float):
+    """B fresh prompts of n tokens: q [B x n, h, d], k, v [B x n, hk, d] -> [B x n, h, d]."""
     b = q.shape[0] // n
     qs, ks, vs = (t.view(b, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
@@ -308,6 +295,8 @@ def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 FUSE_QKV = [True]
 """Switch of the stacked q/k/v projection on CUDA decode steps (GQAAttention._qkv)."""
+CPU_STACKED_QKV_TOKENS = [256]
+"""CPU steps of at most this many tokens take GQAAttention._cpu_prologue (0: none)."""
 
 
 class GQAAttention(nn.Module):
@@ -348,18 +337,23 @@ class GQAAttention(nn.Module):
         paged: LayerKV | DecodeView | None = None,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.arch.head_dim
-        q, k, v = self._qkv(x, decode=isinstance(paged, DecodeView))
-        q, k, v = q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d)
+        stacked = self._cpu_stacked_suits(x, paged)  # q and k come normed and rotated
+        if stacked:
+            q, k, v = self._cpu_prologue(x, cos, sin)
+        else:
+            q, k, v = self._qkv(x, decode=isinstance(paged, DecodeView))
+            q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
+            v = v.view(t, self.kv_heads, d)
         if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             q = paged.prologue(q, k, v, norms, self.arch.rms_norm_eps, cos, sin)
             o = paged.gqa(q, self.arch.softmax_scale)
             return self._out(o)
-        if fused_kernels.qk_rope_suits(q, cos):
+        if not stacked and fused_kernels.qk_rope_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             qw, kw = norms if norms is not None else (None, None)
             q, k = fused_kernels.qk_norm_rope(q, k, qw, kw, self.arch.rms_norm_eps, cos, sin)
-        else:
+        elif not stacked:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q = apply_rotary(q, cos, sin, interleave=False)
@@ -383,6 +377,39 @@ class GQAAttention(nn.Module):
                 written=(k, v), grouped=True,
             )  # fmt: skip
         return self._out(o)
+
+    def _cpu_stacked_suits(self, x: torch.Tensor, paged) -> bool:
+        """CPU float32 steps of at most CPU_STACKED_QKV_TOKENS tokens, without autograd."""
+        if x.device.type != "cpu" or torch.is_grad_enabled() or isinstance(paged, DecodeView):
+            return False
+        ws = (x, self.q_proj.weight) + ((self.q_norm.weight,) if self.q_norm is not None else ())
+        small = x.shape[0] <= CPU_STACKED_QKV_TOKENS[0] and not fused_kernels.use_triton(x)
+        return small and all(t.dtype == torch.float32 for t in ws)
+
+    def _cpu_prologue(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k (normed, rotated), v as views of one GEMM over the stacked projections, q's and
+        k's heads normed and rotated as one [T, heads + kv, d] tensor: bit for bit the three
+        GEMMs, two norms and two rotations, ~20 calls fewer. The stacked weights are a copy,
+        rebuilt when a projection or norm weight changes (storage or in-place version)."""
+        t, d, h, hk = x.shape[0], self.arch.head_dim, self.heads, self.kv_heads
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        norms = (self.q_norm, self.k_norm) if self.q_norm is not None else ()
+        ps = [p.weight for p in (*projs, *norms)] + [p.bias for p in projs if p.bias is not None]
+        key = tuple((p.data_ptr(), p._version) for p in ps)
+        cached = self.__dict__.get("_cpu_stack")
+        if cached is None or cached[0] != key:
+            w = torch.cat([p.weight for p in projs])
+            b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+            wn = None
+            if norms:
+                wn = torch.cat([self.q_norm.weight.expand(h, d), self.k_norm.weight.expand(hk, d)])
+            cached = self.__dict__["_cpu_stack"] = (key, w, b, wn)
+        _, w, b, wn = cached
+        y = F.linear(x, w, b)
+        qk = y[:, : (h + hk) * d].view(t, h + hk, d)
+        qk = rms_norm_into(qk, wn, self.arch.rms_norm_eps) if wn is not None else qk
+        qk = apply_rotary(qk, cos, sin, interleave=False)
+        return qk[:, :h], qk[:, h:], y[:, (h + hk) * d :].view(t, hk, d)
 
     def _qkv(self, x: torch.Tensor, *, decode: bool) -> tuple[torch.Tensor, ...]:
         """The q, k, v projections of x [T, H]. CUDA decode steps (a few tokens, where each small

@@ -7,6 +7,8 @@ give the values of the paths they replace, bit for bit, and really be taken.
   the weighted sum reads them without a gather;
 - pure decode steps over an unchanged batch extend last step's padded contexts
   (`runner.DecodeMirror`) instead of gathering them from the paged cache again;
+- on the CPU, steps of up to 256 tokens project q, k and v with one GEMM over the stacked
+  weights and norm and rotate q's and k's heads as one tensor (`GQAAttention._cpu_prologue`);
 - RMSNorm and the rotary embedding (halves) write into fewer buffers, under no_grad (the
   engine's forward); with gradients on they run the plain formulas, the reference here.
 """
@@ -21,7 +23,8 @@ from actors import runner as runner_module
 from actors.arch import ArchConfig
 from actors.engine import Engine, SamplingParams
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
-from actors.layers.attention import paged_attend
+from actors.layers import attention
+from actors.layers.attention import GQAAttention, paged_attend
 from actors.layers.experts import grouped_swiglu, swiglu_into_pairs
 from actors.layers.moe import MoE
 from actors.layers.norm import RMSNorm
@@ -212,3 +215,46 @@ def test_decode_mirror_gives_the_gathered_steps_values_bit_for_bit(ckpt):
     gathered = _generate(ckpt, mirror_bytes=0)
     assert extended, "no decode step extended last step's tensors"
     assert mirrored == gathered
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "qwen3_moe"},  # q/k norms
+        {"model_type": "mixtral", "attention_bias": True},  # no q/k norms, biases
+    ],
+)
+def test_stacked_prologue_equals_three_projections_two_norms_two_rotations(config):
+    arch = ArchConfig.from_hf(
+        {
+            "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 24,
+            "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "num_local_experts": 4,
+            "vocab_size": 64, **config,
+        }
+    )  # fmt: skip
+    torch.manual_seed(5)
+    layer = GQAAttention(arch)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(70, 64)
+    angles = torch.arange(70.0)[:, None] * torch.rand(8)
+    cos, sin = angles.cos(), angles.sin()
+
+    def run(stacked: bool) -> torch.Tensor:
+        saved = attention.CPU_STACKED_QKV_TOKENS[0]
+        attention.CPU_STACKED_QKV_TOKENS[0] = 256 if stacked else 0
+        try:
+            with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = layer(x, cos, sin, (30, 40))
+        finally:
+            attention.CPU_STACKED_QKV_TOKENS[0] = saved
+        linears = [e.name for e in prof.events()].count("aten::linear")
+        assert linears == (2 if stacked else 4)  # q/k/v stacked, o
+        return out
+
+    assert torch.equal(run(True), run(False))
+    with torch.no_grad():  # a changed weight is seen (the stacked copy is rebuilt)
+        layer.k_proj.weight.mul_(2)
+    assert torch.equal(run(True), run(False))
