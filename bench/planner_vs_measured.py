@@ -2,7 +2,7 @@
 glue-kernel term (planner round 1; bench/notes/planner_round1.md).
 
 Reads bench/results/multi_gpu_h200x2*.json (one prefill step of each layout, `execute_ms`) and
-bench/results/gpu_moe.json (single-GPU decode and prefill rows, `ms_per_step`) and recomputes
+bench/results/gpu_moe_20261129T1318.json (single-GPU decode and prefill rows, `ms_per_step`) and recomputes
 every prediction through the benches' own helpers (`actors.multi_gpu_report.planner`,
 `actors.gpu_bench_parts.planner`), twice: with the cost model's constants as they are ("new")
 and with `count_glue=False` ("old", the model before this round; it must reproduce the figure
@@ -33,7 +33,7 @@ MULTI = (
     "multi_gpu_h200x2_symm_a_nccl.json", "multi_gpu_h200x2_symm_a_symm.json",
     "multi_gpu_h200x2_symm_b_nccl.json", "multi_gpu_h200x2_symm_b_symm.json",
 )  # fmt: skip
-SINGLE = "gpu_moe.json"
+SINGLE = "gpu_moe_20261129T1318.json"  # recorded before the glue term (the full run of 13:18Z)
 GOAL = 0.25
 """Issue 15: prediction within 25% of the measured step time."""
 
