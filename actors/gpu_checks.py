@@ -16,7 +16,14 @@ import torch
 
 from actors import gpu_bench_parts as parts
 from actors.gpu_bench_parts import log, sync, to_device
-from actors.gpu_tune import decode_tune, graph_us, plan_timing, router_timing, small_warps_timing
+from actors.gpu_tune import (
+    decode_tune,
+    graph_us,
+    mla_tune,
+    plan_timing,
+    router_timing,
+    small_warps_timing,
+)
 from actors.runner import LocalRunner, StepInput
 from actors.sampler import RowSampling
 
@@ -121,7 +128,34 @@ def triton_check(device: torch.device, *, tune: bool = True) -> tuple[bool, str]
             out[f"rel_err_{cls}"] = float(f"{err:.3g}")
     except Exception as exc:  # a kernel that fails to build is switched off and reported
         return False, json.dumps({**out, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    if tune:
+        try:
+            mla_tune(device, out)
+        except Exception as exc:  # the default tiles stay
+            out["mla_tune_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    out["mla"] = mla_check(device)
     return ok, json.dumps(out)
+
+
+def mla_check(device: torch.device) -> dict[str, Any]:
+    """The MLA decode kernel against the torch path at DeepSeek-V3's shapes (128 heads, latent
+    512 + rotary 64, bf16, ragged contexts); a failure switches it off (`mla_enabled`)."""
+    from actors.kernels import paged_decode
+
+    gen = torch.Generator(device=device).manual_seed(4)
+    cache = torch.randn(600, 16, 576, device=device, dtype=torch.bfloat16, generator=gen)
+    tables = torch.randint(0, 600, (4, 128), device=device, dtype=torch.int32, generator=gen)
+    lens = torch.tensor([1, 40, 2048, 777], device=device, dtype=torch.int32)
+    q = torch.randn(4, 128, 576, device=device, dtype=torch.bfloat16, generator=gen)
+    try:
+        ref = paged_decode.mla_decode_torch(q, cache, tables, lens, 0.072, 512).float()
+        got = paged_decode.mla_decode_triton(q, cache, tables, lens, 0.072, 512).float()
+        err = float((got - ref).norm() / ref.norm())
+    except Exception as exc:
+        paged_decode.mla_enabled = False
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    paged_decode.mla_enabled = err < 1e-2
+    return {"ok": paged_decode.mla_enabled, "rel_err": float(f"{err:.3g}")}
 
 
 def fused_check(device: torch.device) -> tuple[bool, str]:

@@ -106,6 +106,67 @@ def decode_tune(device: torch.device, out: dict) -> None:
         out[f"tiles_{cls}"] = list(paged_decode.DECODE_TILES[cls])
 
 
+MLA_CANDIDATES = [(32, 2, 4, 2), (64, 2, 4, 2), (32, 1, 4, 3), (16, 2, 4, 3), (64, 2, 8, 2),
+                  (32, 4, 4, 2)]  # fmt: skip
+"""Tiles of the MLA decode kernel ((TILE, programs per SM, warps, stages)), timed at
+MLA_TUNE_SHAPES (DeepSeek-V3: 128 heads, latent 512 + rotary 64, 16-token blocks, bf16)."""
+MLA_TUNE_SHAPES = [(1, 8192), (32, 1024), (32, 8192)]
+
+
+def mla_tune(device: torch.device, out: dict) -> None:
+    """Times each `MLA_CANDIDATES` tile (rotating block tables over >= 256 MB of latents, so
+    the timings do not run from L2) and keeps the one with the lowest sum of times relative to
+    the fastest at each shape in `paged_decode.MLA_TILES`; a candidate off the torch path by
+    more than 1e-2 (checked at the first shape) or failing to build is reported, never chosen."""
+    from actors.kernels import paged_decode
+
+    g = torch.Generator(device=device).manual_seed(9)
+    times: dict[tuple, list[float]] = {c: [] for c in MLA_CANDIDATES}
+    for b, ctx in MLA_TUNE_SHAPES:
+        width = ctx // 16 + 1
+        per_call = b * width * 16 * 576 * 2
+        rot = max(2, min(20, -(-(256 << 20) // per_call)))
+        n = rot * b * width
+        cache = torch.randn(n, 16, 576, device=device, generator=g).to(torch.bfloat16)
+        perm = torch.randperm(n, device=device, generator=g).to(torch.int32)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+        sets = [
+            (torch.randn(b, 128, 576, device=device, generator=g).to(torch.bfloat16),
+             perm[i * b * width:(i + 1) * b * width].view(b, width).contiguous())
+            for i in range(rot)
+        ]  # fmt: skip
+        ref = None
+        if (b, ctx) == MLA_TUNE_SHAPES[0]:
+            ref = paged_decode.mla_decode_torch(sets[0][0], cache, sets[0][1], lens, 0.072, 512)
+        for cand in list(times):
+
+            def call(x, cand=cand, c=cache, lens=lens):
+                return paged_decode.mla_decode_triton(x[0], c, x[1], lens, 0.072, 512, tiles=cand)
+
+            name = "x".join(map(str, cand))
+            try:
+                if ref is not None:
+                    err = float((call(sets[0]).float() - ref.float()).norm() / ref.float().norm())
+                    out[f"mla_err_{name}"] = float(f"{err:.3g}")
+                    if not err < 1e-2:
+                        times.pop(cand)
+                        continue
+                us = graph_us(call, sets)
+            except Exception as exc:
+                out[f"mla_failed_{name}"] = f"{type(exc).__name__}: {exc}"[:200]
+                times.pop(cand)
+                continue
+            times[cand].append(us)
+            out[f"mla_us_{name}_b{b}x{ctx}"] = round(us, 2)
+        del cache, sets
+    if not times:
+        return
+    best = [min(ts[i] for ts in times.values()) for i in range(len(MLA_TUNE_SHAPES))]
+    score = {c: sum(t / bt for t, bt in zip(ts, best, strict=True)) for c, ts in times.items()}
+    paged_decode.MLA_TILES = min(score, key=score.get)
+    out["mla_tiles"] = list(paged_decode.MLA_TILES)
+
+
 ROUTER_CANDIDATES = [
     (2, 512, 4),
     (4, 512, 4),

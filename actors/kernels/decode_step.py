@@ -115,8 +115,13 @@ class DecodeView:
     def mla(self, q_lat: torch.Tensor, scale: float, rank: int) -> torch.Tensor:
         """Step 3 for MLA in the latent space: q_lat [B, H, R + P] -> [B, H, R]."""
         c = self.context
+        cache = c.cache.k[self.index]
+        if c.use_triton and paged_decode.mla_triton_suits(cache, rank):
+            return paged_decode.mla_decode_triton(
+                q_lat, cache, c.block_tables, c.context_lens, scale, rank
+            )
         return paged_decode.mla_decode_torch(
-            q_lat, c.cache.k[self.index], c.block_tables, c.context_lens, scale, rank
+            q_lat, cache, c.block_tables, c.context_lens, scale, rank
         )
 
 

@@ -18,10 +18,14 @@ Two implementations with that signature:
   `per_sm` programs per SM run (B*KV*S fills the chip at batch 1 and leaves a short last wave at
   batch 32); the tile shape is tuned on the device (`DECODE_TILES`).
 
-MLA decode (`mla_decode_torch`) runs in the latent space (weight absorption, DeepSeek-V2 paper
-section 2.1.2): q_lat [B, H, R + P] (q_nope absorbed through kv_b's key half, then the rotary
-part) against the cached [normalised latent | rotated key] rows [N, BS, R + P]; returns the
-attention-weighted latent [B, H, R] (the caller applies kv_b's value half).
+MLA decode runs in the latent space (weight absorption, DeepSeek-V2 paper section 2.1.2):
+q_lat [B, H, R + P] (q_nope absorbed through kv_b's key half, then the rotary part) against the
+cached [normalised latent | rotated key] rows [N, BS, R + P]; returns the attention-weighted
+latent [B, H, R] (the caller applies kv_b's value half). `mla_decode_torch` gathers the padded
+context in float32; `mla_decode_triton` is the same flash-decoding over the paged rows with every
+query head reading one shared latent row (grid (B, H / HB, S): HB heads a program, the latent
+part and the rotary part of each score as two products, the weighted latent accumulated in
+float32; the partials merged as the GQA kernel's are).
 """
 
 from __future__ import annotations
@@ -185,6 +189,115 @@ if triton_available():
         )
         out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
         tl.store(out_ptr + bh * D + d, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _mla_partial(
+        q_ptr, c_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
+        stride_qb, stride_qh, stride_cn, stride_ct, stride_btb,
+        qk_scale,
+        H: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+        P_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr,
+        S: tl.constexpr,
+    ):  # fmt: skip
+        """Program (b, j, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b for query heads
+        [j * HB, (j + 1) * HB), each cached row [latent R | rotary P] read once for all of
+        them. Scores in base 2 (qk_scale includes log2 e)."""
+        b = tl.program_id(0)
+        hb = tl.program_id(1)
+        s = tl.program_id(2)
+        ctx = tl.load(lens_ptr + b)
+        head = hb * HB + tl.arange(0, HB)
+        live = head < H
+        r = tl.arange(0, R)
+        p = tl.arange(0, P_PAD)
+        t = tl.arange(0, TILE)
+        q_row = q_ptr + b * stride_qb + head[:, None] * stride_qh
+        q_lat = tl.load(q_row + r[None, :], mask=live[:, None], other=0.0)
+        q_rot = tl.load(q_row + R + p[None, :], mask=live[:, None] & (p < P)[None, :], other=0.0)
+        m = tl.full([HB], -1.0e30, tl.float32)
+        l_sum = tl.zeros([HB], tl.float32)
+        acc = tl.zeros([HB, R], tl.float32)
+        lo = s * (PER_SPLIT * TILE)
+        hi = tl.minimum(ctx, lo + PER_SPLIT * TILE)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        for j in range(0, PER_SPLIT):
+            pos = lo + j * TILE + t
+            valid = pos < hi
+            blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
+            row = c_ptr + blk * stride_cn + (pos % BS) * stride_ct
+            c_lat = tl.load(row[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+            c_rot = tl.load(
+                row[:, None] + R + p[None, :], mask=valid[:, None] & (p < P)[None, :], other=0.0
+            )
+            scores = tl.dot(q_lat, tl.trans(c_lat)) + tl.dot(q_rot, tl.trans(c_rot))
+            scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            w = tl.where(valid[None, :], tl.exp2(scores - m_new[:, None]), 0.0)
+            alpha = tl.exp2(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(w, 1)
+            acc = acc * alpha[:, None] + tl.dot(w.to(c_lat.dtype), c_lat)
+            m = m_new
+        out = (b * H + head) * S + s
+        tl.store(acc_ptr + out[:, None] * R + r[None, :], acc, mask=live[:, None])
+        tl.store(ml_ptr + out * 2, m, mask=live)
+        tl.store(ml_ptr + out * 2 + 1, l_sum, mask=live)
+
+
+MLA_TILES = (32, 2, 4, 2)
+"""(TILE tokens a loop step, programs per SM aimed at, num_warps, num_stages) of `_mla_partial`."""
+MLA_HEADS = 16
+"""Query heads a program (the products' smallest M)."""
+mla_enabled = True
+"""Cleared by `gpu_checks.triton_check` when the MLA kernel fails its check on the device (the
+torch path then serves MLA; GQA keeps its kernel)."""
+
+
+def mla_triton_suits(cache: torch.Tensor, rank: int) -> bool:
+    """The MLA kernel's shape needs: a power-of-two latent of at least 16, a rotary part of at
+    most 256, rows contiguous in a [N, BS, R + P] cache."""
+    rot = cache.shape[-1] - rank
+    return (
+        mla_enabled and cache.dim() == 3 and rank >= 16 and (rank & (rank - 1)) == 0 and 0 < rot <= 256
+        and cache.stride(-1) == 1
+    )  # fmt: skip
+
+
+def mla_decode_triton(
+    q_lat: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    rank: int,
+    *,
+    splits: int | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Flash-decoding of MLA in the latent space; the contract of `mla_decode_torch`."""
+    if not triton_available():
+        raise RuntimeError("triton is not installed")
+    b, h, _ = q_lat.shape
+    bs, rot = cache.shape[1], cache.shape[-1] - rank
+    width = block_tables.shape[1]
+    tile, per_sm, warps, stages = tiles or MLA_TILES
+    groups = -(-h // MLA_HEADS)
+    s, per = split_plan(b, groups, width * bs, tile, per_sm, _sm_count(q_lat.device))
+    if splits:
+        per = math.ceil(math.ceil(width * bs / tile) / splits)
+        s = math.ceil(math.ceil(width * bs / tile) / per)
+    q_lat = q_lat.contiguous()
+    acc = torch.empty(b * h * s, rank, dtype=torch.float32, device=q_lat.device)
+    ml = torch.empty(b * h * s, 2, dtype=torch.float32, device=q_lat.device)
+    out = torch.empty(b, h, rank, dtype=q_lat.dtype, device=q_lat.device)
+    _mla_partial[(b, groups, s)](
+        q_lat, cache, block_tables, context_lens, acc, ml,
+        q_lat.stride(0), q_lat.stride(1), cache.stride(0), cache.stride(1),
+        block_tables.stride(0), scale * LOG2E,
+        H=h, HB=MLA_HEADS, R=rank, P=rot, P_PAD=max(16, triton.next_power_of_2(rot)), BS=bs,
+        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _gqa_merge[(b * h,)](acc, ml, out, D=rank, S=s, S_PAD=max(2, triton.next_power_of_2(s)))
+    return out
 
 
 def gqa_decode_triton(

@@ -30,3 +30,13 @@ def test_triton_decode_kernel_matches_torch_on_device():
         pytest.skip("triton is not installed")
     ok, note = triton_check(torch.device("cuda"))
     assert ok, note
+
+
+def test_triton_mla_decode_matches_torch_on_device():
+    from actors.gpu_checks import mla_check
+    from actors.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    result = mla_check(torch.device("cuda"))
+    assert result["ok"], result

@@ -13,7 +13,7 @@ from actors.kv_cache import slots_for
 from actors.runner import LocalRunner, StepInput
 from actors.sampler import RowSampling
 from tests.actors.checkpoints import make_tiny_checkpoint
-from tests.actors.interpreted import run_interpreted
+from tests.actors.interpreted import needs_triton, run_interpreted
 
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=0, step=0)
 
@@ -139,3 +139,49 @@ print(json.dumps(errs))
 def test_triton_gqa_decode_interpreted():
     errs = run_interpreted(TRITON_SCRIPT, timeout=240)
     assert max(errs) < 1e-4, errs
+
+
+def _mla_case(seed=0, bs=16, rank=32, rot=8, heads=20):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(12, bs, rank + rot, generator=gen)
+    q = torch.randn(3, heads, rank + rot, generator=gen)
+    tables = torch.tensor([[4, 1, 7, 0], [2, 0, 0, 0], [11, 10, 9, 8]], dtype=torch.int32)
+    lens = torch.tensor([2 * bs + 3, 5, 4 * bs], dtype=torch.int32)
+    return q, cache, tables, lens
+
+
+MLA_SCRIPT = """
+import json, torch
+from actors.kernels.paged_decode import mla_decode_torch, mla_decode_triton, mla_triton_suits
+from tests.actors.test_kernels_decode import _mla_case
+errs, moved = [], []
+# Heads not a multiple of the kernel's 16 (masked rows), a rotary part padded to 16 (8) and
+# one that is not (16); one split, several, and tiles spanning 1 and 2 cache blocks.
+for rank, rot, heads in ((32, 8, 20), (16, 16, 4)):
+    q, cache, tables, lens = _mla_case(seed=5, rank=rank, rot=rot, heads=heads)
+    assert mla_triton_suits(cache, rank)
+    ref = mla_decode_torch(q, cache, tables, lens, 0.3, rank)
+    for s, t in ((1, None), (3, None), (None, (16, 8, 4, 2)), (2, (32, 2, 4, 2))):
+        out = mla_decode_triton(q, cache, tables, lens, 0.3, rank, splits=s, tiles=t)
+        errs.append(float((out - ref).abs().max()))
+    bad = tables.clone()
+    bad[2, 1] = 3  # a wrong block in the table must change the result
+    moved.append(float((mla_decode_triton(q, cache, bad, lens, 0.3, rank) - ref).abs().max()))
+print(json.dumps({"errs": errs, "moved": moved}))
+"""
+
+
+@needs_triton
+def test_triton_mla_decode_interpreted():
+    got = run_interpreted(MLA_SCRIPT, timeout=240)
+    assert max(got["errs"]) < 1e-4, got
+    assert min(got["moved"]) > 1e-2, got
+
+
+def test_mla_triton_suits_refuses_what_the_kernel_cannot_take():
+    from actors.kernels.paged_decode import mla_triton_suits
+
+    assert mla_triton_suits(torch.empty(4, 16, 512 + 64), 512)
+    assert not mla_triton_suits(torch.empty(4, 16, 24 + 8), 24)  # latent not a power of two
+    assert not mla_triton_suits(torch.empty(4, 16, 8 + 8), 8)  # latent under 16
+    assert not mla_triton_suits(torch.empty(4, 16, 32), 32)  # no rotary part
