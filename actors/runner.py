@@ -218,8 +218,9 @@ class LocalRunner:
             ctx = MirroredContext(**fields, mirror=mirror)
         else:
             ctx = PagedContext(**fields)
-        rows = None
-        if not all_rows:
+        rows = None  # all rows: a decode step sampling every sequence in order needs no index
+        every = len(step.sample_seqs) == len(step.token_ids) == len(step.query_lens)
+        if not all_rows and not (every and step.sample_seqs == tuple(range(len(step.query_lens)))):
             ends = torch.cumsum(torch.tensor(step.query_lens), 0) - 1
             rows = ends[list(step.sample_seqs)].to(self.device)
         logits = self.model(
