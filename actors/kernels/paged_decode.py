@@ -245,8 +245,9 @@ if triton_available():
         tl.store(ml_ptr + out * 2 + 1, l_sum, mask=live)
 
 
-MLA_TILES = (32, 2, 4, 2)
-"""(TILE tokens a loop step, programs per SM aimed at, num_warps, num_stages) of `_mla_partial`."""
+MLA_TILES = (64, 2, 4, 2)
+"""(TILE tokens a loop step, programs per SM aimed at, num_warps, num_stages) of `_mla_partial`:
+the fastest of `gpu_tune.MLA_CANDIDATES` in both H200 tunings (2026-11-30; the tuning rewrites it)."""
 MLA_HEADS = 16
 """Query heads a program (the products' smallest M)."""
 mla_enabled = True
