@@ -245,11 +245,11 @@ if triton_available():
         tl.store(ml_ptr + out * 2 + 1, l_sum, mask=live)
 
 
-MLA_TILES = (64, 2, 4, 2)
-"""(TILE tokens a loop step, programs per SM aimed at, num_warps, num_stages) of `_mla_partial`:
-the fastest of `gpu_tune.MLA_CANDIDATES` in both H200 tunings (2026-11-30; the tuning rewrites it)."""
-MLA_HEADS = 16
-"""Query heads a program (the products' smallest M)."""
+MLA_TILES = (64, 1, 8, 2, 32)
+"""(TILE tokens a loop step, programs per SM aimed at, num_warps, num_stages, query heads a
+program) of `_mla_partial` (heads: at least 16, the products' smallest M): the fastest of
+`gpu_tune.MLA_CANDIDATES` at every tuned shape on the H200 (2026-11-30 00:25Z; the tuning
+rewrites it)."""
 mla_enabled = True
 """Cleared by `gpu_checks.triton_check` when the MLA kernel fails its check on the device (the
 torch path then serves MLA; GQA keeps its kernel)."""
@@ -282,8 +282,8 @@ def mla_decode_triton(
     b, h, _ = q_lat.shape
     bs, rot = cache.shape[1], cache.shape[-1] - rank
     width = block_tables.shape[1]
-    tile, per_sm, warps, stages = tiles or MLA_TILES
-    groups = -(-h // MLA_HEADS)
+    tile, per_sm, warps, stages, heads = tiles or MLA_TILES
+    groups = -(-h // heads)
     s, per = split_plan(b, groups, width * bs, tile, per_sm, _sm_count(q_lat.device))
     if splits:
         per = math.ceil(math.ceil(width * bs / tile) / splits)
@@ -296,7 +296,7 @@ def mla_decode_triton(
         q_lat, cache, block_tables, context_lens, acc, ml,
         q_lat.stride(0), q_lat.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0), scale * LOG2E,
-        H=h, HB=MLA_HEADS, R=rank, P=rot, P_PAD=max(16, triton.next_power_of_2(rot)), BS=bs,
+        H=h, HB=heads, R=rank, P=rot, P_PAD=max(16, triton.next_power_of_2(rot)), BS=bs,
         TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _gqa_merge[(b * h,)](acc, ml, out, D=rank, S=s, S_PAD=max(2, triton.next_power_of_2(s)))

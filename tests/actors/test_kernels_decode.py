@@ -161,7 +161,7 @@ for rank, rot, heads in ((32, 8, 20), (16, 16, 4)):
     q, cache, tables, lens = _mla_case(seed=5, rank=rank, rot=rot, heads=heads)
     assert mla_triton_suits(cache, rank)
     ref = mla_decode_torch(q, cache, tables, lens, 0.3, rank)
-    for s, t in ((1, None), (3, None), (None, (16, 8, 4, 2)), (2, (32, 2, 4, 2))):
+    for s, t in ((1, None), (3, None), (None, (16, 8, 4, 2, 16)), (2, (32, 2, 4, 2, 32))):
         out = mla_decode_triton(q, cache, tables, lens, 0.3, rank, splits=s, tiles=t)
         errs.append(float((out - ref).abs().max()))
     bad = tables.clone()
