@@ -19,6 +19,25 @@ one 16-token block a step, ~2 programs per SM)."""
 DECODE_TUNE_SHAPES = {"small": [(1, 1024)], "large": [(32, 1024), (32, 8192)]}
 
 
+def rotating_sets(b: int, ctx: int, token_bytes: int, q_shape: tuple, g, device):
+    """Inputs of a decode-attention timing over 16-token blocks: (blocks n, bytes a call reads,
+    context lens [b], [(q [b, *q_shape] bf16, block table [b, width])]): as many tables over
+    distinct blocks (a random permutation of n) as make >= 256 MB of reads (2-20), so the timed
+    calls do not run from L2."""
+    width = ctx // 16 + 1
+    per_call = b * width * 16 * token_bytes
+    rot = max(2, min(20, -(-(256 << 20) // per_call)))
+    n = rot * b * width
+    perm = torch.randperm(n, device=device, generator=g).to(torch.int32)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    sets = [
+        (torch.randn(b, *q_shape, device=device, generator=g).to(torch.bfloat16),
+         perm[i * b * width:(i + 1) * b * width].view(b, width).contiguous())
+        for i in range(rot)
+    ]  # fmt: skip
+    return n, per_call, lens, sets
+
+
 def graph_us(fn, sets: list, *, calls: int = 20) -> float:
     """Median us per call of fn(sets[i % len(sets)]) over 5 replays of a CUDA graph of `calls`
     calls (one call's launches cost more host time than its kernels take on the device)."""
@@ -59,19 +78,9 @@ def decode_tune(device: torch.device, out: dict) -> None:
     for cls, shapes in DECODE_TUNE_SHAPES.items():
         times: dict[tuple, list[float]] = {c: [] for c in DECODE_CANDIDATES[cls]}
         for b, ctx in shapes:
-            width = ctx // 16 + 1
-            per_call = b * width * 16 * 4 * 128 * 2 * 2
-            rot = max(2, min(20, -(-(256 << 20) // per_call)))
-            n = rot * b * width
+            n, per_call, lens, sets = rotating_sets(b, ctx, 4 * 128 * 2 * 2, (32, 128), g, device)
             k = torch.randn(n, 16, 4, 128, device=device, generator=g).to(torch.bfloat16)
             v = torch.randn(n, 16, 4, 128, device=device, generator=g).to(torch.bfloat16)
-            perm = torch.randperm(n, device=device, generator=g).to(torch.int32)
-            lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
-            sets = [
-                (torch.randn(b, 32, 128, device=device, generator=g).to(torch.bfloat16),
-                 perm[i * b * width:(i + 1) * b * width].view(b, width).contiguous())
-                for i in range(rot)
-            ]  # fmt: skip
             ref = None
             if ctx <= 1024:
                 ref = paged_decode.gqa_decode_torch(sets[0][0], k, v, sets[0][1], lens, 0.088)
@@ -123,18 +132,8 @@ def mla_tune(device: torch.device, out: dict) -> None:
     g = torch.Generator(device=device).manual_seed(9)
     times: dict[tuple, list[float]] = {c: [] for c in MLA_CANDIDATES}
     for b, ctx in MLA_TUNE_SHAPES:
-        width = ctx // 16 + 1
-        per_call = b * width * 16 * 576 * 2
-        rot = max(2, min(20, -(-(256 << 20) // per_call)))
-        n = rot * b * width
+        n, _, lens, sets = rotating_sets(b, ctx, 576 * 2, (128, 576), g, device)
         cache = torch.randn(n, 16, 576, device=device, generator=g).to(torch.bfloat16)
-        perm = torch.randperm(n, device=device, generator=g).to(torch.int32)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
-        sets = [
-            (torch.randn(b, 128, 576, device=device, generator=g).to(torch.bfloat16),
-             perm[i * b * width:(i + 1) * b * width].view(b, width).contiguous())
-            for i in range(rot)
-        ]  # fmt: skip
         ref = None
         if (b, ctx) == MLA_TUNE_SHAPES[0]:
             ref = paged_decode.mla_decode_torch(sets[0][0], cache, sets[0][1], lens, 0.072, 512)

@@ -265,6 +265,17 @@ def mla_triton_suits(cache: torch.Tensor, rank: int) -> bool:
     )  # fmt: skip
 
 
+def _partials(b, groups, tokens, tile, per_sm, splits, rows, cols, like: torch.Tensor):
+    """(splits S, tiles per split, acc [rows x S, cols], (max, sum) [rows x S, 2]) of a
+    flash-decoding launch over `tokens` padded context tokens: the split plan's S, or `splits`."""
+    s, per = split_plan(b, groups, tokens, tile, per_sm, _sm_count(like.device))
+    if splits:
+        per = math.ceil(math.ceil(tokens / tile) / splits)
+        s = math.ceil(math.ceil(tokens / tile) / per)
+    acc = torch.empty(rows * s, cols, dtype=torch.float32, device=like.device)
+    return s, per, acc, torch.empty(rows * s, 2, dtype=torch.float32, device=like.device)
+
+
 def mla_decode_triton(
     q_lat: torch.Tensor,
     cache: torch.Tensor,
@@ -274,9 +285,10 @@ def mla_decode_triton(
     rank: int,
     *,
     splits: int | None = None,
-    tiles: tuple[int, int, int, int] | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Flash-decoding of MLA in the latent space; the contract of `mla_decode_torch`."""
+    """Flash-decoding of MLA in the latent space; the contract of `mla_decode_torch`.
+    tiles: (TILE, programs per SM, warps, stages, heads a program), default `MLA_TILES`."""
     if not triton_available():
         raise RuntimeError("triton is not installed")
     b, h, _ = q_lat.shape
@@ -284,13 +296,8 @@ def mla_decode_triton(
     width = block_tables.shape[1]
     tile, per_sm, warps, stages, heads = tiles or MLA_TILES
     groups = -(-h // heads)
-    s, per = split_plan(b, groups, width * bs, tile, per_sm, _sm_count(q_lat.device))
-    if splits:
-        per = math.ceil(math.ceil(width * bs / tile) / splits)
-        s = math.ceil(math.ceil(width * bs / tile) / per)
+    s, per, acc, ml = _partials(b, groups, width * bs, tile, per_sm, splits, b * h, rank, q_lat)
     q_lat = q_lat.contiguous()
-    acc = torch.empty(b * h * s, rank, dtype=torch.float32, device=q_lat.device)
-    ml = torch.empty(b * h * s, 2, dtype=torch.float32, device=q_lat.device)
     out = torch.empty(b, h, rank, dtype=q_lat.dtype, device=q_lat.device)
     _mla_partial[(groups, b, s)](
         q_lat, cache, block_tables, context_lens, acc, ml,
@@ -326,13 +333,8 @@ def gqa_decode_triton(
     tile, per_sm, warps, stages = (
         tiles or DECODE_TILES["small" if b <= DECODE_SMALL_BATCH else "large"]
     )
-    s, per = split_plan(b, kv, width * bs, tile, per_sm, _sm_count(q.device))
-    if splits:
-        per = math.ceil(math.ceil(width * bs / tile) / splits)
-        s = math.ceil(math.ceil(width * bs / tile) / per)
+    s, per, acc, ml = _partials(b, kv, width * bs, tile, per_sm, splits, b * h, d, q)
     q = q.contiguous()
-    acc = torch.empty(b * h * s, d, dtype=torch.float32, device=q.device)
-    ml = torch.empty(b * h * s, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _gqa_partial[(b, kv, s)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml,
