@@ -107,6 +107,8 @@ def swiglu_into_pairs(
     x[src[r]] by its expert, the same products as `grouped_swiglu` over x[src] (bit for bit),
     but each expert gathers its own rows (still in cache for its first GEMM) and scatters its
     outputs to their pairs, so the weighted sum reads them without gathering them back."""
+    if order.shape[0] <= PADDED_MAX_PAIRS:
+        return _padded_into_pairs(x, src, order, counts, w_gate_up, w_down)
     y = x.new_empty(order.shape[0], w_down.shape[1])
     sizes = counts.tolist()
     parts = zip(
@@ -117,6 +119,26 @@ def swiglu_into_pairs(
             gate, up = F.linear(x.index_select(0, tokens), w_gu).chunk(2, dim=-1)
             y.index_copy_(0, pairs, F.linear(F.silu(gate) * up, w_d))
     return y
+
+
+PADDED_MAX_PAIRS = 256
+"""Up to this many (token, k) pairs (a decode step's), `swiglu_into_pairs` runs each weight as one
+batched product over rows padded to the busiest expert's count: fewer calls than a product per
+expert, which decide at these sizes (measured on the 2-core CPU box, 8 experts of 256 -> 128,
+2 threads: 128 pairs 0.54 vs 0.70 ms a layer, 256 pairs 0.48 vs 0.60; 512 pairs 4.7 vs 2.4)."""
+
+
+def _padded_into_pairs(x, src, order, counts, w_gate_up, w_down) -> torch.Tensor:
+    """`swiglu_into_pairs` as two batched products over [E, busiest count, ...] (zero rows pad
+    the idler experts; they are never read back)."""
+    e, m = counts.shape[0], int(counts.max())
+    starts = torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(e), counts)
+    slot = expert * m + (torch.arange(order.shape[0]) - starts[expert])
+    padded = x.new_zeros(e * m, x.shape[1]).index_copy_(0, slot, x.index_select(0, src))
+    gate, up = torch.bmm(padded.view(e, m, -1), w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2)).view(e * m, -1)
+    return x.new_empty(order.shape[0], w_down.shape[1]).index_copy_(0, order, out[slot])
 
 
 def grouped_mm_suits(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:

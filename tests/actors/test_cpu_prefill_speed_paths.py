@@ -23,7 +23,7 @@ from actors import runner as runner_module
 from actors.arch import ArchConfig
 from actors.engine import Engine, SamplingParams
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
-from actors.layers import attention
+from actors.layers import attention, experts
 from actors.layers.attention import GQAAttention, paged_attend
 from actors.layers.experts import grouped_swiglu, swiglu_into_pairs
 from actors.layers.moe import MoE
@@ -122,9 +122,11 @@ def test_rms_norm_and_rotary_without_grad_equal_the_plain_formulas_bit_for_bit()
     assert torch.equal(fast, torch.cat((half1 * c - half2 * s, half2 * c + half1 * s), dim=-1))
 
 
-def test_experts_into_pairs_equal_the_grouped_experts_gathered_back():
+@pytest.mark.parametrize("t", [50, 200])  # 100 pairs: one padded product a weight; 400: per expert
+def test_experts_into_pairs_equal_the_grouped_experts_gathered_back(t):
     torch.manual_seed(3)
-    t, k, e, h, i = 50, 2, 6, 32, 24
+    k, e, h, i = 2, 6, 32, 24
+    assert (t * k <= experts.PADDED_MAX_PAIRS) == (t == 50)
     x = torch.randn(t, h)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     ids[:, 0] = torch.where(ids[:, 0] == 4, 0, ids[:, 0])  # expert 4 busy only as second choice
