@@ -117,8 +117,9 @@ def decode_tune(device: torch.device, out: dict) -> None:
 
 MLA_CANDIDATES = [(64, 2, 4, 2, 16), (32, 2, 4, 2, 16), (32, 1, 4, 3, 16), (64, 1, 8, 2, 32),
                   (32, 1, 8, 2, 32), (32, 2, 8, 3, 32)]  # fmt: skip
-"""Tiles of the MLA decode kernel ((TILE, programs per SM, warps, stages, heads a program)), timed at
-MLA_TUNE_SHAPES (DeepSeek-V3: 128 heads, latent 512 + rotary 64, 16-token blocks, bf16)."""
+"""Tiles of the MLA decode kernel ((TILE, programs per SM, warps, stages, heads a program)),
+timed at MLA_TUNE_SHAPES (DeepSeek-V3: 128 heads, latent 512 + rotary 64, 16-token blocks,
+bf16)."""
 MLA_TUNE_SHAPES = [(1, 8192), (32, 1024), (32, 8192)]
 
 

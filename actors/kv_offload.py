@@ -196,8 +196,8 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
     it goes into each row's header gap and the piece's payload sums (`mix64` of the staged rows,
     ~9 kernels a piece) are added to it there, so the rows land whole blocks and the host's put
     of a batch waits for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks
-    stream after the first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's payloads (and headers) go into a ring of STAGING_SLOTS
-    device buffers on a staging stream; the copy stream runs only the device->host copies, back
+    stream after the first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's
+    payloads (and headers) go into a ring of STAGING_SLOTS device buffers on a staging stream; the copy stream runs only the device->host copies, back
     to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its slot. None waits
     for the payloads' sums (that idled the copies ~1.5 ms a store: round 8). Torch calls per piece
     (the host's launches are the store's critical path on the lent VMs): two copies and an event

@@ -260,8 +260,8 @@ def mla_triton_suits(cache: torch.Tensor, rank: int) -> bool:
     most 256, rows contiguous in a [N, BS, R + P] cache."""
     rot = cache.shape[-1] - rank
     return (
-        mla_enabled and cache.dim() == 3 and rank >= 16 and (rank & (rank - 1)) == 0 and 0 < rot <= 256
-        and cache.stride(-1) == 1
+        mla_enabled and cache.dim() == 3 and rank >= 16 and (rank & (rank - 1)) == 0
+        and 0 < rot <= 256 and cache.stride(-1) == 1
     )  # fmt: skip
 
 
