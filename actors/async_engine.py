@@ -7,6 +7,7 @@ this class beside Engine).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,12 +26,29 @@ STATS_CACHE_AGE_S = 1.0
 """AsyncEngine's per-step stats reuse the cache's own figures for this long."""
 
 
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: new tokens, text and logprobs joined; the
+    counters, the ending and a handoff (only ever on the last) the later one's."""
+    logprobs = None
+    if first.logprobs is not None or later.logprobs is not None:
+        logprobs = (first.logprobs or ()) + (later.logprobs or ())
+    return dataclasses.replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        text_delta=first.text_delta + later.text_delta,
+        logprobs=logprobs,
+    )
+
+
 class AsyncEngine:
     """An Engine stepped by a background thread, fed and read from asyncio.
 
     Requests and aborts go through a thread-safe queue the step thread drains before each step;
-    outputs go back to each request's asyncio.Queue with `call_soon_threadsafe`. Closing the
-    `generate` iterator early (a client that disconnects) aborts the request.
+    outputs go back to each request's asyncio.Queue with `call_soon_threadsafe`. A reader that
+    falls behind the steps gets the deltas waiting for it as one (tokens, text and logprobs
+    joined: `merge_outputs`, as vLLM's output collector does), so a slow stream costs one item
+    per read, not one per step. Closing the `generate` iterator early (a client that
+    disconnects) aborts the request.
     """
 
     def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05) -> None:
@@ -76,8 +94,17 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                failure = None
+                while not item.finished and not stream.empty():  # deltas that waited: one item
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        failure = later
+                        break
+                    item = merge_outputs(item, later)
                 finished = item.finished
                 yield item
+                if failure is not None:
+                    raise failure
                 if finished:
                     return
         finally:

@@ -230,3 +230,28 @@ def test_async_engine_streams_and_disconnect_frees_blocks(ckpts):
         aeng.shutdown()
     alone = run(make_engine(ckpts["mixtral"]), {"a": (prompt(11, 13), GREEDY)})["a"]
     assert tokens(done) == tokens(alone)
+
+
+def test_async_engine_joins_the_deltas_a_slow_reader_left_waiting(ckpts):
+    """A reader that comes back after the steps ran gets the waiting deltas as one item: the
+    same tokens, text and logprobs as a reader that kept up, in fewer items."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    p = prompt(11, 17)
+    want = run(make_engine(ckpts["qwen3_moe"]), {"a": (p, params)})["a"]
+    aeng = AsyncEngine(make_engine(ckpts["qwen3_moe"]))
+
+    async def slow():
+        gen = aeng.generate("a", p, params)
+        first = await gen.__anext__()  # the prefill's token
+        await asyncio.sleep(1.0)  # meanwhile the step thread finishes the request
+        return [first] + [o async for o in gen]
+
+    try:
+        got = asyncio.run(slow())
+    finally:
+        aeng.shutdown()
+    assert len(got) < len(want) == 8
+    assert tokens(got) == tokens(want)
+    assert "".join(o.text_delta for o in got) == "".join(o.text_delta for o in want)
+    assert [lp.token_id for o in got for lp in o.logprobs] == tokens(want)
+    assert got[-1].finished and got[-1].completion_tokens == 8
