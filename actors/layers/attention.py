@@ -118,11 +118,7 @@ def paged_attend(
     ):
         # Fresh prompts of one length (a benchmark batch, equal prefill chunks): one batched
         # causal call instead of one per sequence (the host issued ~10 ops a sequence a layer).
-        n = lens.pop()
-        k, v = expand(*written)
-        b = len(paged.query_lens)
-        qs, ks, vs = (t.view(b, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        return _fresh_causal(qs, ks, vs, scale, batched=True)
+        return _fresh_causal(q, *expand(*written), lens.pop(), scale)
     outs = []
     start = 0
     for seq, (n, ctx) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
@@ -131,11 +127,11 @@ def paged_attend(
             k, v = expand(*(w[start : start + n] if w is not None else None for w in written))
         else:
             k, v = expand(*paged.gather(seq))
-        qs = q[start : start + n].transpose(0, 1)
         if fresh:
-            outs.append(_fresh_causal(qs, k, v, scale))
+            outs.append(_fresh_causal(q[start : start + n], k, v, n, scale))
             start += n
             continue
+        qs = q[start : start + n].transpose(0, 1)
         mask = causal_mask(n, ctx, window, q.device)
         o = F.scaled_dot_product_attention(
             qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
@@ -219,7 +215,9 @@ def _cpu_paged_attend(
             while stop < count and paged.query_lens[stop] == n == paged.context_lens[stop]:
                 stop += 1
             rows = slice(start, start + (stop - seq) * n)
-            outs.append(_fresh_run(q[rows], written[0][rows], written[1][rows], n, scale))
+            outs.append(
+                _fresh_causal(q[rows], written[0][rows], written[1][rows], n, scale, gqa=True)
+            )
             start, seq = rows.stop, stop
             continue
         # Step 2: one sequence over its gathered context
@@ -249,14 +247,6 @@ def _cpu_paged_attend(
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 
 
-def _fresh_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float):
-    """B fresh prompts of n tokens: q [B x n, h, d], k, v [B x n, hk, d] -> [B x n, h, d]."""
-    b = q.shape[0] // n
-    qs, ks, vs = (t.view(b, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-    return o.transpose(1, 2).reshape(b * n, o.shape[1], o.shape[-1])
-
-
 def _same_dtype(written: tuple[torch.Tensor, torch.Tensor | None], paged: LayerKV) -> bool:
     """The cache stores what was written without a cast (else read the cast values back)."""
     return written[0].dtype == paged.context.cache.k[paged.index].dtype
@@ -267,21 +257,21 @@ def q_full(q_nope: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
 
 
 def _fresh_causal(
-    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, batched: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float, *, gqa: bool = False
 ) -> torch.Tensor:
-    """A fresh prompt on the GPU: qs [h, L, d], k [L, h, d], v [L, h, dv] -> [L, h, dv]; or
-    `batched`, B prompts of one length: qs, k [B, h, L, d], v [B, h, L, dv] -> [B x L, h, dv].
+    """B fresh prompts of n tokens each, one plain causal call: q [B x n, h, d], k [B x n, hk, d],
+    v [B x n, hk, dv] -> [B x n, h, dv]; hk = h unless `gqa` (KV heads read as they are).
 
-    Plain causal attention through the fused kernels, which take no mask, want 4-D inputs and one
-    head size for q, k and v (MLA's smaller value heads are zero-padded, the padding cut after).
+    The fused kernels take no mask, want 4-D inputs and one head size for q, k and v (MLA's
+    smaller value heads are zero-padded, the padding cut after). On the CPU the flash kernel
+    blocks each (sequence, head) problem alike, so B prompts give each prompt's own rows.
     """
-    dv = v.shape[-1]
+    b, dv = q.shape[0] // n, v.shape[-1]
     if dv < k.shape[-1]:
         v = F.pad(v, (0, k.shape[-1] - dv))
-    if not batched:
-        qs, k, v = qs[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale)[..., :dv]
-    return o.transpose(1, 2).reshape(-1, o.shape[1], dv)
+    qs, ks, vs = (t.view(b, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    return o[..., :dv].transpose(1, 2).reshape(b * n, o.shape[1], dv)
 
 
 def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
