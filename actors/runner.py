@@ -37,7 +37,7 @@ import torch
 
 from actors.arch import ArchConfig
 from actors.kernels.decode_step import DecodeContext, DecodeGraphs
-from actors.kv_cache import KVCache, KVLayout, PagedContext
+from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks
 from actors.model import StageModel
 from actors.sampler import RowSampling, TokenLogprob, sample
 from cluster.errors import InputError
@@ -218,9 +218,9 @@ class LocalRunner:
             ctx = MirroredContext(**fields, mirror=mirror)
         else:
             ctx = PagedContext(**fields)
-        rows = None  # all rows: a decode step sampling every sequence in order needs no index
-        every = len(step.sample_seqs) == len(step.token_ids) == len(step.query_lens)
-        if not all_rows and not (every and step.sample_seqs == tuple(range(len(step.query_lens)))):
+        rows = None  # a step of one token a sequence, each sampled in order, needs no row index
+        every = step.sample_seqs == tuple(range(len(step.token_ids)))
+        if not all_rows and not (every and len(step.query_lens) == len(step.token_ids)):
             ends = torch.cumsum(torch.tensor(step.query_lens), 0) - 1
             rows = ends[list(step.sample_seqs)].to(self.device)
         logits = self.model(
@@ -232,7 +232,7 @@ class LocalRunner:
         )
         if isinstance(ctx, MirroredContext):
             mirror.end()
-        self.kv.update_summaries(_filled_blocks(step.slot_mapping, self.kv.layout.block_size))
+        self.kv.update_summaries(filled_blocks(step.slot_mapping, self.kv.layout.block_size))
         return logits
 
     def _decodes_fast(self, step: StepInput) -> bool:
@@ -404,12 +404,6 @@ class MirroredContext(PagedContext):
 
     def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.mirror.gather(self, layer)
-
-
-def _filled_blocks(slot_mapping: torch.Tensor, block_size: int) -> list[int]:
-    """Blocks whose last slot is written by this step (read from the host copy of the slots)."""
-    slots = slot_mapping.cpu()
-    return sorted(set((slots[(slots % block_size) == block_size - 1] // block_size).tolist()))
 
 
 def _num_layers(model_dir: str | Path) -> int:
