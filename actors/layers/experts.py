@@ -38,8 +38,7 @@ def grouped_swiglu(
     row r -> w_down[e] @ (silu(gate_e x_r) * (up_e x_r)) for its expert e.
     offsets [E] int32 (cumulative counts) may be given instead of counts (or beside them).
     """
-    r, e = x_sorted.shape[0], w_gate_up.shape[0]
-    if r == 0:
+    if x_sorted.shape[0] == 0:
         return x_sorted.new_zeros(0, w_down.shape[1])
     if grouped_mm_suits(x_sorted, w_gate_up):
         if offsets is None:
@@ -57,19 +56,28 @@ def grouped_swiglu(
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
     if x_sorted.device.type == "cpu":
         return _swiglu_per_expert(x_sorted, counts, w_gate_up, w_down)
-    # Step 1: each row's expert and slot inside that expert's padded block (rows past the last
-    # offset, a grouped EP buffer's tail, are not data: they come back as zeros).
+    return swiglu_padded(x_sorted, counts, w_gate_up, w_down)
+
+
+def swiglu_padded(
+    x_sorted: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_swiglu` as two batched matmuls over [E, busiest count, ...]: loop-free, but it
+    reads every expert's weights and the busiest count on the host. Rows past the counted ones
+    (a grouped EP buffer's tail) are not data: they come back as zeros."""
+    # Step 1: each row's expert and its slot in the flat padded block [E x capacity].
+    e = counts.shape[0]
     expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts)
-    used = expert.shape[0]
+    used, capacity = expert.shape[0], int(counts.max())
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(used, device=counts.device) - starts[expert]
-    capacity = int(counts.max())
-    # Step 2: scatter into [E, capacity, H], two batched matmuls, gather back.
-    padded = x_sorted.new_zeros(e, capacity, x_sorted.shape[1])
-    padded[expert, slot] = x_sorted[:used]
-    gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2))[expert, slot]
-    return out if used == r else torch.cat([out, out.new_zeros(r - used, out.shape[1])])
+    slot = expert * capacity + torch.arange(used, device=counts.device) - starts[expert]
+    # Step 2: scatter, two batched matmuls, gather back.
+    (r, h), h_out = x_sorted.shape, w_down.shape[1]
+    padded = x_sorted.new_zeros(e * capacity, h).index_copy_(0, slot, x_sorted[:used])
+    gate, up = torch.bmm(padded.view(e, capacity, h), w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2)).view(e * capacity, h_out)
+    out = out.index_select(0, slot)
+    return out if used == r else torch.cat([out, out.new_zeros(r - used, h_out)])
 
 
 def _swiglu_per_expert(
@@ -107,9 +115,10 @@ def swiglu_into_pairs(
     x[src[r]] by its expert, the same products as `grouped_swiglu` over x[src] (bit for bit),
     but each expert gathers its own rows (still in cache for its first GEMM) and scatters its
     outputs to their pairs, so the weighted sum reads them without gathering them back."""
-    if order.shape[0] <= PADDED_MAX_PAIRS:
-        return _padded_into_pairs(x, src, order, counts, w_gate_up, w_down)
     y = x.new_empty(order.shape[0], w_down.shape[1])
+    if order.shape[0] <= PADDED_MAX_PAIRS:
+        rows = swiglu_padded(x.index_select(0, src), counts, w_gate_up, w_down)
+        return y.index_copy_(0, order, rows)
     sizes = counts.tolist()
     parts = zip(
         w_gate_up.unbind(0), w_down.unbind(0), src.split(sizes), order.split(sizes), strict=True
@@ -123,22 +132,9 @@ def swiglu_into_pairs(
 
 PADDED_MAX_PAIRS = 256
 """Up to this many (token, k) pairs (a decode step's), `swiglu_into_pairs` runs each weight as one
-batched product over rows padded to the busiest expert's count: fewer calls than a product per
-expert, which decide at these sizes (measured on the 2-core CPU box, 8 experts of 256 -> 128,
+batched product over rows padded to the busiest expert's count (`swiglu_padded`): fewer calls
+than a product per expert, which decide at these sizes (measured on the 2-core CPU box, 8 experts of 256 -> 128,
 2 threads: 128 pairs 0.54 vs 0.70 ms a layer, 256 pairs 0.48 vs 0.60; 512 pairs 4.7 vs 2.4)."""
-
-
-def _padded_into_pairs(x, src, order, counts, w_gate_up, w_down) -> torch.Tensor:
-    """`swiglu_into_pairs` as two batched products over [E, busiest count, ...] (zero rows pad
-    the idler experts; they are never read back)."""
-    e, m = counts.shape[0], int(counts.max())
-    starts = torch.cumsum(counts, 0) - counts
-    expert = torch.repeat_interleave(torch.arange(e), counts)
-    slot = expert * m + (torch.arange(order.shape[0]) - starts[expert])
-    padded = x.new_zeros(e * m, x.shape[1]).index_copy_(0, slot, x.index_select(0, src))
-    gate, up = torch.bmm(padded.view(e, m, -1), w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
-    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2)).view(e * m, -1)
-    return x.new_empty(order.shape[0], w_down.shape[1]).index_copy_(0, order, out[slot])
 
 
 def grouped_mm_suits(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:
