@@ -221,13 +221,18 @@ class KVCache:
             )
         return out.to("cpu")
 
-    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+    def read_blocks(
+        self, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Blocks `block_ids` of every layer, [n, *layout.block_shape], on the cache's device
-        (one gather of K and one of V over all layers; KVTiers.store_many takes it as it is)."""
+        (one gather of K and one of V over all layers; KVTiers.store_many takes it as it is).
+        out: a view to fill instead (same shape and dtype, any strides, e.g. the payloads of a
+        store's staging rows: actors/kv_paged.py)."""
         first = self._stacked["k"]
-        out = torch.empty(
-            (len(block_ids), *self.layout.block_shape), dtype=first.dtype, device=first.device
-        )
+        if out is None:
+            out = torch.empty(
+                (len(block_ids), *self.layout.block_shape), dtype=first.dtype, device=first.device
+            )
         if not block_ids:
             return out
         if self.layout.mla:

@@ -92,11 +92,16 @@ SMALL_LOAD_BYTES = 1 << 26
 are bound by per-call costs, not by the copy)."""
 
 
-def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> list[bool]:
-    """KVTiers.store_many for the raw codec (see the module docstring)."""
+def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
+    """KVTiers.store_many for the raw codec (see the module docstring). blocks: [n, *shape], or
+    a `kv_paged.PagedBlocks` (its `src`, shape and device only; on CUDA each piece is staged
+    straight from the paged cache by its `stage`)."""
     n = len(keys)
     shape = tuple(blocks.shape[1:])
-    src = blocks.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
+    paged = blocks if hasattr(blocks, "stage") else None
+    src = (
+        blocks.src if paged else blocks.detach().contiguous().view(-1).view(torch.uint8).view(n, -1)
+    )
     width = row_bytes(src.shape[1])
     adopt = adopts_buffers(t.cache)
     cuda = src.device.type == "cuda"
@@ -106,7 +111,8 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: torch.Tensor) -> li
     lease = arena.take(width, n) if arena is not None else None
     try:
         pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
-        out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix, marks)
+        out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix, marks,
+                            paged)  # fmt: skip
     finally:
         if lease is not None:
             lease.close()
@@ -135,7 +141,8 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
     return out
 
 
-def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks) -> list:
+def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks,
+                  paged: Any = None) -> list:  # fmt: skip
     width = row_bytes(src.shape[1])
     alone = 1 if piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)) is None else 3
     batches = plan_batches(pieces, width, alone)
@@ -144,9 +151,11 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
     landed: list[Any] = []
     staging = None  # the device staging ring stays allocated until every copy from it is done
     if _on_cuda(src):
-        landed, staging = _launch(t, keys, src, dtype, shape, pieces, mix, marks, puts)
+        landed, staging = _launch(t, keys, src, dtype, shape, pieces, mix, marks, puts, paged)
     else:
         # Steps 1-2 on the CPU (tests): the same bytes, written with the same ops.
+        if paged:
+            src = paged.rows()  # the paged blocks gathered: [n, payload bytes]
         if mix:
             heads, puts.sums = _headers(t, keys, dtype, shape), body_mix64(src)
         for a, b, host, first, _ in pieces:
@@ -184,7 +193,8 @@ def _on_cuda(src: torch.Tensor) -> bool:
     return src.device.type == "cuda"
 
 
-def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts) -> tuple:
+def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
+            paged: Any = None) -> tuple:  # fmt: skip
     """Steps 1-2 of a store on CUDA: the pieces' staging and device->host copies queued, a round
     of up to STAGING_SLOTS pieces at a time (the first piece alone, so its copy starts early); the
     payloads' sums (`_payload_sums`) after the first round; MIX64: after each round, the batches
@@ -202,7 +212,9 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
     for the payloads' sums (that idled the copies ~1.5 ms a store: round 8). Torch calls per piece
     (the host's launches are the store's critical path on the lent VMs): two copies and an event
     on the staging stream, a wait, a slice, the copy and an event on the copy stream; the views
-    are made once per store and the current stream switched twice per round.
+    are made once per store and the current stream switched twice per round. `paged`
+    (kv_paged.PagedBlocks): each piece's payloads are gathered from the paged cache
+    straight into its staging rows (one copy of K and one of V), not copied from `src`.
     """
     device, width, np_ = src.device, row_bytes(src.shape[1]), len(pieces)
     stream, staging_stream = t._side_stream(device), t._side_stream(device, 2)
@@ -217,7 +229,8 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
     gap = HEADER_BYTES // wide.itemsize
     staging_w = staging.view(wide)
     rows, bodies = staging.unbind(0), staging_w[:, :, gap:].unbind(0)
-    gaps, parts = staging_w[:, :, :gap].unbind(0), src.view(wide).split(sizes)
+    gaps = staging_w[:, :, :gap].unbind(0)
+    parts = None if paged else src.view(wide).split(sizes)
     heads: Any = None
     on_device = mix and wide is torch.int64 and not base_store()
     landed: list[Any] = []
@@ -229,7 +242,11 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
                 slot, k = c % slots, sizes[c]
                 if c >= slots:
                     staging_stream.wait_event(landed[c - slots])
-                (bodies[slot] if k == per else bodies[slot][:k]).copy_(parts[c])
+                body = bodies[slot] if k == per else bodies[slot][:k]
+                if paged:
+                    paged.stage(body, pieces[c][0], pieces[c][1])
+                else:
+                    body.copy_(parts[c])
                 if mix:
                     if heads is None:
                         heads = _headers(t, keys, dtype, shape).to(device, non_blocking=True)
@@ -237,7 +254,6 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts)
                     gap_c = gaps[slot] if k == per else gaps[slot][:k]
                     gap_c.copy_(heads[c])
                     if on_device:  # the payloads' sums into the checksum fields, here
-                        body = bodies[slot] if k == per else bodies[slot][:k]
                         gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
                 t._event(device, 1 + np_ + c, staging_stream)  # staged
             torch.cuda.set_stream(stream)
@@ -290,8 +306,10 @@ def _payload_sums(t: KVTiers, src: torch.Tensor, event: int) -> tuple[torch.Tens
 
 
 def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:  # fmt: skip
-    """KVTiers.load_many for the raw codec (see the module docstring)."""
+              device: torch.device, scatter: Any = None) -> torch.Tensor:  # fmt: skip
+    """KVTiers.load_many for the raw codec (see the module docstring). scatter (MIX64 loads to
+    CUDA, kv_paged): called as scatter(a, rows) with each verified span's landed rows
+    [k, width] (a: its first block), on the checks stream right after its verification."""
     shape = t.block_shape
     n = len(keys)
     payload = dtype.itemsize
@@ -314,7 +332,7 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
         hash_here = unverified or getattr(t.cache, "verifies_reads", False) is not True
         m, stop = _load_landed(t, keys, staging, stream, dtype=dtype, shape=shape,
                                unverified=unverified, hash_here=hash_here, hits=hits,
-                               marks=marks)  # fmt: skip
+                               marks=marks, scatter=scatter)  # fmt: skip
     else:
         m, stop = _load_hosted(t, keys, staging, stream, dtype=dtype, shape=shape, hits=hits)
     if stop is not None:
@@ -345,14 +363,16 @@ def _spans(n: int, width: int) -> list[tuple[int, int]]:
 
 def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
                  dtype: torch.dtype, shape: tuple[int, ...], unverified: bool, hash_here: bool,
-                 hits: dict | None, marks: Marks) -> tuple[int, str | None]:  # fmt: skip
+                 hits: dict | None, marks: Marks,
+                 scatter: Any = None) -> tuple[int, str | None]:  # fmt: skip
     """load_many for MIX64 blocks, on this thread: (leading blocks good, why it stopped).
 
     staging: [n, width] uint8 on the target device. Per block the host checks only presence
     and length (and reads the checksum kind: an XXH3 block is verified on the host as before);
     the header's other fields are compared with `row_headers` on the device and the checksum is
     verified there too (`verify_rows`), one vectorised pass per span on a second stream after
-    the span's copies, so the bytes used are the bytes checked.
+    the span's copies, so the bytes used are the bytes checked. The host reads one number at
+    the end (the leading good rows, summed on the device), after `scatter` (load_many) ran.
     """
     n, width = staging.shape
     device, flat = staging.device, staging.view(-1)
@@ -375,6 +395,8 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 mask[mine] = True
                 good |= mask.to(device)
             verdict[a : a + ok] = good
+            if scatter is not None:
+                scatter(a, rows)
 
     m, stop = 0, None
     keep = []  # every fetched span's blocks stay referenced until the copies are done
@@ -449,21 +471,24 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
         marks.mark("copies_done", stream)
     if pending:
         verify(pending[0][0], sum(p[1] for p in pending), pending[-1][2])
+    lead: Any = None
+    if m:  # Step 4: how many leading rows are good, one number to the host's scratch
+        with nullcontext() if checks is None else torch.cuda.stream(checks):
+            lead = t._scratch("lead", 1, torch.int64)
+            lead.copy_(verdict[:m].to(torch.int32).cumprod(0).sum(), non_blocking=True)
     if stream is not None:
         if checks is not None:
             marks.mark("verified", checks)
         # The verdicts and rows were written on the side streams: the caller's stream (which
-        # reads them below and after we return) waits for both.
+        # reads them after we return) waits for both.
         current = torch.cuda.current_stream(device)
         current.wait_event(t._event(device, 0, stream))
         current.wait_event(t._event(device, 1 + n, checks))
-    if m:
-        good = verdict[:m].cpu()
-        if not bool(good.all()):
-            m, stop = int(good.logical_not().nonzero()[0, 0]), "corrupt"
-            t._drop(keys[m])
-    if stream is not None:
+        t._event(device, 1 + n, None).synchronize()  # verified (and scattered), `lead` landed
         stream.synchronize()  # no copy from a fetched row may still run once `keep` is dropped
+    if m and int(lead[0]) < m:
+        m, stop = int(lead[0]), "corrupt"
+        t._drop(keys[m])
     return m, stop
 
 

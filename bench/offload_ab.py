@@ -7,6 +7,14 @@ and loads are split per batch (host clock when each batch's rows were seen lande
 put, the phases after the last copy; ms relative to the end of the last copy on the device).
 
     python3 bench/offload_ab.py --out $OUT            # ~2-3 min on the H200 machine
+
+--paged-ab N (round 11): instead, N interleaved pairs of fresh offload_profile.py processes
+(`--paged --no-profile --layouts qwen3`): r10 (MOE_KV_PAGED=0: `read_blocks` + `store_many`,
+`load_many` + `write_blocks`) against r11 (store staged straight from the paged cache, load
+scattered straight into it), each run's fraction of the pinned round trip, the per-variant
+medians, and the median trace split of each variant's timed stores and loads.
+
+    python3 bench/offload_ab.py --out $OUT --paged-ab 5 --budget-s 190
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"base": "1", "r10": "0"}
+PAGED = {"r10p": "0", "r11": "1"}
+"""--paged-ab's variants: MOE_KV_PAGED."""
 GPU_MOE = ["bench/gpu_moe.py", "--models", "qwen3-30b-a3b", "--no-decode", "--no-prefill",
            "--skip-hf"]  # fmt: skip
 
@@ -30,14 +40,19 @@ START = time.perf_counter()
 
 def run(out: Path, name: str, variant: str, args: list[str], trace: bool, limit: float,
         budget: float) -> None:  # fmt: skip
-    """One fresh process of `args` with the variant's MOE_KV_STORE_BASE; skipped past `budget`
-    seconds since the start, and given at most what is left of it."""
+    """One fresh process of `args` with the variant's MOE_KV_STORE_BASE (paged A/B:
+    MOE_KV_PAGED); skipped past `budget` seconds since the start, and given at most what is
+    left of it."""
     left = budget - (time.perf_counter() - START)
     if left < 20:
         print(f"{name}: skipped (budget)", flush=True)
         return
     limit = min(limit, left)
-    env = dict(os.environ, MOE_KV_STORE_BASE=VARIANTS[variant])
+    env = dict(os.environ)
+    if variant in PAGED:
+        env["MOE_KV_PAGED"] = PAGED[variant]
+    else:
+        env["MOE_KV_STORE_BASE"] = VARIANTS[variant]
     if trace:
         env["MOE_KV_TRACE"] = str(out / f"trace_{name}.jsonl")
     t0 = time.perf_counter()
@@ -97,9 +112,18 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="also offload_profile.py, each")
     p.add_argument("--limit-s", type=float, default=75.0, help="per run")
     p.add_argument("--budget-s", type=float, default=215.0, help="no run starts past this")
+    p.add_argument(
+        "--paged-ab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="round 11: N offload_profile pairs, MOE_KV_PAGED=0 vs 1 (only these)",
+    )
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.paged_ab:
+        return paged_ab(out, args)
     summary: dict = {"runs": {}, "traces": {}, "profiles": {}}
     for rep in range(args.reps):
         for v in VARIANTS:
@@ -129,6 +153,49 @@ def main() -> int:
     text = json.dumps(summary, indent=1)
     (out / "summary.json").write_text(text + "\n")
     print(text)
+    return 0
+
+
+def paged_ab(out: Path, args: argparse.Namespace) -> int:
+    """--paged-ab: interleaved offload_profile runs of both variants; summary.json."""
+    summary: dict = {"runs": {}, "medians": {}}
+    for rep in range(args.paged_ab):
+        for v in PAGED:
+            name = f"{v}_{rep}"
+            path = out / f"profile_{name}.json"
+            run(out, name, v, ["bench/offload_profile.py", "--paged", "--no-profile", "--layouts",
+                               "qwen3", "--json", str(path)], False, args.limit_s,
+                args.budget_s)  # fmt: skip
+            try:
+                got = json.loads(path.read_text())
+                lay = got["layouts"]["qwen3"]
+                summary["runs"][name] = {"paged": got.get("paged"), **{k: lay[k] for k in (
+                    "fraction_of_pinned", "ours_ms", "median_ms", "pinned_round_trip_ms", "exact",
+                    "integrity", "split_ms")}}  # fmt: skip
+            except (OSError, KeyError, ValueError) as exc:
+                summary["runs"][name] = {"error": repr(exc)}
+    for v in PAGED:
+        mine = [r for n, r in summary["runs"].items() if n.startswith(v + "_") and "ours_ms" in r]
+        if not mine:
+            continue
+        fr = sorted(r["fraction_of_pinned"] for r in mine)
+        med = {"runs": len(mine), "of_pinned": fr, "of_pinned_median": fr[len(fr) // 2],
+               "at_least_80": sum(f >= 0.8 for f in fr),
+               "exact": all(r["exact"] for r in mine),
+               "integrity_ok": all(r["integrity"].get("ok") for r in mine)}  # fmt: skip
+        for k in ("ours_ms", "pinned_round_trip_ms"):
+            vals = sorted(r[k] for r in mine)
+            med[k] = vals[len(vals) // 2]
+        for op in ("store", "load"):
+            vals = sorted(r["median_ms"][op] for r in mine)
+            med[f"{op}_ms"] = vals[len(vals) // 2]
+            split = [r["split_ms"].get(op, {}) for r in mine]
+            med[f"{op}_split"] = {k: sorted(d[k] for d in split if k in d)[
+                len([d for d in split if k in d]) // 2] for k in split[0]}  # fmt: skip
+        summary["medians"][v] = med
+    text = json.dumps(summary, indent=1)
+    (out / "summary.json").write_text(text + "\n")
+    print(json.dumps(summary["medians"], indent=1))
     return 0
 
 

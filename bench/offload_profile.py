@@ -4,6 +4,10 @@ wall time (median of 5), a cProfile of the calling thread and torch.profiler's d
 Beside them, in the same run: a pinned round trip of the same bytes (one contiguous buffer down
 and up, median of 5) and the ratio, and each call's time split from `KVTiers.trace` (CUDA events):
 GPU idle before the first copy, the copies, the tail after them (verification), host time after.
+With --paged the timed calls are `kv_paged.store_from` and `kv_paged.load_into` (round 11: staged
+straight from the paged cache, scattered straight into it; MOE_KV_PAGED=0 makes them round 10's
+`read_blocks` + `store_many` and `load_many` + `write_blocks`); the blocks are zeroed (untimed)
+between the store and the load, so an exact round trip shows the load wrote them.
 
     python bench/offload_profile.py --out /tmp/offload_profile.txt --json /tmp/offload.json
 """
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from actors import kv_paged
 from actors.kv_cache import KVCache, KVLayout
 from actors.kv_tiers import KVTiers
 from actors.kv_trace import split_ms
@@ -48,6 +53,12 @@ def main() -> int:
     p.add_argument("--host-urls", default="host://",
                    help="comma-separated host tier URLs to time side by side, e.g. "
                         "'host://,host://?arena=0' (the arena against fresh pinned rows)")  # fmt: skip
+    p.add_argument(
+        "--paged",
+        action="store_true",
+        help="time kv_paged.store_from / load_into (MOE_KV_PAGED=0: the two passes)",
+    )
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="e.g. 'qwen3'")
     args = p.parse_args()
     summary: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "layouts": {}}  # fmt: skip
@@ -58,7 +69,8 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    runs = [(n, lay, u) for n, lay in LAYOUTS.items() for u in args.host_urls.split(",")]
+    runs = [(n, LAYOUTS[n], u) for n in args.layouts.split(",") for u in args.host_urls.split(",")]
+    summary["paged"] = args.paged and kv_paged.paged_on()
     for base, layout, url in runs:
         name = base if url == "host://" else f"{base} {url}"
         kv = KVCache(layout, args.blocks + 8, device=device)
@@ -73,7 +85,9 @@ def main() -> int:
         )  # fmt: skip
         tiers = KVTiers(cache, block_shape=layout.block_shape)
         secret = b"probe".ljust(16, b"\0")
-        times: dict[str, list[float]] = {"read": [], "store": [], "load": [], "write": []}
+        times: dict[str, list[float]] = (
+            {"store": [], "load": []} if args.paged else {"read": [], "store": [], "load": [], "write": []}
+        )  # fmt: skip
         splits: dict[str, list[dict]] = {"store": [], "load": []}
         prof: dict[str, str] = {}
         for r in range(7):
@@ -90,7 +104,11 @@ def main() -> int:
             def step(
                 what: str, keys=keys, kv=kv, tiers=tiers, held=held, layout=layout, ids=ids
             ) -> None:
-                if what == "read":
+                if args.paged and what == "store":
+                    kv_paged.store_from(tiers, kv, ids, keys)
+                elif args.paged:
+                    held["m"] = kv_paged.load_into(tiers, kv, ids, keys)
+                elif what == "read":
                     held["want"] = kv.read_blocks(ids)
                 elif what == "store":
                     tiers.store_many(keys, held["want"])
@@ -99,8 +117,12 @@ def main() -> int:
                 else:
                     kv.write_blocks(ids, held["got"])
 
+            if args.paged:
+                held["want"] = kv.read_blocks(ids)
             for what in times:
                 fn = lambda what=what, step=step: step(what)  # noqa: E731
+                if args.paged and what == "load":  # untimed: the load must write the blocks
+                    kv.write_blocks(ids, torch.zeros_like(held["want"]))
                 sync()
                 if last:
                     pr = cProfile.Profile()
@@ -128,6 +150,8 @@ def main() -> int:
                         if tiers.trace:
                             splits[what].append(split_ms(tiers.trace))
                     tiers.trace = None
+            if args.paged:
+                held["got"] = kv.read_blocks(ids) if held["m"] == args.blocks else held["want"][:0]
             ok = bool(torch.equal(held["got"], held["want"])) and len(held["got"]) == args.blocks
             cache.evict(keys)
         med = {k: round(sorted(v)[len(v) // 2], 3) for k, v in times.items()}
@@ -145,7 +169,7 @@ def main() -> int:
                 "reused_rows": arena.reused_rows,
             },
         }  # fmt: skip
-        row["integrity"] = _integrity(tiers, cache, kv, layout, base, device)
+        row["integrity"] = _integrity(tiers, cache, kv, layout, base, device, args.paged)
         summary["layouts"][name] = row
         lines.append(f"== {name}: {args.blocks} blocks of {nbytes // args.blocks} B, "
                      f"median ms {med}, exact {ok}; read+store+load+write {ours:.3f} ms vs "
@@ -165,10 +189,11 @@ def main() -> int:
 
 
 def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout, base: str,
-               device: torch.device) -> dict:  # fmt: skip
+               device: torch.device, paged: bool = False) -> dict:  # fmt: skip
     """On the device, through the same cache: 8 blocks stored and evicted, 8 others stored into
     the freed rows, then one bit flipped in block 5's row in host memory: the load stops at
-    block 5 (a miss, counted corrupt, dropped), the first 5 are exact."""
+    block 5 (a miss, counted corrupt, dropped), the first 5 are exact. paged: stored with
+    `store_from`, loaded with `load_into` (into blocks 8..15, zeroed first)."""
 
     def keys_of(seed: int) -> list:
         return prefix_block_keys(
@@ -182,7 +207,10 @@ def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout
     tiers.store_many(first, want)
     cache.evict(first)
     keys = keys_of(2)
-    stored = tiers.store_many(keys, want)
+    if paged:
+        stored = kv_paged.store_from(tiers, kv, list(range(8)), keys)
+    else:
+        stored = tiers.store_many(keys, want)
     corrupt = tiers.counts["corrupt"]
     row = cache.tiers[0]._blocks[keys[5]][0]
     if not is_buffer_block(row):  # immutable bytes (a tier without pinned rows): nothing to flip
@@ -190,7 +218,12 @@ def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout
         return {"stored": all(stored), "ok": all(stored), "corruption": "not tried (bytes)"}
     row[len(row) // 2] ^= 0x20
     del row
-    got = tiers.load_many(keys, dtype=layout.dtype, device=device)
+    if paged:
+        to = list(range(8, 16))
+        kv.write_blocks(to, torch.zeros_like(want))
+        got = kv.read_blocks(to[: kv_paged.load_into(tiers, kv, to, keys)])
+    else:
+        got = tiers.load_many(keys, dtype=layout.dtype, device=device)
     out = {
         "stored": all(stored), "loaded": len(got), "prefix_exact": bool(torch.equal(got, want[:5])),
         "corrupt_counted": tiers.counts["corrupt"] - corrupt, "dropped": not cache.contains(keys[5:6])[0],
