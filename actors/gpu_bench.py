@@ -156,7 +156,7 @@ class EngineBench:
             fn()
             parts.sync(self.device)
         key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
-        text = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+        text = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60)
         n = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
         return f"== profile {self.name} {what}: {n} device kernel launches\n{text}"
 

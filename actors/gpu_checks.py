@@ -160,11 +160,12 @@ def mla_check(device: torch.device) -> dict[str, Any]:
 
 def fused_check(device: torch.device) -> tuple[bool, str]:
     """The fused decode kernels (actors/kernels/fused.py) against torch at the Qwen3 shapes, bf16
-    inputs, float32 references; integer outputs (top-k ids, sort, counts) must match exactly."""
-    from actors.kernels import fused
+    inputs, float32 references; integer outputs (top-k ids, sort, counts) must match exactly.
+    Also DeepSeek-V3's group-limited routing (actors/kernels/routing.py)."""
+    from actors.kernels import fused, routing
     from actors.layers.moe import expert_counts
     from actors.layers.rope import apply_rotary
-    from actors.layers.router import softmax_topk
+    from actors.layers.router import sigmoid_group_topk, softmax_topk
 
     if not fused.use_triton(torch.empty(0, device=device)):
         return False, "not used (no CUDA or no triton)"
@@ -190,6 +191,16 @@ def fused_check(device: torch.device) -> tuple[bool, str]:
         rids, rw = softmax_topk(logits, 8, norm_topk_prob=True)
         errs["ids"] = float((ids.sort(1).values != rids.sort(1).values).sum())
         errs["wts"] = rel(wts.sort(1).values, rw.sort(1).values)
+        wg, bias = rnd(256, 2048), torch.randn(256, device=device, generator=g) * 0.1
+        glog, gids, gw = routing.router_sigmoid_group_topk(
+            x, wg, bias, 8, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5
+        )  # DeepSeek-V3's routing; the reference on the kernel's own logits
+        rgid, rgw = sigmoid_group_topk(
+            glog, bias, 8, n_group=8, topk_group=4, norm_topk_prob=True, scaling=2.5
+        )
+        errs["group_logits"] = rel(glog, x.float() @ wg.float().T)
+        errs["group_ids"] = float((gids.sort(1).values != rgid.sort(1).values).sum())
+        errs["group_wts"] = rel(gw.sort(1).values, rgw.sort(1).values)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         cnt = expert_counts(flat, 128)
@@ -231,8 +242,8 @@ def fused_check(device: torch.device) -> tuple[bool, str]:
         errs["kmax"] = rel(kmax[blocks], kc2[blocks].amax(1))
     except Exception as exc:  # a kernel that fails to build is switched off and reported
         return False, f"failed: {type(exc).__name__}: {exc}"[:300]
-    ints = ("ids", "plan", "plan_sort")
-    ints_ok = errs["ids"] == 0 and errs["plan"] == 0
+    ints = ("ids", "group_ids", "plan", "plan_sort")
+    ints_ok = errs["ids"] == 0 and errs["group_ids"] == 0 and errs["plan"] == 0
     ok = ints_ok and max(v for key, v in errs.items() if key not in ints) < 1e-2
     note = {key: float(f"{v:.3g}") for key, v in errs.items()}
     fused.PLAN_SORT[0] = errs["plan_sort"] == 0  # a wrong sort plan falls back to the scan

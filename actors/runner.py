@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from actors.arch import ArchConfig
-from actors.kernels.decode_step import DecodeContext, DecodeGraphs
+from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
 from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks
 from actors.model import StageModel
 from actors.sampler import RowSampling, TokenLogprob, sample
@@ -253,22 +253,24 @@ class LocalRunner:
         rows = np.zeros((b, width), dtype=np.int32)  # one tensor, not one per row
         for i, table in enumerate(step.block_tables):
             rows[i, : len(table)] = table
-        tables = torch.from_numpy(rows)
-        inputs = {
-            "tokens": step.token_ids,
-            "positions": step.positions,
-            "slots": step.slot_mapping,
-            "block_tables": tables,
-            "context_lens": torch.as_tensor(step.context_lens, dtype=torch.int32),
-        }
-        inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        packed = PackedInputs(
+            {
+                "tokens": step.token_ids,
+                "positions": step.positions,
+                "slots": step.slot_mapping,
+                "block_tables": torch.from_numpy(rows),
+                "context_lens": torch.as_tensor(step.context_lens, dtype=torch.int32),
+            },
+            pin=self.device.type == "cuda",
+        )
         logits = None
         if self.graphs is not None:
             try:
-                logits = self.graphs.run(inputs)
+                logits = self.graphs.run(packed)
             except RuntimeError as exc:  # capture refused: run eagerly from now on, say why
                 self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"[:500]
         if logits is None:
+            inputs = packed.to(self.device)
             ctx = DecodeContext(
                 cache=self.kv,
                 slots=inputs["slots"],
@@ -284,7 +286,7 @@ class LocalRunner:
         logits = self._logits(step)
         greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
         if greedy and logits.device.type != "cpu":
-            tokens = logits.float().argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits).tolist()
             return StepOutput(token_ids=tuple(tokens), logprobs=(None,) * len(tokens))
         tokens, logprobs = sample(logits.float().cpu(), step.sampling)
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
@@ -404,6 +406,22 @@ class MirroredContext(PagedContext):
 
     def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.mirror.gather(self, layer)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: the argmax of each row, the lowest id on a tie (the sampler's rule).
+
+    In two passes over chunks of the vocabulary: one `argmax` of a single long row runs on few
+    thread blocks (28 us for DeepSeek's 129K vocabulary at batch 1 on an H200, against the ~0.5 us
+    its bytes take). No cast: a 16-bit logit converts to float32 exactly, so the order is the same.
+    """
+    b, v = logits.shape
+    c = next((c for c in (128, 64, 32) if v % c == 0 and v // c >= 256), None)
+    if c is None:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.view(b, c, v // c).max(dim=-1)  # the first maximum of each chunk
+    chunk = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (chunk * (v // c) + idx.gather(1, chunk))[:, 0]
 
 
 def _num_layers(model_dir: str | Path) -> int:

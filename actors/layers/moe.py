@@ -16,6 +16,7 @@ from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
+from actors.kernels import routing
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
 from actors.layers.router import Router
@@ -153,12 +154,23 @@ class MoE(nn.Module):
         so the weighted sum reads them in place: the same values, one pass over the rows less."""
         t, k = x.shape[0], self.arch.top_k
         e = self.arch.num_experts
-        # Step 1: route (one fused router for softmax scoring on small batches).
+        # Step 1: route (small batches: fused softmax top-k, or DeepSeek's group-limited sigmoid).
         small = fused_kernels.use_triton(x) and t * k <= fused_kernels.PLAN_MAX_ROWS
-        if small and self.gate.scoring == "softmax":
+        gate = self.gate
+        if small and gate.scoring == "softmax":
             logits, ids, weights = fused_kernels.router_softmax_topk(
-                x, self.gate.weight, k, norm_topk_prob=self.gate.norm_topk_prob
+                x, gate.weight, k, norm_topk_prob=gate.norm_topk_prob
             )
+        elif (
+            small
+            and gate.scoring == "sigmoid"
+            and routing.group_topk_suits(x, e, gate.n_group, gate.topk_group)
+        ):
+            logits, ids, weights = routing.router_sigmoid_group_topk(
+                x, gate.weight, gate.e_score_correction_bias if gate.use_bias else None, k,
+                n_group=gate.n_group, topk_group=gate.topk_group,
+                norm_topk_prob=gate.norm_topk_prob, scaling=gate.scaling,
+            )  # fmt: skip
         else:
             logits, ids, weights = self.gate(x)
         flat = ids.reshape(-1)
