@@ -182,11 +182,12 @@ class EngineBench:
 
     def offload(self, blocks: int) -> dict:
         """Step 3's offload: the KV of `blocks` blocks device -> host -> device through a host-tier
-        TieredCache with KVTiers' batched path (`KVCache.read_blocks`, `store_many`; `load_many`,
-        `KVCache.write_blocks`: header, key and checksum verified on every read) against copying
+        TieredCache with KVTiers' batched path from and into the paged cache (`kv_paged.store_from`,
+        `load_into`: header, key and checksum verified on every read) against copying
         the same bytes into a pinned host buffer and back. Median of 3 rounds each, fresh keys
         per round (the cache's pinned rows warm after one untimed round, as the pinned buffer
         is); the one-block path (`store`/`load`, what the engine calls today) on 16 blocks."""
+        from actors import kv_paged
         from actors.block_manager import BlockKeyer
         from actors.kv_tiers import KVTiers
         from cache_service.namespace import CacheNamespace
@@ -206,7 +207,6 @@ class EngineBench:
         )  # fmt: skip
         tiers = KVTiers(cache, block_shape=layout.block_shape)
         ids = list(range(blocks))
-        dtype = layout.dtype
 
         def round_trip(tiers: KVTiers = tiers) -> tuple[float, float, bool, float]:
             keys: list = []
@@ -214,18 +214,18 @@ class EngineBench:
             want = kv.read_blocks(ids)
             parts.sync(self.device)
             t0 = time.perf_counter()
-            stored = tiers.store_many(keys, kv.read_blocks(ids))
+            stored = kv_paged.store_from(tiers, kv, ids, keys)
+            parts.sync(self.device)
+            down = time.perf_counter() - t0
+            kv.write_blocks(ids, torch.zeros_like(want))  # untimed: the load must write them
             parts.sync(self.device)
             t1 = time.perf_counter()
-            loaded = tiers.load_many(keys, dtype=dtype, device=self.device)
+            m = kv_paged.load_into(tiers, kv, ids, keys)
             parts.sync(self.device)
-            t_load = time.perf_counter() - t1
-            kv.write_blocks(ids, loaded)
-            parts.sync(self.device)
-            t2 = time.perf_counter()
-            ok = all(stored) and bool(torch.equal(kv.read_blocks(ids), want))
+            up = time.perf_counter() - t1
+            ok = all(stored) and m == blocks and bool(torch.equal(kv.read_blocks(ids), want))
             cache.evict(keys)
-            return t1 - t0, t2 - t1, ok, t_load
+            return down, up, ok, up
 
         round_trip()
         trips = [round_trip() for _ in range(3)]

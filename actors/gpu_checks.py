@@ -155,7 +155,59 @@ def mla_check(device: torch.device) -> dict[str, Any]:
         paged_decode.mla_enabled = False
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     paged_decode.mla_enabled = err < 1e-2
-    return {"ok": paged_decode.mla_enabled, "rel_err": float(f"{err:.3g}")}
+    out = {"ok": paged_decode.mla_enabled, "rel_err": float(f"{err:.3g}")}
+    try:  # the same with the rotary queries apart (a strided latent view), and the prologue
+        got = paged_decode.mla_decode_triton(
+            q[..., :512], cache, tables, lens, 0.072, 512, q_rot=q[..., 512:]
+        ).float()
+        out["apart_rel_err"] = float(f"{float((got - ref).norm() / ref.norm()):.3g}")
+        out.update(mla_prologue_check(device, gen))
+    except Exception as exc:
+        out["prologue_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    from actors.kernels import mla_prologue
+
+    mla_prologue.ENABLED[0] = max(out.get("apart_rel_err", 1), out.get("prologue_err", 1)) < 1e-2
+    paged_decode.mla_enabled = paged_decode.mla_enabled and out.get("apart_rel_err", 1) < 1e-2
+    out["prologue_ok"] = mla_prologue.ENABLED[0]
+    return out
+
+
+def mla_prologue_check(device: torch.device, gen: torch.Generator) -> dict[str, float]:
+    """`mla_prologue` against the torch path at DeepSeek-V3's shapes (interleaved rotary)."""
+    from actors.kernels import mla_prologue
+    from actors.layers.rope import apply_rotary
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen).to(torch.bfloat16)
+
+    b, h, r, p = 8, 128, 512, 64
+    q, kv, w = rnd(b, h, 192), rnd(b, r + p), rnd(r)
+    ang = torch.rand(b, p // 2, device=device, generator=gen) * 50
+    cos, sin = ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16)
+    cache = rnd(100, 16, r + p)
+    kmin, kmax = torch.zeros_like(cache[:, 0]), torch.zeros_like(cache[:, 0])
+    slots = torch.randperm(1600, device=device, generator=gen)[:b]
+    want = cache.float().clone()
+    q_out = mla_prologue.mla_prologue(
+        q[..., 128:], kv, w, 1e-6, cos, sin, (cache, kmin, kmax), slots, interleave=True
+    )
+    lat = kv[:, :r].float()
+    lat = lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    k = apply_rotary(kv[:, None, r:].float(), cos.float(), sin.float(), interleave=True)[:, 0]
+    want.view(-1, r + p)[slots] = torch.cat((lat, k), -1)
+    blocks = slots // 16
+    rq = apply_rotary(q[..., 128:].float(), cos.float(), sin.float(), interleave=True)
+
+    def rel(a, b_):
+        return float((a.float() - b_).norm() / b_.norm())
+
+    errs = [
+        rel(q_out, rq),
+        rel(cache.view(-1, r + p)[slots], want.view(-1, r + p)[slots]),
+        rel(kmin[blocks], want[blocks].amin(1)),
+        rel(kmax[blocks], want[blocks].amax(1)),
+    ]
+    return {"prologue_err": float(f"{max(errs):.3g}")}
 
 
 def fused_check(device: torch.device) -> tuple[bool, str]:

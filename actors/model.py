@@ -23,7 +23,8 @@ from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused
-from actors.layers.attention import GQAAttention, MLAttention
+from actors.layers.attention import GQAAttention
+from actors.layers.mla import MLAttention
 from actors.layers.mlp import MLP
 from actors.layers.moe import ExpertDispatch, MoE
 from actors.layers.norm import RMSNorm

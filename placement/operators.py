@@ -24,7 +24,7 @@ REGISTRY: dict[str, dict[str, str]] = {
     "rmsnorm": _both("actors.layers.norm.RMSNorm"),
     "gqa_attention": _both("actors.layers.attention.GQAAttention"),
     "qk_norm": _both("actors.layers.attention.GQAAttention"),
-    "mla_attention": _both("actors.layers.attention.MLAttention"),
+    "mla_attention": _both("actors.layers.mla.MLAttention"),
     "rope": _both("actors.layers.rope.RotaryEmbedding"),
     "rope_yarn": _both("actors.layers.rope.RotaryEmbedding"),
     "softmax_topk_router": _both("actors.layers.router.softmax_topk"),

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from actors.kernels import fused, paged_decode
+from actors.kernels import fused, mla_prologue, paged_decode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,16 +112,36 @@ class DecodeView:
             return paged_decode.gqa_decode_triton(q, k, v, c.block_tables, c.context_lens, scale)
         return paged_decode.gqa_decode_torch(q, k, v, c.block_tables, c.context_lens, scale)
 
-    def mla(self, q_lat: torch.Tensor, scale: float, rank: int) -> torch.Tensor:
-        """Step 3 for MLA in the latent space: q_lat [B, H, R + P] -> [B, H, R]."""
+    def mla(
+        self, q_lat: torch.Tensor, scale: float, rank: int, *, q_rot: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Step 3 for MLA in the latent space: q_lat [B, H, R + P] (or [B, H, R] and q_rot
+        [B, H, P] apart) -> [B, H, R]."""
         c = self.context
         cache = c.cache.k[self.index]
         if c.use_triton and paged_decode.mla_triton_suits(cache, rank):
+            if q_rot is not None and q_rot.dtype != q_lat.dtype:
+                q_rot = q_rot.to(q_lat.dtype)
             return paged_decode.mla_decode_triton(
-                q_lat, cache, c.block_tables, c.context_lens, scale, rank
+                q_lat, cache, c.block_tables, c.context_lens, scale, rank, q_rot=q_rot
             )
+        if q_rot is not None:
+            q_lat = torch.cat((q_lat, q_rot), dim=-1)
         return paged_decode.mla_decode_torch(
             q_lat, cache, c.block_tables, c.context_lens, scale, rank
+        )
+
+    def mla_prologue_suits(self, q_rot: torch.Tensor, rank: int) -> bool:
+        """Whether `mla_prologue` (one Triton kernel) serves this MLA layer."""
+        return mla_prologue.suits(q_rot, self.context.cache.k[self.index], rank)
+
+    def mla_prologue(self, q_rot, kv, norm, cos, sin, interleave: bool) -> torch.Tensor:
+        """Steps 1-2 for MLA with the rotary and latent norm: q_rot [B, H, P], kv [B, R + P] as
+        projected, `norm` the latent's RMSNorm -> rotated q_rot; the cache row is written."""
+        c, i = self.context, self.index
+        caches = (c.cache.k[i], c.cache.key_min[i], c.cache.key_max[i])
+        return mla_prologue.mla_prologue(
+            q_rot, kv, norm.weight, norm.eps, cos, sin, caches, c.slots, interleave=interleave
         )
 
 

@@ -192,8 +192,8 @@ if triton_available():
 
     @triton.jit
     def _mla_partial(
-        q_ptr, c_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
-        stride_qb, stride_qh, stride_cn, stride_ct, stride_btb,
+        q_ptr, qr_ptr, c_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
+        stride_qb, stride_qh, stride_rb, stride_rh, stride_cn, stride_ct, stride_btb,
         qk_scale,
         H: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
         P_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr,
@@ -215,7 +215,8 @@ if triton_available():
         t = tl.arange(0, TILE)
         q_row = q_ptr + b * stride_qb + head[:, None] * stride_qh
         q_lat = tl.load(q_row + r[None, :], mask=live[:, None], other=0.0)
-        q_rot = tl.load(q_row + R + p[None, :], mask=live[:, None] & (p < P)[None, :], other=0.0)
+        qr_row = qr_ptr + b * stride_rb + head[:, None] * stride_rh
+        q_rot = tl.load(qr_row + p[None, :], mask=live[:, None] & (p < P)[None, :], other=0.0)
         m = tl.full([HB], -1.0e30, tl.float32)
         l_sum = tl.zeros([HB], tl.float32)
         acc = tl.zeros([HB, R], tl.float32)
@@ -286,9 +287,12 @@ def mla_decode_triton(
     *,
     splits: int | None = None,
     tiles: tuple[int, int, int, int, int] | None = None,
+    q_rot: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flash-decoding of MLA in the latent space; the contract of `mla_decode_torch`.
-    tiles: (TILE, programs per SM, warps, stages, heads a program), default `MLA_TILES`."""
+    tiles: (TILE, programs per SM, warps, stages, heads a program), default `MLA_TILES`.
+    q_rot: the rotary queries [B, H, P] apart (then q_lat is [B, H, R], any strides), so the
+    caller need not concatenate them."""
     if not triton_available():
         raise RuntimeError("triton is not installed")
     b, h, _ = q_lat.shape
@@ -297,11 +301,16 @@ def mla_decode_triton(
     tile, per_sm, warps, stages, heads = tiles or MLA_TILES
     groups = -(-h // heads)
     s, per, acc, ml = _partials(b, groups, width * bs, tile, per_sm, splits, b * h, rank, q_lat)
-    q_lat = q_lat.contiguous()
+    if q_rot is None:
+        q_lat = q_lat.contiguous()
+        q_lat, q_rot = q_lat[..., :rank], q_lat[..., rank:]
+    if q_lat.stride(-1) != 1 or q_rot.stride(-1) != 1:
+        q_lat, q_rot = q_lat.contiguous(), q_rot.contiguous()
     out = torch.empty(b, h, rank, dtype=q_lat.dtype, device=q_lat.device)
     _mla_partial[(groups, b, s)](
-        q_lat, cache, block_tables, context_lens, acc, ml,
-        q_lat.stride(0), q_lat.stride(1), cache.stride(0), cache.stride(1),
+        q_lat, q_rot, cache, block_tables, context_lens, acc, ml,
+        q_lat.stride(0), q_lat.stride(1), q_rot.stride(0), q_rot.stride(1),
+        cache.stride(0), cache.stride(1),
         block_tables.stride(0), scale * LOG2E,
         H=h, HB=heads, R=rank, P=rot, P_PAD=max(16, triton.next_power_of_2(rot)), BS=bs,
         TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,

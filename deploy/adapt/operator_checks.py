@@ -238,7 +238,7 @@ def check_qk_norm(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
 
 
 def check_mla(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.attention import MLAttention
+    from actors.layers.mla import MLAttention
     from actors.layers.rope import RotaryEmbedding
 
     a = ctx.arch
