@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from actors.comm import local_transport
 from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
-from actors.comm.local_transport import LocalTransport
+from actors.comm.local_transport import LocalTransport, P2PWork
 
 WAIT_SLICE = timedelta(milliseconds=20)
 """How long one blocking wait on a gloo collective lasts before the abort flag and the deadline
@@ -87,8 +87,8 @@ class Group:
     waited_s: float = 0.0
     """Seconds this member spent blocked in `wait` (communication not hidden by compute)."""
     local: LocalTransport | None = None
-    """Set when every member is on this host and the backend is gloo: the collectives go over
-    Unix sockets (`actors/comm/local_transport.py`), point-to-point stays on gloo."""
+    """Set when every member is on this host and the backend is gloo: the collectives and the
+    point-to-point sends go over Unix sockets (`actors/comm/local_transport.py`)."""
     hosts: tuple[str, ...] = ()
     """On the world group (gloo): each rank's `local_transport.host_id()`."""
     ranks_on_host: int = 1
@@ -116,6 +116,9 @@ class Group:
         process-group timeout and `abort` tears the communicator down.
         """
         if work is None:
+            return
+        if isinstance(work, P2PWork):
+            self._waited(work.wait, what)
             return
         start = time.monotonic()
         try:
@@ -226,6 +229,11 @@ class Group:
             output, tensor, output_splits, input_splits, group=self.pg, async_op=True
         )
 
+    def exchange_counted(self, counts, rows, recv_counts, recv_rows, what: str) -> None:
+        """`LocalTransport.exchange_counted` (a group with a local transport only): counts and
+        rows to every peer in one round, the received rows sized from the received counts."""
+        self._waited(self.local.exchange_counted, counts, rows, recv_counts, recv_rows, what)
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's `tensor` (same shape everywhere), in group order."""
         if self.pg is None:
@@ -237,11 +245,17 @@ class Group:
         return out
 
     def isend(self, tensor: torch.Tensor, dst_index: int, tag: int = 0):
-        """Start sending `tensor` to group member `dst_index`; returns the work to `wait`."""
+        """Start sending `tensor` to group member `dst_index`; returns the work to `wait`.
+        Over the local transport the messages between two members match in posting order
+        (`tag` unused), and `tensor` may be empty (a zero-byte message)."""
+        if self.local is not None:
+            return self.local.isend(tensor, dst_index)
         return dist.isend(tensor, group=self.pg, group_dst=dst_index, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, src_index: int, tag: int = 0):
         """Start receiving into `tensor` from group member `src_index`; returns the work."""
+        if self.local is not None:
+            return self.local.irecv(tensor, src_index)
         return dist.irecv(tensor, group=self.pg, group_src=src_index, tag=tag)
 
     def barrier(self) -> None:

@@ -5,9 +5,19 @@ bytes (its TCP pairs and worker threads), and a decode step of a CPU replica wit
 parallelism makes three per MoE layer. Members of a group on one host instead exchange the bytes
 directly over one Unix stream socket per pair, from the calling thread: a small message costs one
 `send` and one `recv` (~20-40 us here). `Group` routes its collectives (all_to_all, all_gather,
-all_reduce, barrier) through a `LocalTransport` when every member is on this host and the
-backend is gloo; point-to-point sends (pipeline stages) stay on gloo. `MOE_LOCAL_TRANSPORT=0`
-turns it off.
+all_reduce, barrier) and its point-to-point sends and receives (pipeline hand-offs, KV block
+copies between DP ranks) through a `LocalTransport` when every member is on this host and the
+backend is gloo. `MOE_LOCAL_TRANSPORT=0` turns it off.
+
+Point-to-point (`isend` / `irecv`, each returning a `P2PWork` to `wait` on): a send goes into the
+socket at once as far as it fits without blocking and the rest when it is waited for (or before
+anything else this member sends or receives on the transport); a receive reads nothing until it
+is waited for. Messages between two members are matched in posting order (the tag of gloo's
+p2p is not needed: the stream keeps the order); a collective on the group first completes the
+member's posted sends and receives, so a p2p message must have its receive posted before the
+receiver's next collective on that group (else the collective sees it and raises `CommError`). A gloo p2p wait ran on a helper thread beside
+gloo's own threads: on the 2-core box each pipeline hand-off cost the receiver ~0.3 ms and the
+sender ~0.8 ms of thread wake-ups (bench/notes/served_pp_step.md).
 
 Wire: every message is a 16-byte header (the collective's sequence number, the payload's byte
 count) and the payload, a tensor's raw bytes (no pickle). The receiver checks both against what
@@ -33,6 +43,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +53,9 @@ from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
 
 HEADER = struct.Struct("<qq")
 """(sequence number, payload bytes); sequence -1 with the member index is the hello."""
+P2P_SEQ = 1 << 62
+"""Sequence numbers of point-to-point messages: P2P_SEQ + the count of earlier ones between the
+same two members in that direction (collectives count from 0 over the whole group)."""
 WAIT_SLICE_MS = 20
 SPIN_S = float(os.environ.get("MOE_LOCAL_SPIN_US", "300")) * 1e-6
 """How long a member polls its sockets without sleeping (yielding the core between tries) before
@@ -129,6 +143,16 @@ class LocalTransport:
         self._fd_peer = {sock.fileno(): p for p, sock in peers.items()}
         for sock in peers.values():
             sock.setblocking(False)
+        self._outq: dict[int, list[memoryview]] = {p: [] for p in peers}
+        """Point-to-point bytes posted to each peer and not yet in its socket, in order."""
+        self._sent = dict.fromkeys(peers, 0)
+        self._queued = dict.fromkeys(peers, 0)
+        """Bytes of point-to-point messages put in each peer's socket / posted to it so far."""
+        self._p2p_out = dict.fromkeys(peers, 0)
+        self._p2p_in = dict.fromkeys(peers, 0)
+        """Point-to-point messages posted to / from each peer so far (their sequence numbers)."""
+        self._posted: dict[int, list[P2PWork]] = {p: [] for p in peers}
+        """Receives posted from each peer and not yet read, in order."""
 
     # ---------------------------------------------------------------- setup
 
@@ -240,6 +264,102 @@ class LocalTransport:
         tensor.copy_(total)
         return tensor
 
+    # ------------------------------------------------------- point-to-point
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> P2PWork:
+        """Post `tensor` (contiguous, CPU; kept alive until waited for) to member `peer`."""
+        self._usable("send")
+        data = _bytes(tensor)
+        seq, self._p2p_out[peer] = P2P_SEQ + self._p2p_out[peer], self._p2p_out[peer] + 1
+        self._outq[peer] += [memoryview(HEADER.pack(seq, len(data))), data]
+        self._queued[peer] += HEADER.size + len(data)
+        work = P2PWork(self, peer, tensor, end=self._queued[peer])
+        try:
+            self._push_queued(peer)
+        except OSError as exc:
+            self.broken = f"broken ({exc})"
+            raise CommError(f"send on {self.label} failed: {exc}") from exc
+        return work
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> P2PWork:
+        """Post a receive of exactly `tensor`'s bytes from member `peer` (read at `wait`)."""
+        self._usable("recv")
+        seq, self._p2p_in[peer] = P2P_SEQ + self._p2p_in[peer], self._p2p_in[peer] + 1
+        work = P2PWork(self, peer, tensor, seq=seq)
+        self._posted[peer].append(work)
+        return work
+
+    def complete(self, work: P2PWork, what: str) -> None:
+        """Block until `work` is done: a send's bytes are all in the socket, a receive (and
+        every receive posted before it from that peer) is read. Pending sends to every peer
+        go out meanwhile, so two members waiting on each other's receives never stall."""
+        self._usable(what)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while not work.done:
+                for p in self.peers:
+                    if self._outq[p]:
+                        self._push_queued(p)
+                if work.seq is not None:
+                    self._read_posted(work)
+                if work.done:
+                    break
+                poller = select.poll()
+                for p, sock in self.peers.items():
+                    reading = work.seq is not None and p == work.peer
+                    mask = (select.POLLOUT if self._outq[p] else 0) | (
+                        select.POLLIN if reading else 0
+                    )
+                    if mask:
+                        poller.register(sock, mask)
+                if not poller.poll(WAIT_SLICE_MS):
+                    self._check(what, deadline)
+        except (OSError, _Desync) as exc:
+            self.broken = f"broken ({exc})"
+            raise CommError(f"{what} on {self.label} failed: {exc}") from exc
+
+    def _usable(self, what: str) -> None:
+        if self.broken is not None:
+            raise CommError(f"{what} on {self.label}: the local transport is {self.broken}")
+
+    def _push_queued(self, p: int) -> None:
+        """Put as much of the bytes queued for `p` into its socket as fits without blocking."""
+        pending = self._outq[p]
+        while pending:
+            try:
+                sent = self.peers[p].send(pending[0])
+            except BlockingIOError:
+                return
+            self._sent[p] += sent
+            pending[0] = pending[0][sent:]
+            if not len(pending[0]):
+                pending.pop(0)
+
+    def _read_posted(self, upto: P2PWork) -> None:
+        """Read the receives posted from `upto.peer`, oldest first, until `upto` is done or the
+        socket has no more bytes now."""
+        posted = self._posted[upto.peer]
+        while posted and not upto.done:
+            work = posted[0]
+            got = {work.peer: work.got}
+            head = {work.peer: work.head}
+            self._pull(work.peer, work.seq, head, got, {work.peer: work.view})
+            if work.peer in got:
+                work.got = got[work.peer]
+                return
+            work.done = True
+            posted.pop(0)
+
+    def _flush_p2p(self, what: str) -> None:
+        """Before a collective: every posted send out and every posted receive read, so the
+        collective's messages are next on every socket."""
+        for queue in self._posted.values():
+            if queue:
+                self.complete(queue[-1], what)
+        for p, queue in self._outq.items():
+            if queue:
+                self.complete(P2PWork(self, p, None, end=self._queued[p]), what)
+
     # ------------------------------------------------------------- the wire
 
     def exchange(
@@ -247,10 +367,57 @@ class LocalTransport:
     ) -> None:
         """Send `sends[p]` to and receive `recvs[p]` (exactly that many bytes) from each peer,
         all at once (no order between peers, so no member waits on another's send)."""
-        if self.broken is not None:
-            raise CommError(f"{what} on {self.label}: the local transport is {self.broken}")
-        seq, self.seq = self.seq, self.seq + 1
+        seq = self._next_seq(what, 1)
         out = {p: [memoryview(HEADER.pack(seq, len(b))), b] for p, b in sends.items()}
+        self._transfer(out, recvs, seq, what, finish_sends=True)
+
+    def exchange_counted(
+        self,
+        counts: dict[int, memoryview],
+        rows: dict[int, memoryview],
+        recv_counts: dict[int, memoryview],
+        recv_rows: Callable[[], dict[int, memoryview]],
+        what: str,
+    ) -> None:
+        """Two exchanges in one round: `counts[p]` then `rows[p]` go to each peer at once; once
+        every peer's counts are in `recv_counts`, `recv_rows()` gives the buffers the peers'
+        rows are read into (sized from those counts). The receiver learns its sizes from the
+        stream, so the sender never waits for them: a variable all-to-all costs one wait for
+        the slowest peer instead of two (the counts' round, then the rows')."""
+        seq = self._next_seq(what, 2)
+        out = {
+            p: [
+                memoryview(HEADER.pack(seq, len(c))),
+                c,
+                memoryview(HEADER.pack(seq + 1, len(rows[p]))),
+                rows[p],
+            ]
+            for p, c in counts.items()
+        }
+        self._transfer(out, recv_counts, seq, what, finish_sends=False)
+        self._transfer(out, recv_rows(), seq + 1, what, finish_sends=True)
+
+    def _next_seq(self, what: str, count: int) -> int:
+        """The next collective's sequence number (`count` of them taken), once every posted
+        point-to-point message is through."""
+        self._usable(what)
+        if any(self._outq.values()) or any(self._posted.values()):
+            self._flush_p2p(what)
+        seq, self.seq = self.seq, self.seq + count
+        return seq
+
+    def _transfer(
+        self,
+        out: dict[int, list[memoryview]],
+        recvs: dict[int, memoryview],
+        seq: int,
+        what: str,
+        *,
+        finish_sends: bool,
+    ) -> None:
+        """Push `out` (bytes per peer, consumed as sent) and read message `seq` of each peer
+        into `recvs`; returns once every receive is read and, with `finish_sends`, every send
+        is in its socket (else what is left stays in `out` for the next call)."""
         head = {p: bytearray(HEADER.size) for p in recvs}
         got = dict.fromkeys(recvs, 0)
         deadline = time.monotonic() + self.timeout_s
@@ -263,7 +430,7 @@ class LocalTransport:
                     self._pull(p, seq, head, got, recvs)
                 if got:
                     os.sched_yield()
-            while out or got:
+            while got or (finish_sends and out):
                 poller = select.poll()
                 for p, sock in self.peers.items():
                     mask = (select.POLLOUT if p in out else 0) | (select.POLLIN if p in got else 0)
@@ -329,6 +496,39 @@ class LocalTransport:
                 f"{what} on {self.label} (member {self.index}) did not complete within "
                 f"{self.timeout_s:g} s"
             )
+
+
+class P2PWork:
+    """One posted point-to-point send or receive of a `LocalTransport` (see `isend`/`irecv`)."""
+
+    def __init__(
+        self, transport: LocalTransport, peer: int, tensor, *, end: int = 0, seq: int | None = None
+    ) -> None:
+        self.transport, self.peer, self.tensor = transport, peer, tensor
+        self.end = end
+        """A send: the peer's byte count queued up to the end of this message."""
+        self.seq = seq
+        """A receive: the sequence number expected (None for a send)."""
+        self.view = _bytes(tensor) if seq is not None else None
+        self.head = bytearray(HEADER.size)
+        self.got = 0
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        if self.seq is None:
+            return self.transport._sent[self.peer] >= self.end
+        return self._done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self._done = value
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, what: str = "p2p") -> None:
+        self.transport.complete(self, what)
 
 
 class _Desync(Exception):

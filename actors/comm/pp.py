@@ -10,6 +10,12 @@ The pipeline fills while stage s waits for its first micro-batch and drains whil
 finishes after the first has nothing left. The receive of micro-batch m+1 is posted before
 computing m, and sends are not waited for until the end, so transfers run on the backend's
 threads (gloo) or streams (NCCL) while this stage computes.
+
+Over the same-host transport (`Group.local`) an empty micro-batch is handed on too, as a
+zero-byte message: a stage with nothing to compute still waits for its predecessor, so its ranks
+run their (empty) layers and collectives after the earlier stage, not beside it. On a host with
+fewer cores than ranks, a later stage running ahead took the cores of the stage that had the
+tokens (bench/notes/served_pp_step.md).
 """
 
 from __future__ import annotations
@@ -56,17 +62,20 @@ class PipelineParallel:
 
         `x` is None on the first stage and the previous stage's output (shape `recv_shape(m)`,
         e.g. `[T_m, hidden]`) elsewhere. Every stage knows the shapes from the step metadata, so
-        no shapes are exchanged. Empty micro-batches are computed but never sent.
+        no shapes are exchanged. Empty micro-batches are computed but sent only over the same-host
+        transport (see the module docstring).
         """
         if self.num_stages == 1:
             return [compute(m, None) for m in range(num_microbatches)]
         pending: dict[int, tuple[torch.Tensor, object]] = {}
+        lockstep = self.group.local is not None  # empty micro-batches handed on too
 
         def post_recv(m: int) -> None:
             if self.is_first or m >= num_microbatches:
                 return
             buf = torch.empty(recv_shape(m), dtype=dtype, device=device)
-            work = self.group.irecv(buf, self.stage - 1, tag=m) if buf.numel() else None
+            handed_on = buf.numel() or lockstep
+            work = self.group.irecv(buf, self.stage - 1, tag=m) if handed_on else None
             pending[m] = (buf, work)
 
         sends: list[tuple[torch.Tensor, object]] = []
@@ -81,7 +90,7 @@ class PipelineParallel:
             y = compute(m, x)
             if self.is_last:
                 outputs.append(y)
-            elif y.numel():
+            elif y.numel() or lockstep:
                 y = y.contiguous()
                 sends.append((y, self.group.isend(y, self.stage + 1, tag=m)))
         for m, (_, work) in enumerate(sends):
