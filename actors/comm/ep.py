@@ -62,6 +62,11 @@ class DispatchHandle:
     """[start, end) of this TP rank's slice of the T rows."""
 
 
+def _mv(t: torch.Tensor) -> memoryview:
+    """The raw bytes of contiguous CPU tensor `t` (shared with it)."""
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
+
+
 class ExpertParallel:
     """The EP communicator of one rank: dispatch/combine with `all_to_all_single`.
 
@@ -191,6 +196,8 @@ class ExpertParallel:
             if counting:
                 self.routed[self.layer] += cnt[0].cpu()
             return local_x.index_select(0, tokens), ids[order], handle([n], [n])
+        if self.group.local is not None:
+            return self._dispatch_local(x, local_x, tokens, cnt, counting, handle)
         room = max(n, self._recv_room[0])
         rows = x.new_empty((n + room, x.shape[1]))
         early = self._sent_last[0] if self._sent_last[0] >= 0 else n - n // ep
@@ -234,6 +241,70 @@ class ExpertParallel:
         out = handle(send_list, recv_list)
         self.group.wait(work, "all_to_all")
         return recv_x, recv_ids, out
+
+    def _dispatch_local(self, x, local_x, tokens, cnt, counting, handle):
+        """`dispatch` over the same-host transport (CPU): the counts and the rows to each peer
+        go out together (`LocalTransport.exchange_counted`), so a MoE layer waits for its
+        peers twice (dispatch, combine) instead of three times; the rows are all gathered
+        first (the host knows the counts at once on the CPU).
+
+        Same layout as the all-to-all path: rows for other ranks first by destination rank,
+        then this rank's own; received rows behind them (room kept over the layers)."""
+        slot_expert, recv_order = self._tables(x.device)[2:4]
+        num_experts, ep, me = len(self.owner), self.group.size, self.group.index
+        n = tokens.numel()
+        sent = cnt[0].view(ep, num_experts)
+        send_list = sent.sum(1).tolist()
+        if counting:
+            self.routed[self.layer] += sent.sum(0)
+        own = send_list[me]
+        remote = n - own
+        self._sent_last[0] = remote
+        room = max(n, self._recv_room[0])
+        rows = x.new_empty((n + room, x.shape[1]))
+        torch.index_select(local_x, 0, tokens, out=rows[:n])
+        got = cnt[1].view(ep, num_experts)
+        got[me] = sent[me]
+        row_bytes = rows.shape[1] * rows.element_size()
+        flat = rows.view(-1).view(torch.uint8).numpy()
+        starts = {}
+        at = 0
+        for p in range(ep):
+            if p != me:
+                starts[p] = at
+                at += send_list[p]
+        counts_out = {p: _mv(sent[p]) for p in starts}
+        rows_out = {
+            p: memoryview(flat[at * row_bytes : (at + send_list[p]) * row_bytes])
+            for p, at in starts.items()
+        }
+        state: dict[str, object] = {}
+
+        def recv_rows() -> dict[int, memoryview]:
+            recv_list = got.sum(1).tolist()
+            incoming = sum(recv_list) - own
+            if incoming <= room:
+                recv_x = rows[remote : n + incoming]
+            else:
+                recv_x = x.new_empty((own + incoming, x.shape[1]))
+                recv_x[:own].copy_(rows[remote:n])
+            self._recv_room[0] = max(self._recv_room[0], incoming)
+            state["recv_x"], state["recv_list"] = recv_x, recv_list
+            into = recv_x.view(-1).view(torch.uint8).numpy()
+            out, at = {}, own
+            for p in starts:
+                out[p] = memoryview(into[at * row_bytes : (at + recv_list[p]) * row_bytes])
+                at += recv_list[p]
+            return out
+
+        self.group.exchange_counted(
+            counts_out, rows_out, {p: _mv(got[p]) for p in starts}, recv_rows, "dispatch"
+        )
+        recv_x, recv_list = state["recv_x"], state["recv_list"]
+        by_source = cnt[1].view(ep, num_experts).index_select(0, recv_order).reshape(-1)
+        slots = slot_expert.view(ep, num_experts).index_select(0, recv_order).reshape(-1)
+        recv_ids = torch.repeat_interleave(slots, by_source, output_size=recv_x.shape[0])
+        return recv_x, recv_ids, handle(send_list, recv_list)
 
     def _exchange(self, output, tensor, output_counts, input_counts):
         """Start the all-to-all of the rows for other ranks (this rank's own split 0)."""
