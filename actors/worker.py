@@ -39,6 +39,12 @@ from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
 from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks, to_device
 from actors.layers.moe import MoE
+from actors.microbatch import (  # split_* are imported from here elsewhere too
+    empty_microbatch,
+    pipeline_microbatches,
+    split_contiguous,
+    split_round_robin,
+)
 from actors.runner import StepInput
 from actors.sampler import TokenLogprob, sample
 from actors.weights import load_stage_model
@@ -145,29 +151,6 @@ class ShardStepOutput:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob | None, ...]
     timings_s: dict[str, float] = field(default_factory=dict)
-
-
-def split_round_robin(count: int, parts: int) -> list[list[int]]:
-    """Indices 0..count-1 dealt to `parts` owners: owner d takes d, d+parts, d+2*parts ..."""
-    return [list(range(d, count, parts)) for d in range(parts)]
-
-
-def split_contiguous(items: list[int], parts: int) -> list[list[int]]:
-    """`items` cut into `parts` contiguous chunks, the first ones one longer when uneven."""
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        n = base + (1 if p < extra else 0)
-        out.append(items[start : start + n])
-        start += n
-    return out
-
-
-def pipeline_microbatches(pp: int, by_dp: list[list[int]], stages_overlap: bool) -> int:
-    """Micro-batches of a batched step: one per stage (at most the fewest sequences of any DP
-    rank) where the stages can run at once; one where they share the cores (the pipeline
-    cannot overlap there, and every micro-batch costs each stage its own collectives)."""
-    return max(1, min(pp if stages_overlap else 1, min(len(s) for s in by_dp)))
 
 
 class ShardWorker:
@@ -509,8 +492,10 @@ class ShardWorker:
                         ends.append(end)
                 logits_rows = to_device(torch.tensor(ends, dtype=torch.int64), self.device)
             t0 = time.perf_counter()
-            if not seqs:
-                out = self.model(x, positions[on_device], lens, logits_rows=logits_rows)
+            if not seqs:  # only the MoE layers' exchanges (actors/microbatch.py)
+                out = empty_microbatch(
+                    self.model, expert_parallel=self.ep is not None, dtype=dtype, device=self.device
+                )
             else:
                 ctx = PagedContext(
                     cache=cache,
