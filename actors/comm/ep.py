@@ -170,9 +170,9 @@ class ExpertParallel:
             side.wait_stream(torch.cuda.current_stream(ids.device))
         with torch.cuda.stream(side) if side is not None else nullcontext():
             splits = [num_experts] * ep
-            pending = (
-                self.group.start_all_to_all(cnt[1], cnt[0], splits, splits) if ep > 1 else None
-            )
+            pending = None  # the same-host path sends the counts with the rows (Step 2b)
+            if ep > 1 and self.group.local is None:
+                pending = self.group.start_all_to_all(cnt[1], cnt[0], splits, splits)
 
         # Step 2: order the (token, k) pairs: rows for other ranks first, by destination rank,
         # then those staying here, each block by expert (int32 keys: half the radix passes of
@@ -196,7 +196,7 @@ class ExpertParallel:
             if counting:
                 self.routed[self.layer] += cnt[0].cpu()
             return local_x.index_select(0, tokens), ids[order], handle([n], [n])
-        if self.group.local is not None:
+        if self.group.local is not None:  # Step 2b: counts and rows in one round
             return self._dispatch_local(x, local_x, tokens, cnt, counting, handle)
         room = max(n, self._recv_room[0])
         rows = x.new_empty((n + room, x.shape[1]))

@@ -126,3 +126,57 @@ def test_counted_exchange_sizes_the_rows_from_the_counts():
             want = (rank + 1) * (p + 1) if rank else BIG // 24
             assert n == want and rows.shape == (want, 3)
             assert bool((rows == 10 * p + rank).all())
+
+
+def _dispatch_before_counts(rank, world_size, rendezvous):
+    """Rank 0 dispatches 3 tokens whose experts (4, 5) live on rank 1; rank 1 reads its socket
+    raw and answers only after both of rank 0's messages (counts, rows) are in."""
+
+    from actors.comm.ep import ExpertParallel
+    from actors.comm.local_transport import HEADER
+
+    world = init_world(rendezvous, rank=rank, world_size=world_size)
+    if rank == 0:
+        ep = ExpertParallel(world, (0, 0, 0, 0, 1, 1, 1, 1))
+        x = torch.arange(12, dtype=torch.float32).view(3, 4)
+        ids = torch.tensor([[4, 5], [5, 4], [4, 4]])
+        recv_x, _, handle = ep.dispatch(x, ids, torch.full((3, 2), 0.5))
+        return {"sent": handle.send_counts, "received": recv_x.shape[0]}
+    sock = world.local.peers[0]
+    sock.setblocking(True)
+    sock.settimeout(10.0)
+
+    def read(n):
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        return bytes(buf)
+
+    try:
+        seq, n = HEADER.unpack(read(HEADER.size))
+        counts = torch.frombuffer(bytearray(read(n)), dtype=torch.int64)
+        seq2, m = HEADER.unpack(read(HEADER.size))
+        rows = torch.frombuffer(bytearray(read(m)), dtype=torch.float32).view(-1, 4)
+    except TimeoutError:
+        return {"rows_before_counts": False}
+    sock.sendall(HEADER.pack(seq, 64) + bytes(64) + HEADER.pack(seq2, 0))
+    return {"rows_before_counts": True, "seqs": (seq, seq2), "counts": counts, "rows": rows}
+
+
+def test_dispatch_rows_go_out_before_the_peer_counts_arrive():
+    """Over the same-host transport a dispatch sends its counts and rows in one round: the peer
+    gets both without having sent anything (over an exchange of counts first, rank 0 would
+    wait for rank 1's counts before sending a row)."""
+    sender, peer = run_ranks(_dispatch_before_counts, 2, timeout_s=120)
+    assert peer["rows_before_counts"], "rank 0 waited for the peer's counts before its rows"
+    assert peer["seqs"][1] == peer["seqs"][0] + 1
+    assert peer["counts"].tolist() == [0, 0, 0, 0, 4, 2, 0, 0]
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    # every (token, choice) pair's row once: tokens 0, 1, 2 twice each
+    assert sorted(map(tuple, peer["rows"].tolist())) == sorted(
+        map(tuple, x[torch.tensor([0, 0, 1, 1, 2, 2])].tolist())
+    )
+    assert sender == {"sent": [0, 6], "received": 0}
