@@ -28,6 +28,7 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
 import redis
 import torch
@@ -161,7 +162,13 @@ def _prompts(
 
 
 def _engine_args(model: str, block_size: int) -> dict:
+    extra = {}
+    if "kv_lora_rank" in json.loads((Path(model) / "config.json").read_text()):
+        # MLA in float32: vLLM's reference CPU MLA backend. Where the CPU has AMX, vLLM picks its
+        # AMX MLA backend instead, which takes 16-bit/8-bit weights only.
+        extra["attention_config"] = {"backend": "CPU_MLA"}
     return {
+        **extra,
         "model": model,
         "skip_tokenizer_init": True,
         "dtype": "float32",
