@@ -319,15 +319,16 @@ class Engine:
         return outputs
 
     def _step_input(self, batch: list[tuple[Sequence, int]]) -> StepInput:
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_seqs, sampling = [], []
+        tokens, positions, slots, sample_seqs, sampling = [], [], [], [], []
+        bs = self.block_size  # a decode token (n == 1, most rows) gets its slot without a list
         for i, (seq, n) in enumerate(batch):
             start, stop = seq.num_computed, seq.num_computed + n
             tokens += seq.token_slice(start, stop)
             positions += range(start, stop)
-            slots += slots_for(seq.block_table, start, stop, self.block_size)
+            if n == 1:
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                slots += slots_for(seq.block_table, start, stop, bs)
             if stop == seq.num_tokens:
                 sample_seqs.append(i)
                 sampling.append(

@@ -144,14 +144,15 @@ class Scheduler:
                 i += 1
                 continue
             need = self.blocks.blocks_for(seq.num_computed + n) - len(seq.block_table)
-            while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
-                preempted = True
-            if not self.blocks.can_allocate(need):
-                self._preempt(seq)
-                preempted = True
-                continue
-            self._grow(seq, need)
+            if need > 0:  # most decode steps fit in the last block: nothing to allocate
+                while not self.blocks.can_allocate(need) and self.running[-1] is not seq:
+                    self._preempt(self.running[-1])
+                    preempted = True
+                if not self.blocks.can_allocate(need):
+                    self._preempt(seq)
+                    preempted = True
+                    continue
+                self._grow(seq, need)
             out.append((seq, n))
             budget -= n
             i += 1
