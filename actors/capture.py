@@ -85,7 +85,7 @@ def _time_module(module: torch.nn.Module, key: str, sink: dict[str, float]) -> N
 
 def _microbatches(layout: Layout, rank: int, num_sequences: int) -> list[list[int]]:
     """The sequences of each micro-batch this rank runs, as `ShardWorker._step` splits them."""
-    from actors.worker import split_contiguous, split_round_robin
+    from actors.microbatch import split_contiguous, split_round_robin
 
     dims = layout.dims
     owners = split_round_robin(num_sequences, dims.dp)

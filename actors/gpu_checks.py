@@ -140,7 +140,7 @@ def triton_check(device: torch.device, *, tune: bool = True) -> tuple[bool, str]
 def mla_check(device: torch.device) -> dict[str, Any]:
     """The MLA decode kernel against the torch path at DeepSeek-V3's shapes (128 heads, latent
     512 + rotary 64, bf16, ragged contexts); a failure switches it off (`mla_enabled`)."""
-    from actors.kernels import paged_decode
+    from actors.kernels import mla_prologue, paged_decode
 
     gen = torch.Generator(device=device).manual_seed(4)
     cache = torch.randn(600, 16, 576, device=device, dtype=torch.bfloat16, generator=gen)
@@ -164,8 +164,6 @@ def mla_check(device: torch.device) -> dict[str, Any]:
         out.update(mla_prologue_check(device, gen))
     except Exception as exc:
         out["prologue_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    from actors.kernels import mla_prologue
-
     mla_prologue.ENABLED[0] = max(out.get("apart_rel_err", 1), out.get("prologue_err", 1)) < 1e-2
     paged_decode.mla_enabled = paged_decode.mla_enabled and out.get("apart_rel_err", 1) < 1e-2
     out["prologue_ok"] = mla_prologue.ENABLED[0]

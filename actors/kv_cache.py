@@ -128,6 +128,10 @@ class KVCache:
         self.key_min, self.key_max = views("min"), views("max")
 
     @property
+    def device(self) -> torch.device:
+        return self._stacked["k"].device
+
+    @property
     def nbytes(self) -> int:
         tensors = [*self.k.values(), *self.v.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -176,7 +180,7 @@ class KVCache:
         nblk = -(-length // self.layout.block_size)
         rows = [list(blocks[:nblk]) for blocks in block_tables]
         table = torch.tensor([row + [0] * (nblk - len(row)) for row in rows], dtype=torch.int64)
-        return to_device(table, self._stacked["k"].device)
+        return to_device(table, self.device)
 
     def update_summaries(self, block_ids: Sequence[int]) -> None:
         """Recompute the min/max key summaries of `block_ids` in every layer (one gather and
@@ -195,7 +199,7 @@ class KVCache:
             raise InputError(f"block ids {low}..{high} outside [0, {self.num_blocks})")
         if high - low + 1 == len(ids) and ids == list(range(low, high + 1)):
             return slice(low, high + 1)
-        return to_device(torch.as_tensor(ids, dtype=torch.int64), self._stacked["k"].device)
+        return to_device(torch.as_tensor(ids, dtype=torch.int64), self.device)
 
     def _take(self, name: str, block_ids: Sequence[int]) -> torch.Tensor:
         """Blocks `block_ids` of every layer of one stacked tensor: [layers, n, ...]."""

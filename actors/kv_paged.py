@@ -13,6 +13,7 @@ MOE_KV_PAGED=0 (the A/B switch of bench/offload_ab.py).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -43,14 +44,10 @@ class PagedBlocks:
     def __init__(self, kv: KVCache, ids: Sequence[int]) -> None:
         self.kv, self.ids = kv, [int(i) for i in ids]
         layout = kv.layout
-        first = kv.k[layout.layer_range[0]]
         self.block_shape, self.dtype = layout.block_shape, layout.dtype
         self.shape = (len(self.ids), *self.block_shape)
-        payload = layout.dtype.itemsize
-        for dim in self.block_shape:
-            payload *= dim
-        self.src = torch.empty(1, dtype=torch.uint8, device=first.device).expand(
-            len(self.ids), payload
+        self.src = torch.empty(1, dtype=torch.uint8, device=kv.device).expand(
+            len(self.ids), _payload_bytes(layout)
         )
 
     def stage(self, body: torch.Tensor, a: int, b: int) -> None:
@@ -66,15 +63,18 @@ class PagedBlocks:
         return blocks.view(-1).view(torch.uint8).view(len(self.ids), -1)
 
 
+def _payload_bytes(layout) -> int:
+    return math.prod(layout.block_shape) * layout.dtype.itemsize
+
+
 def _one_pass(t: KVTiers, kv: KVCache, width_ok: bool) -> bool:
-    device = kv.k[kv.layout.layer_range[0]].device
     return (
         paged_on()
         and not base_store()
         and width_ok
         and t.codec == "raw"
         and t.compression in (None, "none")
-        and t._mix64(device)
+        and t._mix64(kv.device)
     )
 
 
@@ -105,15 +105,11 @@ def load_into(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[BlockK
         raise ValueError(f"load_into: {len(keys)} keys for {len(ids)} blocks")
     if not ids:
         return 0
-    layout = kv.layout
-    device = kv.k[layout.layer_range[0]].device
+    layout, device = kv.layout, kv.device
     shape = layout.block_shape
     if t.block_shape is not None and shape != t.block_shape:
         raise ValueError(f"load_into: blocks of shape {shape}; this stage stores {t.block_shape}")
-    payload = layout.dtype.itemsize
-    for dim in shape:
-        payload *= dim
-    if not _one_pass(t, kv, payload % 8 == 0) or t.block_shape is None:
+    if not _one_pass(t, kv, _payload_bytes(layout) % 8 == 0) or t.block_shape is None:
         got = t.load_many(keys, dtype=layout.dtype, device=device)
         if len(got):
             kv.write_blocks(ids[: len(got)], got)

@@ -272,7 +272,7 @@ def _dest_major(handle, me: int) -> torch.Tensor:
 
 def _microbatches(layout, rank: int, num_sequences: int) -> list[list[int]]:
     """The sequences of each micro-batch `rank` runs, as `ShardWorker._step` splits them."""
-    from actors.worker import split_contiguous, split_round_robin
+    from actors.microbatch import split_contiguous, split_round_robin
 
     dims = layout.dims
     owners = split_round_robin(num_sequences, dims.dp)

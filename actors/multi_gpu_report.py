@@ -373,7 +373,7 @@ def planner(result: dict, cfg: dict, s, per_rank: list[dict]) -> None:
     figures in the CPU dry run. The planner's prefill chunk is set so that its
     micro-batch count equals the runtime's (`ShardWorker._step`).
     """
-    from actors.worker import split_round_robin
+    from actors.microbatch import split_round_robin
     from placement.config_fields import ConfigFields
     from placement.cost_model import (
         DEFAULT_CONSTANTS,

@@ -39,7 +39,7 @@ from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
 from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks, to_device
 from actors.layers.moe import MoE
-from actors.microbatch import (  # split_* are imported from here elsewhere too
+from actors.microbatch import (
     empty_microbatch,
     pipeline_microbatches,
     split_contiguous,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.comm.group import Group
+from actors.comm.local_transport import tensor_bytes
 from actors.kernels import fused as fused_kernels
 
 
@@ -60,11 +61,6 @@ class DispatchHandle:
     """T: rows of the layer input on this rank, before the TP slice."""
     row_slice: tuple[int, int]
     """[start, end) of this TP rank's slice of the T rows."""
-
-
-def _mv(t: torch.Tensor) -> memoryview:
-    """The raw bytes of contiguous CPU tensor `t` (shared with it)."""
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class ExpertParallel:
@@ -265,19 +261,14 @@ class ExpertParallel:
         torch.index_select(local_x, 0, tokens, out=rows[:n])
         got = cnt[1].view(ep, num_experts)
         got[me] = sent[me]
-        row_bytes = rows.shape[1] * rows.element_size()
-        flat = rows.view(-1).view(torch.uint8).numpy()
         starts = {}
         at = 0
         for p in range(ep):
             if p != me:
                 starts[p] = at
                 at += send_list[p]
-        counts_out = {p: _mv(sent[p]) for p in starts}
-        rows_out = {
-            p: memoryview(flat[at * row_bytes : (at + send_list[p]) * row_bytes])
-            for p, at in starts.items()
-        }
+        counts_out = {p: tensor_bytes(sent[p]) for p in starts}
+        rows_out = {p: tensor_bytes(rows[at : at + send_list[p]]) for p, at in starts.items()}
         state: dict[str, object] = {}
 
         def recv_rows() -> dict[int, memoryview]:
@@ -290,15 +281,14 @@ class ExpertParallel:
                 recv_x[:own].copy_(rows[remote:n])
             self._recv_room[0] = max(self._recv_room[0], incoming)
             state["recv_x"], state["recv_list"] = recv_x, recv_list
-            into = recv_x.view(-1).view(torch.uint8).numpy()
             out, at = {}, own
             for p in starts:
-                out[p] = memoryview(into[at * row_bytes : (at + recv_list[p]) * row_bytes])
+                out[p] = tensor_bytes(recv_x[at : at + recv_list[p]])
                 at += recv_list[p]
             return out
 
         self.group.exchange_counted(
-            counts_out, rows_out, {p: _mv(got[p]) for p in starts}, recv_rows, "dispatch"
+            counts_out, rows_out, {p: tensor_bytes(got[p]) for p in starts}, recv_rows, "dispatch"
         )
         recv_x, recv_list = state["recv_x"], state["recv_list"]
         by_source = cnt[1].view(ep, num_experts).index_select(0, recv_order).reshape(-1)

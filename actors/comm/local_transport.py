@@ -113,7 +113,7 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}/{mounts}"
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of contiguous CPU tensor `t` (shared with it: receiving writes into it)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("local transport: tensors must be contiguous and on the CPU")
@@ -230,7 +230,7 @@ class LocalTransport:
         """Rows `input_splits[p]` of `tensor` to member p; rows from p into `output`."""
         row_out = output[0].numel() * output.element_size() if output.shape[0] else 0
         row_in = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-        out_bytes, in_bytes = _bytes(output), _bytes(tensor)
+        out_bytes, in_bytes = tensor_bytes(output), tensor_bytes(tensor)
         sends, recvs = {}, {}
         o = i = 0
         for p in range(self.size):
@@ -249,10 +249,10 @@ class LocalTransport:
         """Every member's `tensor` (same shape everywhere), in member order."""
         tensor = tensor.contiguous()
         parts = [tensor if p == self.index else torch.empty_like(tensor) for p in range(self.size)]
-        payload = _bytes(tensor)
+        payload = tensor_bytes(tensor)
         self.exchange(
             {p: payload for p in self.peers},
-            {p: _bytes(parts[p]) for p in self.peers},
+            {p: tensor_bytes(parts[p]) for p in self.peers},
             "all_gather",
         )
         return parts
@@ -271,7 +271,7 @@ class LocalTransport:
     def isend(self, tensor: torch.Tensor, peer: int) -> P2PWork:
         """Post `tensor` (contiguous, CPU; kept alive until waited for) to member `peer`."""
         self._usable("send")
-        data = _bytes(tensor)
+        data = tensor_bytes(tensor)
         seq, self._p2p_out[peer] = P2P_SEQ + self._p2p_out[peer], self._p2p_out[peer] + 1
         self._outq[peer] += [memoryview(HEADER.pack(seq, len(data))), data]
         self._queued[peer] += HEADER.size + len(data)
@@ -504,7 +504,7 @@ class P2PWork:
         """A send: the peer's byte count queued up to the end of this message."""
         self.seq = seq
         """A receive: the sequence number expected (None for a send)."""
-        self.view = _bytes(tensor) if seq is not None else None
+        self.view = tensor_bytes(tensor) if seq is not None else None
         self.head = bytearray(HEADER.size)
         self.got = 0
         self._done = False

@@ -229,7 +229,7 @@ class DecodeGraphs:
         return self.model(inputs["tokens"], inputs["positions"], (1,) * b, paged=ctx)
 
     def _capture(self, packed: PackedInputs):
-        buf = packed.host.to(self.cache.k[self.cache.layout.layer_range[0]].device)
+        buf = packed.host.to(self.cache.device)
         static = packed.views(buf)
         counts = {
             n: b.clone() for n, b in self.model.named_buffers() if n.endswith("routed_counts")

@@ -467,21 +467,25 @@ def router_softmax_topk(
     x: torch.Tensor, weight: torch.Tensor, k: int, *, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H], weight [E, H] -> (logits [T, E] float32, ids [T, k] int64, weights [T, k] f32)."""
-    t, hid = x.shape
-    e = weight.shape[0]
+    logits, ids, wts = router_logits(x, weight, k)
+    _softmax_topk[(x.shape[0],)](
+        logits, ids, wts, weight.shape[0], E_PAD=_pow2(weight.shape[0]), K=k, K_PAD=_pow2(k),
+        NORM=norm_topk_prob, num_warps=SMALL_WARPS["softmax_topk"],
+    )  # fmt: skip
+    return logits, ids, wts
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """x [T, H], weight [E, H] -> logits [T, E] float32, and empty ids/weights [T, k] for a top-k."""
+    (t, hid), e = x.shape, weight.shape[0]
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
-    wts = torch.empty(t, k, dtype=torch.float32, device=x.device)
     # Few tokens: few experts per program, so the router weights spread over many programs.
     e_block, h_block, warps = ROUTER_TILES["small" if t <= 4 else "mid" if t <= 16 else "large"]
     _router_logits[(t, triton.cdiv(e, e_block))](
         x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block,
         H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps,
     )  # fmt: skip
-    _softmax_topk[(t,)](
-        logits, ids, wts, e, E_PAD=_pow2(e), K=k, K_PAD=_pow2(k), NORM=norm_topk_prob,
-        num_warps=SMALL_WARPS["softmax_topk"],
-    )  # fmt: skip
+    ids, wts = torch.empty(t, k, dtype=torch.int64, device=x.device), logits.new_empty(t, k)
     return logits, ids, wts
 
 

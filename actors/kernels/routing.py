@@ -92,18 +92,8 @@ def router_sigmoid_group_topk(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, H], weight [E, H], bias [E] or None -> (logits [T, E] float32, ids [T, k] int64,
     weights [T, k] float32): the values of `router.sigmoid_group_topk` on these logits."""
-    t, hid = x.shape
-    e = weight.shape[0]
-    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    ids = torch.empty(t, k, dtype=torch.int64, device=x.device)
-    wts = torch.empty(t, k, dtype=torch.float32, device=x.device)
-    e_block, h_block, warps = fused.ROUTER_TILES[
-        "small" if t <= 4 else "mid" if t <= 16 else "large"
-    ]
-    fused._router_logits[(t, triton.cdiv(e, e_block))](
-        x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block,
-        H_BLOCK=min(h_block, fused._pow2(hid)), num_warps=warps,
-    )  # fmt: skip
+    t, e = x.shape[0], weight.shape[0]
+    logits, ids, wts = fused.router_logits(x, weight, k)
     gs = e // n_group
     b = bias.contiguous() if bias is not None else logits
     _sigmoid_group_topk[(t,)](

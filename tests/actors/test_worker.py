@@ -114,7 +114,7 @@ def test_positions_are_honoured(mixtral):
 
 def test_pipeline_microbatches_only_where_stages_can_overlap():
     from actors.comm.local_transport import core_per_rank
-    from actors.worker import pipeline_microbatches
+    from actors.microbatch import pipeline_microbatches
 
     by_dp = [[0, 2, 4], [1, 3]]
     assert pipeline_microbatches(2, by_dp, stages_overlap=True) == 2
