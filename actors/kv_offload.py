@@ -34,6 +34,7 @@ move in a few large copies instead of one small copy per layer and block.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,15 @@ from actors.kv_cache_calls import (
     host_arena,
     reads_unverified,
 )
-from actors.kv_store_puts import Puts, base_store, cut, encode_part, piece_bounds, plan_batches
+from actors.kv_store_puts import (
+    Puts,
+    base_store,
+    cut,
+    encode_part,
+    piece_bounds,
+    plan_batches,
+    r12_on,
+)
 from actors.kv_trace import Marks, trace_for
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
@@ -108,14 +117,21 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     mix = t._mix64(src.device) and src.shape[1] % 8 == 0
     arena = host_arena(t.cache) if adopt else None
     marks = Marks(trace_for(t), src.device if cuda else None)
+    # Round 12: no collection inside the launches; one gen-0 collection where the host waits for
+    # the last copies (`_store_pieces`), the collector back on at the end.
+    hold = _on_cuda(src) and r12_on() and gc.isenabled()
+    if hold:
+        gc.disable()
     lease = arena.take(width, n) if arena is not None else None
     try:
         pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
         out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix, marks,
-                            paged)  # fmt: skip
+                            paged, idle_gc=hold)  # fmt: skip
     finally:
         if lease is not None:
             lease.close()
+        if hold:
+            gc.enable()
     marks.mark("closed")
     if not adopt:
         t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
@@ -142,7 +158,7 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
 
 
 def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks,
-                  paged: Any = None) -> list:  # fmt: skip
+                  paged: Any = None, idle_gc: bool = False) -> list:  # fmt: skip
     width = row_bytes(src.shape[1])
     alone = 1 if piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)) is None else 3
     batches = plan_batches(pieces, width, alone)
@@ -175,7 +191,11 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
                 for lo in range(0, b - a, per_task)
             ])  # fmt: skip
     # Step 4: the batches not put during the launches (`_launch`), in order, each once its
-    # rows landed.
+    # rows landed. idle_gc (round 12, the collector held off since the call began): one gen-0
+    # collection now if the third-to-last piece is still copying (the host would only wait).
+    if idle_gc and landed and not landed[max(0, len(landed) - 3)].query():
+        gc.collect(0)
+        marks.mark("gc_idle")
     while puts.done < len(batches):
         hi = batches[puts.done][1]
         if landed:
@@ -207,12 +227,14 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     ~9 kernels a piece) are added to it there, so the rows land whole blocks and the host's put
     of a batch waits for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks
     stream after the first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's
-    payloads (and headers) go into a ring of STAGING_SLOTS device buffers on a staging stream; the copy stream runs only the device->host copies, back
-    to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its slot. None waits
-    for the payloads' sums (that idled the copies ~1.5 ms a store: round 8). Torch calls per piece
-    (the host's launches are the store's critical path on the lent VMs): two copies and an event
-    on the staging stream, a wait, a slice, the copy and an event on the copy stream; the views
-    are made once per store and the current stream switched twice per round. `paged`
+    payloads (and headers) go into a ring of STAGING_SLOTS device buffers on a staging stream;
+    the copy stream runs only the device->host copies, back to back: piece c is staged once the
+    copy of piece c - STAGING_SLOTS left its slot. None waits for the payloads' sums (that idled
+    the copies ~1.5 ms a store: round 8). Round 12 (a shaped plan, `piece_bounds`): each piece's
+    copy is queued right after its own staging (round 11 staged pieces 1-4 before queuing copy
+    1: the half piece 0's copy ended ~0.7-1.2 ms before copy 1 could start). Per piece: the
+    staging ops and an event on the staging stream, a wait, the copy and an event on the copy
+    stream; the views are made once per store, the current stream switched twice per round. `paged`
     (kv_paged.PagedBlocks): each piece's payloads are gathered from the paged cache
     straight into its staging rows (one copy of K and one of V), not copied from `src`.
     """
@@ -234,7 +256,10 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     heads: Any = None
     on_device = mix and wide is torch.int64 and not base_store()
     landed: list[Any] = []
-    rounds = [(0, 1)] + [(c, min(np_, c + slots)) for c in range(1, np_, slots)]
+    if r12_on() and piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)):
+        rounds = [(c, c + 1) for c in range(np_)]  # round 12, shaped plans: piece by piece
+    else:  # round 11: the staging of up to `slots` pieces, then their copies
+        rounds = [(0, 1)] + [(c, min(np_, c + slots)) for c in range(1, np_, slots)]
     try:
         for r, (c0, c1) in enumerate(rounds):
             torch.cuda.set_stream(staging_stream)
@@ -268,6 +293,7 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                 landed.append(t._event(device, 1 + c, stream))
                 if marks.on:
                     marks.mark(f"landed{c}", stream)
+                    marks.mark(f"queued{c}")  # host clock: the copy was queued
             if mix and r == 0 and not on_device:
                 puts.sums, puts.summed = _payload_sums(t, src, 1 + 2 * np_)
             if mix:

@@ -60,6 +60,13 @@ def base_store() -> bool:
     return os.environ.get("MOE_KV_STORE_BASE") == "1"
 
 
+def r12_on() -> bool:
+    """MOE_KV_R12=0: round 11's store (the launch loop's rounds of up to STAGING_SLOTS pieces,
+    the garbage collector left running during the call) and arena (freed rows drained by the
+    next `take`), for A/B runs in fresh processes (bench/offload_ab.py --r12-ab)."""
+    return os.environ.get("MOE_KV_R12", "1") != "0"
+
+
 def plan_batches(pieces: list, width: int, alone: int = 1) -> list[tuple[int, int]]:
     """Pieces lo..hi put together: adjacent rows of one host tensor, at most PUT_BATCH_BYTES,
     the last `alone` pieces alone (the host's work after the last copy is one piece's, and each

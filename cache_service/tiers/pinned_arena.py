@@ -19,12 +19,16 @@ collected (a weak reference's callback), i.e. when nothing in the process holds 
 more: not the tier (evicted, deleted, overwritten), not a load that is still copying from it
 (KVTiers keeps the blocks it fetched until its copies are done), not a view of it (numpy views and
 memoryviews keep their base alive). So a live block's row is never handed out again. The callback
-may run on any thread, at any point where a block is dropped (inside a tier's lock too): it only
-appends to a deque, which `take` drains under the arena's own lock.
+may run on any thread, at any point where a block is dropped (inside a tier's lock too): it marks
+the row free itself (offload round 12: one numpy element, no lock, so `take` has no backlog of an
+eviction's rows to drain before a store's first copy; a row turning free while `take` scans
+cannot be one it hands out, since it was not free when scanned). MOE_KV_R12=0 (round 11): the
+callback only appends to a deque, which `take` drains under the arena's own lock.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import deque
@@ -39,6 +43,23 @@ FIRST_SLAB_BYTES = 1 << 26
 slab is paid once, when the tier grows, never per store)."""
 MOST_SLAB_BYTES = 1 << 28
 """Later slabs double up to 256 MiB: few slabs, so a load copies long runs of adjacent rows."""
+
+
+def eager_free() -> bool:
+    """Rows freed by their blocks' callbacks (round 12); MOE_KV_R12=0: drained by `take`."""
+    return os.environ.get("MOE_KV_R12", "1") != "0"
+
+
+class _RowRef(weakref.ref):
+    """A block's weak reference that frees the block's row when the block is collected."""
+
+    __slots__ = ("free", "refs", "row")
+
+
+def _freed(ref: _RowRef) -> None:
+    """The callback: the row is free again (set under the GIL; see the module docstring)."""
+    ref.free[ref.row] = True
+    ref.refs.pop(id(ref), None)
 
 
 @dataclass(eq=False)
@@ -95,6 +116,9 @@ class PinnedArena:
         """Slab index by the data pointer of its first byte."""
         self._slots: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
         """id(weak reference to a block) -> (that reference, the block's (slab, row))."""
+        self._refs: dict[int, _RowRef] = {}
+        """The live blocks' `_RowRef`s by id (round 12; a reference must outlive its block to
+        call back; a weak reference hashes as its block, which does not hash)."""
         self._returned: deque = deque()
         """Dead block references (callbacks) and (slab, row)s (`Lease.close`) not yet marked free
         (drained by `take`)."""
@@ -162,18 +186,24 @@ class PinnedArena:
     def _adopt(self, blocks: Sequence, adopted: set) -> None:
         if not blocks:
             return
-        with self._lock:  # the callbacks never take it: they only append to `returned`
+        with self._lock:  # the callbacks never take it
             returned, slots = self._returned, self._slots
             owner = blocks[0].owner
             index = self._by_ptr.get(owner.data_ptr())
             if index is None:
                 raise ValueError("adopt: a block outside this arena's slabs")
             width = self._slabs[index].width
+            eager, free, refs = eager_free(), self._slabs[index].free, self._refs
             for block in blocks:
                 if block.owner is not owner and block.owner.data_ptr() != owner.data_ptr():
                     raise ValueError("adopt: blocks of one call come from one slab")
                 slot = (index, block.offset // width)
                 adopted.add(slot)
+                if eager:
+                    ref = _RowRef(block, _freed)
+                    ref.free, ref.row, ref.refs = free, slot[1], refs
+                    refs[id(ref)] = ref
+                    continue
                 # The callback is the deque's own append (no Python frame per block): it hands
                 # the dead reference over, and `_drain` finds its slot by the reference's id.
                 ref = weakref.ref(block, returned.append)
@@ -205,7 +235,7 @@ class PinnedArena:
     def close(self) -> None:
         """Forget the slabs (blocks still alive keep their memory through their own views)."""
         with self._lock:
-            self._slabs, self._by_ptr, self._slots = [], {}, {}
+            self._slabs, self._by_ptr, self._slots, self._refs = [], {}, {}, {}
             self._returned = deque()  # callbacks of blocks still alive append to the old one
             self._generation += 1
             self.allocated_bytes = 0
