@@ -43,7 +43,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ import torch
 from actors.async_engine import AsyncEngine
 from actors.block_manager import BlockKeyer, BlockManager
 from actors.detokenizer import IncrementalDetokenizer
+from actors.engine_outputs import Handoff, RequestOutput
+from actors.engine_overlap import InFlight, launches, next_decode
 from actors.kv_cache import slots_for
 from actors.kv_tiers import BlockCache, KVTiers
 from actors.runner import StepInput
@@ -74,56 +76,6 @@ __all__ = [
 ROLES = ("mixed", "prefill", "decode")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Handoff:
-    """What a prefill engine hands a decode engine: enough to resume the request exactly."""
-
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    """Tokens sampled so far (the first one); the client has them."""
-    seed: int
-    """The sampler's seed (a decode engine samples step len(output_token_ids) next)."""
-    cached_tokens: int
-    """Prompt tokens the prefill engine found cached (usage.cached_tokens)."""
-    blocks: int
-    """Full prompt blocks (the decode engine recomputes the partial last one)."""
-    blocks_stored: int
-    """Blocks the tiers now hold (written now or before); fewer when a tier refused or failed."""
-    bytes_written: int
-    write_s: float
-
-    def resume_kwargs(self) -> dict[str, Any]:
-        """`resume_request(request_id, handoff.prompt_token_ids, params, **resume_kwargs())`."""
-        return {
-            "seed": self.seed,
-            "output_token_ids": list(self.output_token_ids),
-            "cached_tokens": self.cached_tokens,
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class RequestOutput:
-    """What one step produced for one request (a delta; `finished` ends the stream)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    """'stop' (EOS, a stop token id or a stop string), 'length' (max_tokens) or 'abort'."""
-    logprobs: tuple[TokenLogprob, ...] | None
-    """One per new token when the request asked for logprobs."""
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    """Prompt tokens whose KV came from the cache (device prefix blocks or the tiers)."""
-    handoff: Handoff | None = None
-    """Set on a prefill engine's last output of a request (finish_reason 'handoff')."""
-
-
 class Engine:
     """Continuous batching over one runner (see the module docstring)."""
 
@@ -144,7 +96,10 @@ class Engine:
         cache_codec: str = "raw",
         cache_compression: str | None = None,
         role: str = "mixed",
+        async_scheduling: bool | None = None,
     ) -> None:
+        """async_scheduling: launch each decode step before the last one's tokens are read
+        (actors/engine_overlap.py) where the runner can; None: on for a CUDA runner."""
         if role not in ROLES:
             raise InputError(f"engine role {role!r}: expected one of {', '.join(ROLES)}")
         if role == "prefill" and cache is None:
@@ -162,6 +117,10 @@ class Engine:
         )
         self.runner, self.tokenizer, self.eos_token_id = runner, tokenizer, eos_token_id
         self.batch_invariant = batch_invariant
+        if async_scheduling is None:
+            async_scheduling = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        self.async_scheduling = async_scheduling
+        self._inflight: InFlight | None = None
         layout = runner.allocate_kv(num_blocks, block_size)
         self.block_size, self.kv_dtype = block_size, layout.dtype
         self.keyer = BlockKeyer(
@@ -201,6 +160,7 @@ class Engine:
             "handoffs": 0,
             "handoff_blocks": 0,
             "handoff_bytes": 0,
+            "overlapped_steps": 0,
         }
         self._latency = {"last_s": 0.0, "total_s": 0.0}
 
@@ -292,26 +252,40 @@ class Engine:
         self._forget(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs it produced (and those of aborts since the last)."""
+        """Run one step; returns the outputs it produced (and those of aborts since the last).
+
+        With async scheduling a decode step may return the tokens of the step launched by the
+        previous call, the next one already running (actors/engine_overlap.py)."""
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
-        step = self._step_input(batch)
-        result = self.runner.execute(step)
+        current, self._inflight = self._inflight, None
+        if current is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            step = self._step_input(batch)
+            if launches(self, step):
+                current = InFlight(batch, step, self.runner.launch(step))
+            else:
+                result = self.runner.execute(step)
+        if current is not None:
+            self._inflight = next_decode(self, current)
+            self.counts["overlapped_steps"] += self._inflight is not None
+            batch, step = current.batch, current.step
+            result = self.runner.collect(current.launched)
         for seq, n in batch:
-            seq.num_computed += n
-            self._register(seq)
+            if seq.status != "finished":  # else it ended (or was aborted) with its row in flight
+                seq.num_computed += n
+                self._register(seq)
         for row, index in enumerate(step.sample_seqs):
             seq = batch[index][0]
-            out = self._append(seq, result.token_ids[row], result.logprobs[row])
-            outputs.append(out)
+            if seq.status != "finished":
+                outputs.append(self._append(seq, result.token_ids[row], result.logprobs[row]))
         self.counts["steps"] += 1
         elapsed = time.perf_counter() - started
         self._latency["last_s"] = elapsed
@@ -502,6 +476,7 @@ class Engine:
         `actors/recovery.py` re-admits with `resume_request`.
         """
         dropped = list(self.seqs)
+        self._inflight = None
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         self.seqs.clear()
@@ -580,6 +555,7 @@ class Engine:
             "handoff_blocks": self.counts["handoff_blocks"],
             "handoff_bytes": self.counts["handoff_bytes"],
             "steps": steps,
+            "overlapped_steps": self.counts["overlapped_steps"],
             "step_latency_s": self._latency["last_s"],
             "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
         }

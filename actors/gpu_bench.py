@@ -63,6 +63,8 @@ class Row:
     experts_hit: float | None = None
     device_ms: float | None = None
     """Decode: one step's CUDA graph replayed alone (the step minus the host's work)."""
+    sync_ms_per_step: float | None = None
+    """Decode with async scheduling off: each step's tokens read before the next is scheduled."""
     device_roofline_fraction: float | None = None
     note: str = ""
 
@@ -87,7 +89,7 @@ class EngineBench:
             self.runner, tokenizer=None, block_size=16, num_blocks=-(-kv_tokens // 16),
             max_num_batched_tokens=256 if tiny else 8192, max_num_seqs=128,
             cache_key_secret=secrets.token_bytes(16), weights_fingerprint=f"random-{name}",
-            batch_invariant=False,
+            batch_invariant=False, async_scheduling=cuda and flags.get("async", True),
         )  # fmt: skip
         self.gen = torch.Generator().manual_seed(5)
         self.count = 0
@@ -102,20 +104,39 @@ class EngineBench:
         self.engine.step()
         return time.perf_counter() - t0
 
-    def decode(self, batch: int, context: int, *, warm: int, steps: int) -> dict:
+    def _timed_run(self, steps: int) -> float:
+        """Seconds per step over `steps` consecutive steps, the device synchronised only around
+        them: with async scheduling a step's host work hides behind the previous step's device
+        work (as when serving), which steps timed one at a time would not show."""
+        parts.sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.engine.step()
+        parts.sync(self.device)
+        return (time.perf_counter() - t0) / steps
+
+    def decode(self, batch: int, context: int, *, warm: int, steps: int, runs: int = 3) -> dict:
+        """ms: the median of `runs` runs of `steps` steps; sync_ms: the same with async
+        scheduling off (every step's tokens read before the next is scheduled), in turn."""
         e = self.engine
         ids = []
         for _ in range(batch):
             self.count += 1
             ids.append(f"r{self.count}")
-            params = SamplingParams(max_tokens=batch + warm + steps + 64, ignore_eos=True)
+            total = warm + 2 * runs * steps + 8
+            params = SamplingParams(max_tokens=batch + total + 64, ignore_eos=True)
             e.add_request(ids[-1], self._prompt(context), params)
         while min(len(e.seqs[i].output_token_ids) for i in ids) < 1:
             e.step()
         for _ in range(warm):
             e.step()
         ctx0 = sum(e.seqs[i].num_tokens for i in ids)
-        times = [self._timed_step() for _ in range(steps)]
+        times, sync_times, overlap = [], [], e.async_scheduling
+        for _ in range(runs):
+            times.append(self._timed_run(steps))
+            e.async_scheduling = False
+            sync_times.append(self._timed_run(steps))
+            e.async_scheduling = overlap
         device_ms = self._replay_ms()
         if (batch, context) in PROFILE_SHAPES:
             graphs, self.runner.graphs = self.runner.graphs, None
@@ -132,7 +153,8 @@ class EngineBench:
         return {
             "device_ms": device_ms,
             "ms": 1e3 * sorted(times)[len(times) // 2],
-            "context_tokens": ctx0 + batch * steps / 2,
+            "sync_ms": 1e3 * sorted(sync_times)[len(sync_times) // 2],
+            "context_tokens": ctx0 + batch * runs * steps,
             "experts_hit": hit,
         }
 
@@ -335,6 +357,14 @@ def run(
     except Exception as exc:  # recorded, then the run goes on without graphs
         result["correctness"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         flags["graphs"] = False
+    try:
+        result["async_scheduling_check"] = checks.async_check(device, dtype, flags=flags)
+    except Exception as exc:  # recorded; the rows then step one step at a time
+        result["async_scheduling_check"] = {
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}"[:500],
+        }
+    flags["async"] = bool(result["async_scheduling_check"].get("ok"))
     verdicts = [c for c in result["correctness"].values() if isinstance(c, dict)]
     if not all(c.get("fast_no_worse", False) for c in verdicts):
         flags["graphs"] = False
@@ -420,6 +450,7 @@ def _our_row(bench: EngineBench, r: Row, *, warm, steps, hbm, tflops, tiny) -> N
         by = parts.decode_bytes(bench.model, batch=1, context=int(d["context_tokens"]),
                                 experts_hit=d["experts_hit"])  # fmt: skip
         r.ms_per_step = round(d["ms"], 3)
+        r.sync_ms_per_step = round(d["sync_ms"], 3)
         r.tokens_per_s = round(r.batch * 1e3 / d["ms"], 1)
         r.roofline_ms = round(sum(by.values()) / (hbm * 1e9) * 1e3, 3)
         r.bytes_GB = {k: round(v / 1e9, 9) for k, v in by.items()}
@@ -487,8 +518,9 @@ def _hf_rows(name, cfg, rows, *, device, dtype, tiny, deadline) -> None:
 def table(result: dict[str, Any]) -> str:
     """The one table: a Markdown table of every row."""
     head = ("| model | phase | batch | context | ms/step | tokens/s | roofline ms | of roofline "
-            "| MFU | planner ms | transformers ms | speedup | device ms | of roofline (device) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 14]
+            "| MFU | planner ms | transformers ms | speedup | device ms | of roofline (device) "
+            "| ms/step, async scheduling off |")  # fmt: skip
+    lines = [head, "|" + "---|" * 15]
 
     def f(x, spec="{:.2f}"):
         return "-" if x is None else spec.format(x)
@@ -499,7 +531,8 @@ def table(result: dict[str, Any]) -> str:
             f"{f(r['ms_per_step'])} | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['roofline_ms'])} | "
             f"{f(r['roofline_fraction'], '{:.0%}')} | {f(r['mfu'], '{:.0%}')} | "
             f"{f(r['predicted_ms'])} | {f(r['hf_ms_per_step'])} | {f(r['speedup_vs_hf'], '{:.1f}x')} | "
-            f"{f(r.get('device_ms'))} | {f(r.get('device_roofline_fraction'), '{:.0%}')} |"
+            f"{f(r.get('device_ms'))} | {f(r.get('device_roofline_fraction'), '{:.0%}')} | "
+            f"{f(r.get('sync_ms_per_step'))} |"
         )
     return "\n".join(lines)
 

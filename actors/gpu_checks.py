@@ -101,6 +101,57 @@ def correctness(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dic
     return out
 
 
+def async_check(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dict[str, Any]:
+    """Async scheduling (actors/engine_overlap.py) against stepping one step at a time: the
+    greedy tokens of four requests per tiny model, one stopping mid-stream on a stop id (its
+    next row already launched) and one arriving later. `ok`: the same tokens and finish reasons
+    in both, with steps launched on device tokens."""
+    out: dict[str, Any] = {"ok": True}
+    for name, cfg in parts.tiny_configs().items():
+        model = parts.random_model(cfg, device=str(device), dtype=dtype, seed=3)
+        gen = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(0, cfg["vocab_size"], (n,), generator=gen).tolist()
+                   for n in (40, 17, 29, 8)]  # fmt: skip
+        kw = dict(model=model, prompts=prompts, device=device, flags=flags)
+        free, _ = _async_run(overlap=False, stop=[], **kw)
+        stop = [free["r1"][9]]
+        sequential, _ = _async_run(overlap=False, stop=stop, **kw)
+        overlapped, fed = _async_run(overlap=True, stop=stop, **kw)
+        same = sequential == overlapped
+        out[name] = {"same_tokens": same, "overlapped_steps": fed,
+                     "tokens": sum(len(v) for v in sequential.values())}  # fmt: skip
+        out["ok"] = out["ok"] and same and fed > 0
+    log(f"async scheduling check: {out}")
+    return out
+
+
+def _async_run(*, model, prompts, device, flags, overlap: bool, stop: list[int]):
+    """async_check's run: tokens (and finish reason) per request, steps launched overlapped."""
+    from actors.engine import Engine, SamplingParams
+
+    runner = LocalRunner(model, device=device, fast_decode=True, cuda_graphs=flags["graphs"],
+                         triton_attention=flags["triton"])  # fmt: skip
+    e = Engine(runner, tokenizer=None, block_size=16, num_blocks=64, max_num_batched_tokens=256,
+               max_num_seqs=8, cache_key_secret=b"k" * 16, weights_fingerprint="async-check",
+               batch_invariant=False, async_scheduling=overlap)  # fmt: skip
+    for i, ids in enumerate(prompts[:3]):
+        stops = stop if i == 1 else []
+        e.add_request(
+            f"r{i}", ids, SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=stops)
+        )
+    toks: dict[str, list] = {}
+    k = 0
+    while e.has_unfinished():
+        if k == 5:
+            e.add_request("r3", prompts[3], SamplingParams(max_tokens=12, ignore_eos=True))
+        for o in e.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                toks[o.request_id].append(o.finish_reason)
+        k += 1
+    return toks, e.counts["overlapped_steps"]
+
+
 def triton_check(device: torch.device, *, tune: bool = True) -> tuple[bool, str]:
     """The Triton decode kernel against the torch fallback at the Qwen3 head shapes, bf16: the
     tiles tuned first (`gpu_tune.decode_tune`), then the chosen tiles of both classes checked on ragged

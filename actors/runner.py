@@ -107,6 +107,16 @@ class StepOutput:
     logprobs: tuple[TokenLogprob | None, ...]
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A step `LocalRunner.launch` started: its greedy tokens on the device and their host copy
+    (pinned; ready once `event` has passed; on the CPU the same tensor, no event)."""
+
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: Any
+
+
 class LocalRunner:
     """All layers of a model in this process (world size 1), with its paged KV cache."""
 
@@ -244,8 +254,9 @@ class LocalRunner:
             and self.arch.sliding_window is None
         )
 
-    def _decode(self, step: StepInput) -> torch.Tensor:
-        """A pure decode step over the padded block tables (rows in sample_seqs order)."""
+    def _decode(self, step: StepInput, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """A pure decode step over the padded block tables (rows in sample_seqs order);
+        `tokens` [B] on the device: the input ids in place of step.token_ids."""
         b = len(step.query_lens)
         q = self.table_quantum
         width = max(len(t) for t in step.block_tables)
@@ -266,11 +277,13 @@ class LocalRunner:
         logits = None
         if self.graphs is not None:
             try:
-                logits = self.graphs.run(packed)
+                logits = self.graphs.run(packed, tokens=tokens)
             except RuntimeError as exc:  # capture refused: run eagerly from now on, say why
                 self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"[:500]
         if logits is None:
             inputs = packed.to(self.device)
+            if tokens is not None:
+                inputs["tokens"] = tokens
             ctx = DecodeContext(
                 cache=self.kv,
                 slots=inputs["slots"],
@@ -290,6 +303,40 @@ class LocalRunner:
             return StepOutput(token_ids=tuple(tokens), logprobs=(None,) * len(tokens))
         tokens, logprobs = sample(logits.float().cpu(), step.sampling)
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
+
+    def overlaps(self, step: StepInput) -> bool:
+        """Whether `launch` runs `step`: a fast pure decode step whose rows are all greedy."""
+        greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
+        return greedy and self._decodes_fast(step)
+
+    def launch(self, step: StepInput, *, tokens: torch.Tensor | None = None) -> Launched:
+        """Start an `overlaps` step without waiting for it (async scheduling,
+        actors/engine_overlap.py); `tokens` [B]: its input ids still on the device (an earlier
+        launch's `launched_tokens`), in place of step.token_ids. `collect` reads the result."""
+        if self.kv is None:
+            raise RuntimeError("allocate_kv has not been called")
+        if self.mirror is not None:
+            self.mirror.drop()
+        ids = greedy_tokens(self._decode(step, tokens))
+        if ids.device.type != "cuda":
+            return Launched(tokens=ids, host=ids, event=None)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Launched(tokens=ids, host=host, event=event)
+
+    @staticmethod
+    def launched_tokens(launched: Launched) -> torch.Tensor:
+        return launched.tokens
+
+    @staticmethod
+    def collect(launched: Launched) -> StepOutput:
+        """Wait for a launched step's tokens (only for them: later launches keep running)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens = tuple(launched.host.tolist())
+        return StepOutput(token_ids=tokens, logprobs=(None,) * len(tokens))
 
     def read_block(self, block_id: int) -> torch.Tensor:
         return self.kv.read_block(block_id)

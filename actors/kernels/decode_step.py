@@ -200,9 +200,11 @@ class DecodeGraphs:
         self.last: tuple[int, int] | None = None
         """The (B, NB) key of the graph `run` replayed last."""
 
-    def run(self, packed: PackedInputs) -> torch.Tensor:
+    def run(self, packed: PackedInputs, *, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """packed: tokens [B] int64, positions [B] int64, slots [B] int64, block_tables [B, NB]
-        int32, context_lens [B] int32 (host tensors in one buffer): one copy, one replay."""
+        int32, context_lens [B] int32 (host tensors in one buffer): one copy, one replay.
+        `tokens` [B] int64 on the device: copied over the packed tokens (async scheduling feeds
+        the last step's sampled ids without the host reading them)."""
         shapes = {name: shape for name, _, _, _, shape in packed.layout}
         key = (shapes["tokens"][0], shapes["block_tables"][1])
         entry = self.graphs.get(key)
@@ -212,8 +214,10 @@ class DecodeGraphs:
             entry = self._capture(packed)
             self.graphs[key] = entry
         self.last = key
-        graph, static, logits = entry
+        graph, static, logits, token_view = entry
         static.copy_(packed.host, non_blocking=True)
+        if tokens is not None:
+            token_view.copy_(tokens)
         graph.replay()
         return logits
 
@@ -246,4 +250,4 @@ class DecodeGraphs:
         for name, saved in counts.items():
             buffers[name].copy_(saved)
         self.captures += 1
-        return graph, buf, logits
+        return graph, buf, logits, static["tokens"]
