@@ -15,6 +15,14 @@ scattered straight into it), each run's fraction of the pinned round trip, the p
 medians, and the median trace split of each variant's timed stores and loads.
 
     python3 bench/offload_ab.py --out $OUT --paged-ab 5 --budget-s 190
+
+--r12-ab N (round 12): N interleaved pairs of the same offload_profile runs, r11 (MOE_KV_R12=0:
+round 11's launch rounds, the arena's drain in `take`, the collector left on) against r12; the
+pinned reference is timed beside ours in every rep (offload_profile's `fraction_of_pinned`;
+round 11's reference as `of_pinned_r11`); then --moe-reps K pairs of gpu_moe.py's offload row
+(the model's process) per variant.
+
+    python3 bench/offload_ab.py --out $OUT --r12-ab 6 --moe-reps 2 --budget-s 195
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"base": "1", "r10": "0"}
 PAGED = {"r10p": "0", "r11": "1"}
 """--paged-ab's variants: MOE_KV_PAGED."""
+R12 = {"r11": "0", "r12": "1"}
+"""--r12-ab's variants: MOE_KV_R12."""
 GPU_MOE = ["bench/gpu_moe.py", "--models", "qwen3-30b-a3b", "--no-decode", "--no-prefill",
            "--skip-hf"]  # fmt: skip
 
@@ -39,7 +49,7 @@ START = time.perf_counter()
 
 
 def run(out: Path, name: str, variant: str, args: list[str], trace: bool, limit: float,
-        budget: float) -> None:  # fmt: skip
+        budget: float, env_var: str | None = None) -> None:  # fmt: skip
     """One fresh process of `args` with the variant's MOE_KV_STORE_BASE (paged A/B:
     MOE_KV_PAGED); skipped past `budget` seconds since the start, and given at most what is
     left of it."""
@@ -49,7 +59,9 @@ def run(out: Path, name: str, variant: str, args: list[str], trace: bool, limit:
         return
     limit = min(limit, left)
     env = dict(os.environ)
-    if variant in PAGED:
+    if env_var == "MOE_KV_R12":
+        env["MOE_KV_R12"] = R12[variant]
+    elif variant in PAGED:
         env["MOE_KV_PAGED"] = PAGED[variant]
     else:
         env["MOE_KV_STORE_BASE"] = VARIANTS[variant]
@@ -113,6 +125,14 @@ def main() -> int:
     p.add_argument("--limit-s", type=float, default=75.0, help="per run")
     p.add_argument("--budget-s", type=float, default=215.0, help="no run starts past this")
     p.add_argument(
+        "--r12-ab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="round 12: N offload_profile pairs, MOE_KV_R12=0 vs 1 (only these)",
+    )
+    p.add_argument("--moe-reps", type=int, default=0, help="--r12-ab: gpu_moe row pairs after")
+    p.add_argument(
         "--paged-ab",
         type=int,
         default=0,
@@ -122,6 +142,8 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.r12_ab:
+        return paged_ab(out, args, R12, "MOE_KV_R12", args.r12_ab)
     if args.paged_ab:
         return paged_ab(out, args)
     summary: dict = {"runs": {}, "traces": {}, "profiles": {}}
@@ -156,25 +178,35 @@ def main() -> int:
     return 0
 
 
-def paged_ab(out: Path, args: argparse.Namespace) -> int:
-    """--paged-ab: interleaved offload_profile runs of both variants; summary.json."""
-    summary: dict = {"runs": {}, "medians": {}}
-    for rep in range(args.paged_ab):
-        for v in PAGED:
+def paged_ab(out: Path, args: argparse.Namespace, variants: dict = PAGED,
+             env_var: str | None = None, pairs: int = 0) -> int:  # fmt: skip
+    """--paged-ab / --r12-ab: interleaved offload_profile runs of both variants (then, r12,
+    --moe-reps gpu_moe row pairs); summary.json."""
+    summary: dict = {"runs": {}, "medians": {}, "gpu_moe": {}}
+    extra = ("fraction_of_pinned_r11", "pinned_after_ms", "pinned_split_ms", "per_rep_fraction",
+             "times_ms", "numa")  # fmt: skip
+    for rep in range(pairs or args.paged_ab):
+        for v in variants:
             name = f"{v}_{rep}"
             path = out / f"profile_{name}.json"
             run(out, name, v, ["bench/offload_profile.py", "--paged", "--no-profile", "--layouts",
                                "qwen3", "--json", str(path)], False, args.limit_s,
-                args.budget_s)  # fmt: skip
+                args.budget_s, env_var)  # fmt: skip
             try:
                 got = json.loads(path.read_text())
                 lay = got["layouts"]["qwen3"]
                 summary["runs"][name] = {"paged": got.get("paged"), **{k: lay[k] for k in (
                     "fraction_of_pinned", "ours_ms", "median_ms", "pinned_round_trip_ms", "exact",
-                    "integrity", "split_ms")}}  # fmt: skip
+                    "integrity", "split_ms")}, **{k: lay[k] for k in extra if k in lay}}  # fmt: skip
             except (OSError, KeyError, ValueError) as exc:
                 summary["runs"][name] = {"error": repr(exc)}
-    for v in PAGED:
+    for rep in range(args.moe_reps if env_var else 0):
+        for v in variants:
+            name = f"moe_{v}_{rep}"
+            run(out, name, v, [*GPU_MOE, "--out", str(out / f"off_{name}.json")], False,
+                args.limit_s, args.budget_s, env_var)  # fmt: skip
+            summary["gpu_moe"][name] = offload_row(out / f"off_{name}.json")
+    for v in variants:
         mine = [r for n, r in summary["runs"].items() if n.startswith(v + "_") and "ours_ms" in r]
         if not mine:
             continue
@@ -183,9 +215,14 @@ def paged_ab(out: Path, args: argparse.Namespace) -> int:
                "at_least_80": sum(f >= 0.8 for f in fr),
                "exact": all(r["exact"] for r in mine),
                "integrity_ok": all(r["integrity"].get("ok") for r in mine)}  # fmt: skip
-        for k in ("ours_ms", "pinned_round_trip_ms"):
-            vals = sorted(r[k] for r in mine)
-            med[k] = vals[len(vals) // 2]
+        for k in ("ours_ms", "pinned_round_trip_ms", "pinned_after_ms", "fraction_of_pinned_r11"):
+            vals = sorted(r[k] for r in mine if k in r)
+            if vals:
+                med[k] = vals[len(vals) // 2]
+        moe = sorted(r["of_pinned"] for n, r in summary["gpu_moe"].items()
+                     if n.startswith(f"moe_{v}_") and "of_pinned" in r)  # fmt: skip
+        if moe:
+            med["gpu_moe_of_pinned"] = moe
         for op in ("store", "load"):
             vals = sorted(r["median_ms"][op] for r in mine)
             med[f"{op}_ms"] = vals[len(vals) // 2]
@@ -195,7 +232,7 @@ def paged_ab(out: Path, args: argparse.Namespace) -> int:
         summary["medians"][v] = med
     text = json.dumps(summary, indent=1)
     (out / "summary.json").write_text(text + "\n")
-    print(json.dumps(summary["medians"], indent=1))
+    print(json.dumps({"medians": summary["medians"], "gpu_moe": summary["gpu_moe"]}, indent=1))
     return 0
 
 

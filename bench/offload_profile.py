@@ -8,6 +8,11 @@ With --paged the timed calls are `kv_paged.store_from` and `kv_paged.load_into` 
 straight from the paged cache, scattered straight into it; MOE_KV_PAGED=0 makes them round 10's
 `read_blocks` + `store_many` and `load_many` + `write_blocks`); the blocks are zeroed (untimed)
 between the store and the load, so an exact round trip shows the load wrote them.
+Round 12: the pinned reference is timed in every rep beside ours (the same synchronised
+perf_counter window, a warm buffer allocated before the arena; median of the reps:
+`pinned_round_trip_ms`, `fraction_of_pinned`, and `per_rep_fraction`); round 11's reference (one
+buffer after the runs, median of 5) stays as `pinned_after_ms` / `fraction_of_pinned_r11`; `numa`
+says on which nodes the arena's slabs and the reference buffer live.
 
     python bench/offload_profile.py --out /tmp/offload_profile.txt --json /tmp/offload.json
 """
@@ -18,6 +23,8 @@ import argparse
 import cProfile
 import io
 import json
+import math
+import os
 import pstats
 import sys
 import time
@@ -73,6 +80,8 @@ def main() -> int:
     summary["paged"] = args.paged and kv_paged.paged_on()
     for base, layout, url in runs:
         name = base if url == "host://" else f"{base} {url}"
+        one_bytes = math.prod(layout.block_shape) * layout.dtype.itemsize
+        ref = _PinnedRef(one_bytes * args.blocks, device)  # before the arena's slabs
         kv = KVCache(layout, args.blocks + 8, device=device)
         for t in (*kv.k.values(), *kv.v.values()):
             t.normal_()
@@ -119,6 +128,7 @@ def main() -> int:
 
             if args.paged:
                 held["want"] = kv.read_blocks(ids)
+            ref.time(keep=r > 0 and not last)  # the pinned round trip, beside ours, each rep
             for what in times:
                 fn = lambda what=what, step=step: step(what)  # noqa: E731
                 if args.paged and what == "load":  # untimed: the load must write the blocks
@@ -155,7 +165,8 @@ def main() -> int:
             ok = bool(torch.equal(held["got"], held["want"])) and len(held["got"]) == args.blocks
             cache.evict(keys)
         med = {k: round(sorted(v)[len(v) // 2], 3) for k, v in times.items()}
-        pinned_ms = _pinned_round_trip(nbytes, device)
+        pinned_after = _pinned_round_trip(nbytes, device)  # round 11's reference: after, alone
+        pinned_ms = _median(ref.times["round_trip"])
         ours = sum(med.values())
         split = {w: {k: round(_median([d[k] for d in v if k in d]), 3) for k in v[0]}
                  for w, v in splits.items() if v}  # fmt: skip
@@ -164,6 +175,13 @@ def main() -> int:
             "blocks": args.blocks, "block_bytes": nbytes // args.blocks, "median_ms": med,
             "ours_ms": round(ours, 3), "pinned_round_trip_ms": round(pinned_ms, 3),
             "fraction_of_pinned": round(pinned_ms / ours, 3), "exact": ok, "split_ms": split,
+            "pinned_after_ms": round(pinned_after, 3),
+            "fraction_of_pinned_r11": round(pinned_after / ours, 3),
+            "pinned_split_ms": {k: round(_median(v), 3) for k, v in ref.times.items()},
+            "times_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},
+            "per_rep_fraction": [round(p / sum(x), 3) for p, *x in zip(
+                ref.times["round_trip"], *times.values(), strict=False)],
+            "numa": _numa({"arena": _arena_ptrs(cache), "pinned_ref": [ref.host.data_ptr()]}),
             "arena": None if arena is None else {
                 "slabs": arena.slab_count(), "bytes": arena.allocated_bytes,
                 "reused_rows": arena.reused_rows,
@@ -178,7 +196,7 @@ def main() -> int:
         for what, text in prof.items():
             lines.append(f"-- {name} {what}\n{text}")
         tiers.close()
-        del kv, cache
+        del kv, cache, ref
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -235,6 +253,80 @@ def _integrity(tiers: KVTiers, cache: TieredCache, kv: KVCache, layout: KVLayout
 
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
+
+
+class _PinnedRef:
+    """The plain pinned copy of the same bytes, timed as ours is (synchronised, perf_counter),
+    once per rep beside our store and load: `round_trip` (down and up in one window, the
+    reference), `down` and `up` (each its own window, as our store and load are)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.times: dict[str, list[float]] = {"round_trip": [], "down": [], "up": []}
+        self.time(keep=False)  # warm
+
+    def _timed(self, *copies: tuple) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return 1e3 * (time.perf_counter() - t0)
+
+    def time(self, keep: bool) -> None:
+        got = {
+            "round_trip": self._timed((self.host, self.src), (self.src, self.host)),
+            "down": self._timed((self.host, self.src)),
+            "up": self._timed((self.src, self.host)),
+        }
+        if keep:
+            for k, v in got.items():
+                self.times[k].append(v)
+
+
+def _arena_ptrs(cache: TieredCache) -> list[int]:
+    arena = getattr(cache.tiers[0], "arena", None)
+    return [] if arena is None else [s.rows.data_ptr() for s in arena._slabs]
+
+
+def _numa(buffers: dict[str, list[int]]) -> dict:
+    """Where the host buffers' pages are (/proc/self/numa_maps: pages per node of the mapping
+    holding each pointer), the nodes of this machine, the GPU's node and this process's CPUs: a
+    placement that differs between processes would show here."""
+    out: dict = {}
+    try:
+        nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
+        out["nodes"] = len(nodes)
+        out["cpus"] = len(os.sched_getaffinity(0))
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            bus = getattr(props, "pci_bus_id", None)
+            dom = getattr(props, "pci_domain_id", 0)
+            dev = getattr(props, "pci_device_id", 0)
+            if bus is not None:
+                pci = f"{dom:04x}:{bus:02x}:{dev:02x}.0"
+                node = Path(f"/sys/bus/pci/devices/{pci}/numa_node")
+                out["gpu_node"] = int(node.read_text()) if node.exists() else None
+        maps = []
+        for line in Path("/proc/self/numa_maps").read_text().splitlines():
+            parts = line.split()
+            counts = {p.split("=")[0]: int(p.split("=")[1]) for p in parts[2:]
+                      if p[:1] == "N" and "=" in p}  # fmt: skip
+            maps.append((int(parts[0], 16), counts))
+        maps.sort()
+        for name, ptrs in buffers.items():
+            found = []
+            for ptr in ptrs:
+                below = [m for m in maps if m[0] <= ptr]
+                found.append(below[-1][1] if below else None)
+            out[name] = found
+    except (OSError, ValueError, IndexError) as exc:
+        out["error"] = repr(exc)
+    return out
 
 
 def _pinned_round_trip(nbytes: int, device: torch.device) -> float:
