@@ -253,8 +253,13 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     rows, bodies = staging.unbind(0), staging_w[:, :, gap:].unbind(0)
     gaps = staging_w[:, :, :gap].unbind(0)
     parts = None if paged else src.view(wide).split(sizes)
-    heads: Any = None
+    heads: Any = ()
     on_device = mix and wide is torch.int64 and not base_store()
+    fused = on_device and paged is not None and paged.fused()  # kv_stage_kernel
+
+    def upload() -> Any:  # every block's header (`_headers`), on the device, split per piece
+        return _headers(t, keys, dtype, shape).to(device, non_blocking=True).split(sizes)
+
     landed: list[Any] = []
     if r12_on() and piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)):
         rounds = [(c, c + 1) for c in range(np_)]  # round 12, shaped plans: piece by piece
@@ -268,15 +273,17 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                 if c >= slots:
                     staging_stream.wait_event(landed[c - slots])
                 body = bodies[slot] if k == per else bodies[slot][:k]
-                if paged:
+                gap_c = gaps[slot] if k == per else gaps[slot][:k]
+                if fused:  # round 12: the headers in, then one kernel stages and sums
+                    heads = heads or upload()
+                    gap_c.copy_(heads[c])
+                    paged.stage_summed(staging_w[slot][:k], gap, pieces[c][0], pieces[c][1])
+                elif paged:
                     paged.stage(body, pieces[c][0], pieces[c][1])
                 else:
                     body.copy_(parts[c])
-                if mix:
-                    if heads is None:
-                        heads = _headers(t, keys, dtype, shape).to(device, non_blocking=True)
-                        heads = heads.split(sizes)
-                    gap_c = gaps[slot] if k == per else gaps[slot][:k]
+                if mix and not fused:
+                    heads = heads or upload()
                     gap_c.copy_(heads[c])
                     if on_device:  # the payloads' sums into the checksum fields, here
                         gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))

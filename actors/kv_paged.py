@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors import kv_offload
+from actors import kv_offload, kv_stage_kernel
 from actors.kv_cache import KVCache
 from actors.kv_store_puts import base_store
 from cache_service.block_key import BlockKey
-from cache_service.codec import HEADER_BYTES
+from cache_service.codec import HEADER_BYTES, HEADER_WORDS
+from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
     from actors.kv_tiers import KVTiers
@@ -49,6 +50,7 @@ class PagedBlocks:
         self.src = torch.empty(1, dtype=torch.uint8, device=kv.device).expand(
             len(self.ids), _payload_bytes(layout)
         )
+        self._fused: tuple | None = None
 
     def stage(self, body: torch.Tensor, a: int, b: int) -> None:
         """Blocks a..b into `body` [b - a, payload words] (int64 or uint8 rows of a staging
@@ -56,6 +58,42 @@ class PagedBlocks:
         first where the ids are not consecutive)."""
         out = body.view(self.dtype).view(b - a, *self.block_shape)
         self.kv.read_blocks(self.ids[a:b], out=out)
+
+    def fused(self) -> bool:
+        """Round 12: `stage_summed` can stage with kv_stage_kernel (Triton, switches on, the
+        stacked tensors readable as words); the blocks' ids go to the device once."""
+        if self._fused is None:
+            self._fused = ()
+            stacked, dev = self.kv._stacked, self.kv.device
+            if kv_stage_kernel.fused_on(dev):
+                names = ["k"] if self.kv.layout.mla else ["k", "v"]
+                tensors = [kv_stage_kernel.words(stacked[n]) for n in names]
+                if all(w is not None for w in tensors):
+                    ids = torch.as_tensor(self.ids, dtype=torch.int64).to(dev, non_blocking=True)
+                    self._fused = (tensors, ids)
+        return bool(self._fused)
+
+    def stage_summed(self, rows: torch.Tensor, gap: int, a: int, b: int) -> None:
+        """Blocks a..b into `rows` [b - a, row words] int64 (staging rows: a gap of `gap` words
+        holding each block's header, then the payload), the payloads' MIX64 added into each
+        checksum field: kv_stage_kernel's one kernel per stacked tensor, or (before it matched
+        on this device and shape, or where it did not) `stage` and `mix64`."""
+        tensors, ids = self._fused
+
+        def fused() -> None:
+            kv_stage_kernel.stage_sum(tensors, ids[a:b], rows, gap)
+
+        def plain() -> None:
+            body = rows[:, gap:]
+            self.stage(body, a, b)
+            rows[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
+
+        key = (str(rows.device), tuple(tensors[0].shape[2:]), len(tensors), gap)
+        verdict = kv_stage_kernel.verdict(key)
+        if verdict is None:
+            kv_stage_kernel.check(key, rows, gap, fused, plain)
+        else:
+            (fused if verdict else plain)()
 
     def rows(self) -> torch.Tensor:
         """The blocks gathered, [n, payload bytes] uint8 (the CPU path of a store)."""
