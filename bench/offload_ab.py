@@ -16,13 +16,14 @@ medians, and the median trace split of each variant's timed stores and loads.
 
     python3 bench/offload_ab.py --out $OUT --paged-ab 5 --budget-s 190
 
---r12-ab N (round 12): N interleaved pairs of the same offload_profile runs, r11 (MOE_KV_R12=0:
-round 11's launch rounds, the arena's drain in `take`, the collector left on) against r12; the
+--r12-ab N (round 12): N interleaved triples of the same offload_profile runs, r11 (MOE_KV_R12=0:
+round 11's launch rounds, the arena's drain in `take`, the collector left on, the torch staging),
+r12nf (round 12 without the fused staging kernel: MOE_KV_FUSED=0) and r12; the
 pinned reference is timed beside ours in every rep (offload_profile's `fraction_of_pinned`;
 round 11's reference as `of_pinned_r11`); then --moe-reps K pairs of gpu_moe.py's offload row
-(the model's process) per variant.
+(the model's process) of r11 and r12.
 
-    python3 bench/offload_ab.py --out $OUT --r12-ab 6 --moe-reps 2 --budget-s 195
+    python3 bench/offload_ab.py --out $OUT --r12-ab 4 --moe-reps 2 --budget-s 185
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"base": "1", "r10": "0"}
 PAGED = {"r10p": "0", "r11": "1"}
 """--paged-ab's variants: MOE_KV_PAGED."""
-R12 = {"r11": "0", "r12": "1"}
-"""--r12-ab's variants: MOE_KV_R12."""
+R12 = {
+    "r11": {"MOE_KV_R12": "0"},
+    "r12nf": {"MOE_KV_R12": "1", "MOE_KV_FUSED": "0"},
+    "r12": {"MOE_KV_R12": "1", "MOE_KV_FUSED": "1"},
+}
+"""--r12-ab's variants: round 11, round 12 without its fused staging kernel, round 12."""
 GPU_MOE = ["bench/gpu_moe.py", "--models", "qwen3-30b-a3b", "--no-decode", "--no-prefill",
            "--skip-hf"]  # fmt: skip
 
@@ -60,7 +65,7 @@ def run(out: Path, name: str, variant: str, args: list[str], trace: bool, limit:
     limit = min(limit, left)
     env = dict(os.environ)
     if env_var == "MOE_KV_R12":
-        env["MOE_KV_R12"] = R12[variant]
+        env.update(R12[variant])
     elif variant in PAGED:
         env["MOE_KV_PAGED"] = PAGED[variant]
     else:
@@ -201,7 +206,7 @@ def paged_ab(out: Path, args: argparse.Namespace, variants: dict = PAGED,
             except (OSError, KeyError, ValueError) as exc:
                 summary["runs"][name] = {"error": repr(exc)}
     for rep in range(args.moe_reps if env_var else 0):
-        for v in variants:
+        for v in [v for v in variants if v != "r12nf"]:
             name = f"moe_{v}_{rep}"
             run(out, name, v, [*GPU_MOE, "--out", str(out / f"off_{name}.json")], False,
                 args.limit_s, args.budget_s, env_var)  # fmt: skip
