@@ -56,6 +56,7 @@ from actors.kv_store_puts import (
     plan_batches,
     r12_on,
 )
+from actors.kv_store_puts import headers as _headers
 from actors.kv_trace import Marks, trace_for
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
@@ -221,12 +222,12 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     whose rows landed are put (Step 4 overlaps the copies still in flight). Returns, per piece,
     the event after which its rows landed, and the staging ring (the caller keeps it until then).
 
-    Step 1 (MIX64, `_headers`): every block's header, its checksum field holding the MIX64 of
-    the header's words, from the host, uploaded once after the first piece's payloads are staged;
-    it goes into each row's header gap and the piece's payload sums (`mix64` of the staged rows,
-    ~9 kernels a piece) are added to it there, so the rows land whole blocks and the host's put
-    of a batch waits for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks
-    stream after the first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's
+    Step 1 (MIX64, `_headers`): every block's header (its checksum field: the MIX64 of its
+    words) uploaded once; it goes into each row's header gap and the piece's payload sums
+    (`mix64`, ~9 kernels a piece; round 12, paged: kv_stage_kernel's one kernel per stacked
+    tensor, staging too) are added there, so the rows land whole blocks and a batch's put waits
+    for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks stream after the
+    first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's
     payloads (and headers) go into a ring of STAGING_SLOTS device buffers on a staging stream;
     the copy stream runs only the device->host copies, back to back: piece c is staged once the
     copy of piece c - STAGING_SLOTS left its slot. None waits for the payloads' sums (that idled
@@ -310,19 +311,6 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     marks.mark("copies_done", stream)
     marks.mark("launched")
     return landed, staging
-
-
-def _headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
-    """[n, HEADER_WORDS + 2] int64, a host scratch (pinned with CUDA): each key's header, its
-    checksum field the MIX64 of the header's ten words, the reserved half zero."""
-    heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
-    out = t._scratch("heads", len(keys) * HEADER_BYTES, torch.uint8).view(len(keys), -1)
-    table = out.numpy()
-    table[:, : heads.shape[1]] = heads
-    table[:, heads.shape[1] :] = 0
-    words = out.view(torch.int64)
-    words[:, HEADER_WORDS] = mix64(torch.from_numpy(heads).view(torch.int64))
-    return words
 
 
 def _payload_sums(t: KVTiers, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
@@ -411,6 +399,8 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     device, flat = staging.device, staging.view(-1)
     context = nullcontext() if stream is None else torch.cuda.stream(stream)
     checks = None if stream is None else t._side_stream(device, 1)
+    on = checks is not None and scatter is not None and r12_on()
+    writes = t._side_stream(device, 3) if on else None
     hosted: list[int] = []  # rows verified on the host (XXH3 blocks)
     verdict = torch.empty(n, dtype=torch.bool, device=device)
     want: Any = None
@@ -428,8 +418,12 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 mask[mine] = True
                 good |= mask.to(device)
             verdict[a : a + ok] = good
-            if scatter is not None:
+            if scatter is not None and writes is None:
                 scatter(a, rows)
+        if writes is not None:  # round 12: the scatter beside the verification, not after it
+            writes.wait_event(t._event(device, 1 + s, None))
+            with torch.cuda.stream(writes):
+                scatter(a, staging[a : a + ok])
 
     m, stop = 0, None
     keep = []  # every fetched span's blocks stay referenced until the copies are done
@@ -517,6 +511,9 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
         current = torch.cuda.current_stream(device)
         current.wait_event(t._event(device, 0, stream))
         current.wait_event(t._event(device, 1 + n, checks))
+        if writes is not None:
+            current.wait_event(t._event(device, 2 + n, writes))
+            t._event(device, 2 + n, None).synchronize()  # scattered
         t._event(device, 1 + n, None).synchronize()  # verified (and scattered), `lead` landed
         stream.synchronize()  # no copy from a fetched row may still run once `keep` is dropped
     if m and int(lead[0]) < m:

@@ -11,10 +11,12 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from actors.kv_cache_calls import put_many
-from cache_service.codec import HEADER_WORDS, encode_rows, freeze
+from cache_service.codec import HEADER_BYTES, HEADER_WORDS, encode_rows, freeze, row_headers
 from cache_service.errors import CacheError
+from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
     from actors.kv_tiers import KVTiers
@@ -163,6 +165,20 @@ class Puts:
             flags = [False] * len(items)
         t.counts["stored"] += sum(flags)
         self.out += flags
+
+
+def headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
+    """A store's headers (actors/kv_offload.py, Step 1): [n, HEADER_WORDS + 2] int64, a host
+    scratch (pinned with CUDA): each key's header, its checksum field the MIX64 of the header's
+    ten words, the reserved half zero."""
+    heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
+    out = t._scratch("heads", len(keys) * HEADER_BYTES, torch.uint8).view(len(keys), -1)
+    table = out.numpy()
+    table[:, : heads.shape[1]] = heads
+    table[:, heads.shape[1] :] = 0
+    words = out.view(torch.int64)
+    words[:, HEADER_WORDS] = mix64(torch.from_numpy(heads).view(torch.int64))
+    return words
 
 
 def encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -> list:
