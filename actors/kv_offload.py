@@ -242,6 +242,9 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     device, width, np_ = src.device, row_bytes(src.shape[1]), len(pieces)
     stream, staging_stream = t._side_stream(device), t._side_stream(device, 2)
     current = torch.cuda.current_stream(device)
+    on_device = mix and src.shape[1] % 8 == 0 and not base_store()
+    # kv_stage_kernel (its ids uploaded on the caller's stream, before `start`)
+    fused = on_device and paged is not None and paged.fused()
     start = t._event(device, 0, current)
     stream.wait_event(start)
     staging_stream.wait_event(start)
@@ -255,8 +258,6 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     gaps = staging_w[:, :, :gap].unbind(0)
     parts = None if paged else src.view(wide).split(sizes)
     heads: Any = ()
-    on_device = mix and wide is torch.int64 and not base_store()
-    fused = on_device and paged is not None and paged.fused()  # kv_stage_kernel
 
     def upload() -> Any:  # every block's header (`_headers`), on the device, split per piece
         return _headers(t, keys, dtype, shape).to(device, non_blocking=True).split(sizes)
