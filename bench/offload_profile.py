@@ -43,6 +43,7 @@ from cache_service.block_key import prefix_block_keys
 from cache_service.codec import is_buffer_block
 from cache_service.namespace import CacheNamespace
 from cache_service.store import TieredCache
+from cache_service.tiers.pinned_arena import gpu_node_cpus, near_gpu
 
 LAYOUTS = {
     "qwen3": KVLayout(mla=False, block_size=16, layer_range=(0, 48), kv_head_range=(0, 4),
@@ -277,7 +278,8 @@ class _PinnedRef:
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.device = device
         self.src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        with near_gpu():  # placed as the arena's slabs are (the GPU's NUMA node, if several)
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.times: dict[str, list[float]] = {"round_trip": [], "down": [], "up": []}
         self.time(keep=False)  # warm
 
@@ -316,6 +318,8 @@ def _numa(buffers: dict[str, list[int]]) -> dict:
         nodes = sorted(p.name for p in Path("/sys/devices/system/node").glob("node[0-9]*"))
         out["nodes"] = len(nodes)
         out["cpus"] = len(os.sched_getaffinity(0))
+        local = gpu_node_cpus()
+        out["gpu_node_cpus"] = None if local is None else len(local)
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             bus = getattr(props, "pci_bus_id", None)

@@ -24,6 +24,10 @@ the row free itself (offload round 12: one numpy element, no lock, so `take` has
 eviction's rows to drain before a store's first copy; a row turning free while `take` scans
 cannot be one it hands out, since it was not free when scanned). MOE_KV_R12=0 (round 11): the
 callback only appends to a deque, which `take` drains under the arena's own lock.
+
+Placement (round 12): on a machine of several NUMA nodes a pinned slab is allocated from the
+GPU's node (`near_gpu`), so a process's copy rate does not depend on where its thread happened
+to run when the tier grew.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +54,44 @@ MOST_SLAB_BYTES = 1 << 28
 def eager_free() -> bool:
     """Rows freed by their blocks' callbacks (round 12); MOE_KV_R12=0: drained by `take`."""
     return os.environ.get("MOE_KV_R12", "1") != "0"
+
+
+def gpu_node_cpus() -> set[int] | None:
+    """The CPUs of the current GPU's NUMA node, where the machine has more than one node and
+    the node is known (sysfs); else None."""
+    try:
+        nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
+        if len(nodes) < 2 or not torch.cuda.is_available():
+            return None
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        node = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+        if node < 0:
+            return None
+        cpus: set[int] = set()
+        for part in Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        return cpus & os.sched_getaffinity(0) or None
+    except (OSError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
+@contextmanager
+def near_gpu(on: bool = True):
+    """Pinned memory allocated inside is placed on the GPU's NUMA node (round 12): the calling
+    thread runs on that node's CPUs meanwhile (pinning faults the pages in on the node of the
+    CPU that pins them). A no-op on one node, where the node is unknown, or `on` False."""
+    cpus = gpu_node_cpus() if on else None
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class _RowRef(weakref.ref):
@@ -176,7 +220,8 @@ class PinnedArena:
         if rows < 1:
             return None
         pin = self.pinned and torch.cuda.is_available()
-        tensor = torch.empty((rows, width), dtype=torch.uint8, pin_memory=pin)
+        with near_gpu(pin and eager_free()):
+            tensor = torch.empty((rows, width), dtype=torch.uint8, pin_memory=pin)
         self._slabs.append(_Slab(rows=tensor, free=np.ones(rows, dtype=bool),
                                  used=np.zeros(rows, dtype=bool), width=width))  # fmt: skip
         self._by_ptr[tensor.data_ptr()] = len(self._slabs) - 1

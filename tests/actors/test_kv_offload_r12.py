@@ -178,3 +178,23 @@ def test_a_flipped_bit_in_host_memory_is_still_caught(monkeypatch, r12):
     assert kv_paged.load_into(tiers, dst, to, keys) == 29
     assert torch.equal(dst.read_blocks(to[:29]), src.read_blocks(IDS[:29]))
     assert tiers.counts["corrupt"] == 1 and cache.contains([keys[29]]) == [False]
+
+
+def test_pinned_slabs_are_allocated_from_the_gpus_node(monkeypatch):
+    """near_gpu runs the allocating thread on the GPU node's CPUs and puts its affinity back
+    (a no-op where the node is unknown: one node, no GPU)."""
+    import os
+
+    from cache_service.tiers import pinned_arena
+
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    monkeypatch.setattr(pinned_arena, "gpu_node_cpus", lambda: one)
+    with pinned_arena.near_gpu():
+        inside = os.sched_getaffinity(0)
+    assert inside == one and os.sched_getaffinity(0) == before
+    with pinned_arena.near_gpu(False):
+        assert os.sched_getaffinity(0) == before
+    monkeypatch.setattr(pinned_arena, "gpu_node_cpus", lambda: None)
+    with pinned_arena.near_gpu():
+        assert os.sched_getaffinity(0) == before
