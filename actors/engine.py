@@ -292,6 +292,17 @@ class Engine:
         self._latency["total_s"] += elapsed
         return outputs
 
+    def drain(self) -> list[RequestOutput]:
+        """Collect the step in flight (async scheduling) without launching another; returns its
+        outputs (and those of aborts since the last step)."""
+        if self._inflight is None:
+            return []
+        overlap, self.async_scheduling = self.async_scheduling, False
+        try:
+            return self.step()
+        finally:
+            self.async_scheduling = overlap
+
     def _step_input(self, batch: list[tuple[Sequence, int]]) -> StepInput:
         tokens, positions, slots, sample_seqs, sampling = [], [], [], [], []
         bs = self.block_size  # a decode token (n == 1, most rows) gets its slot without a list

@@ -100,3 +100,24 @@ def test_sampled_rows_and_cpu_default_do_not_overlap(ckpt):
     script = {0: [("s", prompt(6, 5), SamplingParams(max_tokens=8, temperature=0.8, seed=3))]}
     out = _run(engine, script, {})
     assert len(out["s"][0]) == 8 and engine.runner.fed == 0  # sampled on the host: sequential
+
+
+def test_drain_collects_the_step_in_flight_and_launches_none(ckpt):
+    engine = _engine(ckpt, True)
+    engine.add_request("x", prompt(5, 6), SamplingParams(max_tokens=10, ignore_eos=True))
+    got = []
+    while engine.stats()["overlapped_steps"] < 3:
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    assert engine.has_unfinished()
+    drained = engine.drain()
+    assert [len(o.new_token_ids) for o in drained] == [1]  # the step launched last time
+    assert engine.drain() == []  # nothing left in flight
+    got += drained[0].new_token_ids
+    while engine.has_unfinished():
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    reference = _run(
+        _engine(ckpt, False),
+        {0: [("x", prompt(5, 6), SamplingParams(max_tokens=10, ignore_eos=True))]},
+        {},
+    )
+    assert got == reference["x"][0]
