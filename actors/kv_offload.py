@@ -57,6 +57,7 @@ from actors.kv_store_puts import (
     r12_on,
 )
 from actors.kv_store_puts import headers as _headers
+from actors.kv_store_puts import payload_sums as _payload_sums
 from actors.kv_trace import Marks, trace_for
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
@@ -91,9 +92,6 @@ copy."""
 STAGING_SLOTS = 4
 """Device staging buffers of a store (one piece each, <= STORE_CHUNK_BYTES): the staging of
 later pieces runs ahead of the device->host copies."""
-SUM_GROUP_BYTES = 1 << 28
-"""A store's MIX64 payload sums, ~256 MiB at a time (Qwen3's 384 MiB in two launch groups of
-~8 kernels, not six; temporaries twice the group, on the device)."""
 VERIFY_AFTER_BYTES = 3 << 23
 """A load verifies the spans before one of at least ~24 MiB (or the last) once its copies are
 queued: smaller spans' copies are shorter than the ~30 launches of a verification (x2 host)."""
@@ -314,19 +312,6 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     return landed, staging
 
 
-def _payload_sums(t: KVTiers, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
-    """The payloads' MIX64 sums (`body_mix64`, SUM_GROUP_BYTES at a time) into a pinned scratch
-    [n] int64, on the checks stream beside the copies; returns it and the event (pool index
-    `event`) after which it holds them."""
-    device = src.device
-    checks = t._side_stream(device, 1)
-    checks.wait_event(t._event(device, 0, None))  # the store's start on the caller's stream
-    sums = t._scratch("sums", src.shape[0], torch.int64)
-    with torch.cuda.stream(checks):
-        sums.copy_(body_mix64(src, group_bytes=SUM_GROUP_BYTES), non_blocking=True)
-        return sums, t._event(device, event, checks)
-
-
 def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
               device: torch.device, scatter: Any = None) -> torch.Tensor:  # fmt: skip
     """KVTiers.load_many for the raw codec (see the module docstring). scatter (MIX64 loads to
@@ -400,17 +385,33 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     device, flat = staging.device, staging.view(-1)
     context = nullcontext() if stream is None else torch.cuda.stream(stream)
     checks = None if stream is None else t._side_stream(device, 1)
-    on = checks is not None and scatter is not None and r12_on()
+    head, r12 = 0, r12_on()
+    on = checks is not None and scatter is not None and r12
     writes = t._side_stream(device, 3) if on else None
     hosted: list[int] = []  # rows verified on the host (XXH3 blocks)
     verdict = torch.empty(n, dtype=torch.bool, device=device)
     want: Any = None
+
+    def expect() -> None:
+        """Step 2 (once; round 11: after the first copies are queued, on the copy stream; round
+        12: the second span's, on the checks stream): the rows' first 80 header bytes."""
+        nonlocal want, head
+        heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
+        head = heads.shape[1]
+        if stream is None:
+            want = torch.from_numpy(heads)
+        else:
+            host = t._scratch("want", n * head, torch.uint8)
+            host.numpy()[:] = heads.reshape(-1)
+            want = host.to(device, non_blocking=True).view(n, head)
 
     def verify(a: int, ok: int, s: int) -> None:
         """Step 3: span s (rows a .. a + ok) verified where it landed, after its copies."""
         if checks is not None:
             checks.wait_event(t._event(device, 1 + s, None))
         with nullcontext() if checks is None else torch.cuda.stream(checks):
+            if want is None:
+                expect()
             rows = staging[a : a + ok]
             good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
             mine = [r - a for r in hosted if a <= r < a + ok]
@@ -469,19 +470,14 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 flat[row * width : row * width + end - start].copy_(
                     owner[start:end], non_blocking=True
                 )
-            if want is None:
-                # Step 2 (once, after the first copies are queued): what every row's first 80
-                # header bytes must be, on the device.
-                heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
-                head = heads.shape[1]
-                if stream is None:
-                    want = torch.from_numpy(heads)
-                else:
-                    host = t._scratch("want", n * head, torch.uint8)
-                    host.numpy()[:] = heads.reshape(-1)
-                    want = host.to(device, non_blocking=True).view(n, head)
+            if want is None and (s or not r12):  # round 12: after the second span's copies
+                with nullcontext() if checks is None or not r12 else torch.cuda.stream(checks):
+                    expect()
             if stream is not None:
                 t._event(device, 1 + s, stream)  # span s (and `want`) landed
+                if marks.on:
+                    marks.mark(f"spanq{s}")  # host: span s queued; device: its copies done
+                    marks.mark(f"spanl{s}", stream)
         # The spans before this one are verified now (one pass), after its copies are queued,
         # so the copy engine is not idle while the host launches it; not yet after a span whose
         # copy is too short to cover the launches (VERIFY_AFTER_BYTES), unless it is the last.

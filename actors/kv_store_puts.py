@@ -14,7 +14,14 @@ import numpy as np
 import torch
 
 from actors.kv_cache_calls import put_many
-from cache_service.codec import HEADER_BYTES, HEADER_WORDS, encode_rows, freeze, row_headers
+from cache_service.codec import (
+    HEADER_BYTES,
+    HEADER_WORDS,
+    body_mix64,
+    encode_rows,
+    freeze,
+    row_headers,
+)
 from cache_service.errors import CacheError
 from cache_service.mix64 import mix64
 
@@ -23,6 +30,10 @@ if TYPE_CHECKING:
 
 PUT_BATCH_BYTES = 1 << 26
 """A store puts ~64 MiB of adjacent pieces at a time (the last piece alone)."""
+
+SUM_GROUP_BYTES = 1 << 28
+"""A store's MIX64 payload sums, ~256 MiB at a time (Qwen3's 384 MiB in two launch groups of
+~8 kernels, not six; temporaries twice the group, on the device)."""
 
 TAIL_MIN_ROWS = 8
 """`piece_bounds` shapes stores whose full pieces hold at least this many rows (Qwen3's 1.5 MB
@@ -179,6 +190,20 @@ def headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
     words = out.view(torch.int64)
     words[:, HEADER_WORDS] = mix64(torch.from_numpy(heads).view(torch.int64))
     return words
+
+
+def payload_sums(t: KVTiers, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
+    """Round 9's store (MOE_KV_STORE_BASE=1, actors/kv_offload.py): the payloads' MIX64 sums
+    (`body_mix64`, SUM_GROUP_BYTES at a time) into a pinned scratch [n] int64, on the checks
+    stream beside the copies; returns it and the event (pool index `event`) after which it
+    holds them."""
+    device = src.device
+    checks = t._side_stream(device, 1)
+    checks.wait_event(t._event(device, 0, None))  # the store's start on the caller's stream
+    sums = t._scratch("sums", src.shape[0], torch.int64)
+    with torch.cuda.stream(checks):
+        sums.copy_(body_mix64(src, group_bytes=SUM_GROUP_BYTES), non_blocking=True)
+        return sums, t._event(device, event, checks)
 
 
 def encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -> list:
