@@ -189,7 +189,7 @@ def paged_ab(out: Path, args: argparse.Namespace, variants: dict = PAGED,
     --moe-reps gpu_moe row pairs); summary.json."""
     summary: dict = {"runs": {}, "medians": {}, "gpu_moe": {}}
     extra = ("fraction_of_pinned_r11", "pinned_after_ms", "pinned_split_ms", "per_rep_fraction",
-             "times_ms", "numa")  # fmt: skip
+             "times_ms", "traced_ms", "numa", "fused_staging")  # fmt: skip
     for rep in range(pairs or args.paged_ab):
         for v in variants:
             name = f"{v}_{rep}"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from actors import kv_paged
+from actors import kv_paged, kv_stage_kernel
 from actors.kv_cache import KVCache, KVLayout
 from actors.kv_tiers import KVTiers
 from actors.kv_trace import split_ms
@@ -192,6 +192,8 @@ def main() -> int:
             "per_rep_fraction": [round(p / sum(x), 3) for p, *x in zip(
                 ref.times["round_trip"], *times.values(), strict=False)],
             "numa": _numa({"arena": _arena_ptrs(cache), "pinned_ref": [ref.host.data_ptr()]}),
+            # round 12's fused staging kernel: matched the torch form on this device (per shape)
+            "fused_staging": {str(k): v for k, v in kv_stage_kernel._VERDICT.items()},
             "arena": None if arena is None else {
                 "slabs": arena.slab_count(), "bytes": arena.allocated_bytes,
                 "reused_rows": arena.reused_rows,
