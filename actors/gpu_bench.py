@@ -37,6 +37,7 @@ from actors import gpu_tune
 from actors.engine import Engine, SamplingParams
 from actors.gpu_bench_parts import log
 from actors.kernels import fused
+from actors.kv_cache import KVCache, KVLayout
 from actors.layers import experts as experts_mod
 from actors.runner import LocalRunner
 
@@ -206,13 +207,15 @@ class EngineBench:
             self.engine.step()
         return 1e3 * sorted(times)[len(times) // 2]
 
-    def offload(self, blocks: int) -> dict:
+    def offload(self, blocks: int, *, layers: int | None = None) -> dict:
         """Step 3's offload: the KV of `blocks` blocks device -> host -> device through a host-tier
         TieredCache with KVTiers' batched path from and into the paged cache (`kv_paged.store_from`,
         `load_into`: header, key and checksum verified on every read) against copying
         the same bytes into a pinned host buffer and back. Median of 3 rounds each, fresh keys
         per round (the cache's pinned rows warm after one untimed round, as the pinned buffer
-        is); the one-block path (`store`/`load`, what the engine calls today) on 16 blocks."""
+        is); the one-block path (`store`/`load`, what the engine calls today) on 16 blocks.
+        `layers`: blocks of that many layers (a KV cache of random rows apart from the model's;
+        the full model's block size where the benchmark model is cut to fewer layers)."""
         from actors import kv_paged
         from actors.block_manager import BlockKeyer
         from actors.kv_tiers import KVTiers
@@ -220,12 +223,19 @@ class EngineBench:
         from cache_service.store import TieredCache
 
         layout, kv = self.runner.kv_layout, self.runner.kv
+        if layers is not None:
+            layout = KVLayout.for_stage(self.model.arch, block_size=layout.block_size,
+                                        layer_range=(0, layers), dtype=layout.dtype)  # fmt: skip
+            kv = KVCache(layout, blocks, self.device)
+            for t in (*kv.k.values(), *kv.v.values()):
+                if t is not None:
+                    t.normal_()
         keyer = BlockKeyer(
             secret=b"bench", weights_fingerprint="bench", kv_dtype=layout.kv_dtype_name,
             codec="raw", layer_range=layout.layer_range, kv_head_range=layout.kv_head_range,
             block_size=layout.block_size,
         )  # fmt: skip
-        one = self.runner.read_block(0)
+        one = kv.read_block(0)
         nbytes = one.numel() * one.element_size() * blocks
         cache = TieredCache.from_urls(
             ["host://"], capacities=[3 * nbytes + (1 << 24)],
@@ -282,9 +292,9 @@ class EngineBench:
         parts.sync(self.device)
         s0 = time.perf_counter()
         for b, key in zip(range(few), keys, strict=True):
-            tiers.store(key, self.runner.read_block(b))
+            tiers.store(key, kv.read_block(b))
         for b, data in zip(range(few), tiers.load(keys), strict=True):
-            self.runner.write_block(b, data)
+            kv.write_block(b, data)
         parts.sync(self.device)
         one_block_s = time.perf_counter() - s0
         import xxhash
@@ -427,6 +437,14 @@ def run(
         except Exception as exc:  # recorded; the run goes on
             result.setdefault("offload", {})[name] = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"offload {name}: {result['offload'][name]}")
+        depth = parts.full_depth(name)
+        if depth is not None and not tiny:  # the cut model's blocks are depth/layers x smaller
+            label = f"{name} ({depth}-layer blocks)"
+            try:
+                result["offload"][label] = bench.offload(256, layers=depth)
+            except Exception as exc:  # recorded; the run goes on
+                result["offload"][label] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"offload {label}: {result['offload'][label]}")
         result.setdefault("profiles", []).extend(bench.profiles)
         for text in bench.profiles:
             print(text, file=sys.stderr, flush=True)
@@ -519,28 +537,6 @@ def _hf_rows(name, cfg, rows, *, device, dtype, tiny, deadline) -> None:
         torch.cuda.empty_cache()
 
 
-def table(result: dict[str, Any]) -> str:
-    """The one table: a Markdown table of every row."""
-    head = ("| model | phase | batch | context | ms/step | tokens/s | roofline ms | of roofline "
-            "| MFU | planner ms | transformers ms | speedup | device ms | of roofline (device) "
-            "| ms/step, async scheduling off |")  # fmt: skip
-    lines = [head, "|" + "---|" * 15]
-
-    def f(x, spec="{:.2f}"):
-        return "-" if x is None else spec.format(x)
-
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['model']} | {r['phase']} | {r['batch']} | {r['context']} | "
-            f"{f(r['ms_per_step'])} | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['roofline_ms'])} | "
-            f"{f(r['roofline_fraction'], '{:.0%}')} | {f(r['mfu'], '{:.0%}')} | "
-            f"{f(r['predicted_ms'])} | {f(r['hf_ms_per_step'])} | {f(r['speedup_vs_hf'], '{:.1f}x')} | "
-            f"{f(r.get('device_ms'))} | {f(r.get('device_roofline_fraction'), '{:.0%}')} | "
-            f"{f(r.get('sync_ms_per_step'))} |"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -578,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
-    print(table(result))
+    print(parts.table(result))
     print(f"hbm {result['hbm_GBps']} GB/s, bf16 {result['bf16_TFLOPs']} TFLOP/s; "
           f"offload {json.dumps(result.get('offload'))}")  # fmt: skip
     print(f"planner: {json.dumps(result['planner_fit'])}")

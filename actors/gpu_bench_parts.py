@@ -65,6 +65,16 @@ def full_configs() -> dict[str, dict[str, Any]]:
     return {"qwen3-30b-a3b": qwen, "deepseek-v3-4l": ds}
 
 
+def full_depth(name: str) -> int | None:
+    """The real model's layer count where a benchmark model is cut to fewer (None otherwise)."""
+    if name != "deepseek-v3-4l":
+        return None
+    examples = ROOT / "placement" / "examples"
+    return int(
+        json.loads((examples / "deepseek-v3-class.config.json").read_text())["num_hidden_layers"]
+    )
+
+
 def tiny_configs() -> dict[str, dict[str, Any]]:
     return {"qwen3-tiny": dict(TINY_QWEN), "deepseek-v3-tiny": dict(TINY_DEEPSEEK)}
 
@@ -338,3 +348,25 @@ def to_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
             if b is not None:
                 m._buffers[name] = b.to(device)
     return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """The one table: a Markdown table of every row."""
+    head = ("| model | phase | batch | context | ms/step | tokens/s | roofline ms | of roofline "
+            "| MFU | planner ms | transformers ms | speedup | device ms | of roofline (device) "
+            "| ms/step, async scheduling off |")  # fmt: skip
+    lines = [head, "|" + "---|" * 15]
+
+    def f(x, spec="{:.2f}"):
+        return "-" if x is None else spec.format(x)
+
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['phase']} | {r['batch']} | {r['context']} | "
+            f"{f(r['ms_per_step'])} | {f(r['tokens_per_s'], '{:.0f}')} | {f(r['roofline_ms'])} | "
+            f"{f(r['roofline_fraction'], '{:.0%}')} | {f(r['mfu'], '{:.0%}')} | "
+            f"{f(r['predicted_ms'])} | {f(r['hf_ms_per_step'])} | {f(r['speedup_vs_hf'], '{:.1f}x')} | "
+            f"{f(r.get('device_ms'))} | {f(r.get('device_roofline_fraction'), '{:.0%}')} | "
+            f"{f(r.get('sync_ms_per_step'))} |"
+        )
+    return "\n".join(lines)
