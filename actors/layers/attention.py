@@ -220,7 +220,17 @@ def _cpu_paged_attend(
             )
             start, seq = rows.stop, stop
             continue
-        # Step 2: one sequence over its gathered context
+        if grouped and window is None and n == 1 and BATCHED_DECODE[0]:
+            # Step 2: a run of decode tokens (a mixed step's), one padded call
+            stop = seq + 1
+            while stop < count and paged.query_lens[stop] == 1:
+                stop += 1
+            lens = paged.context_lens[seq:stop]
+            if stop - seq > 1 and len(lens) * max(lens) <= BATCHED_DECODE_PADDING * sum(lens):
+                outs.append(_decode_run(q[start : start + len(lens)], paged, seq, stop, scale))
+                start, seq = start + len(lens), stop
+                continue
+        # Step 3: one sequence over its gathered context
         ck, cv = paged.gather(seq)
         k, v = (ck, cv) if grouped else expand(ck, cv)
         if grouped and n == 1 and window is None:  # a decode token: as in _batched_decode
@@ -245,6 +255,25 @@ def _cpu_paged_attend(
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
+
+
+def _decode_run(q: torch.Tensor, paged: LayerKV, first: int, stop: int, scale: float):
+    """One decode token each of sequences [first, stop) (GQA, CPU), q [B, h, d] -> [B, h, dv]:
+    their contexts gathered at once (padded to the longest, masked when lengths differ) and one
+    SDPA call with the query heads of a KV head as rows of one problem, as `_batched_decode`
+    (equal to the per-sequence calls within float32 reordering)."""
+    ctx, b = paged.context, stop - first
+    lens = ctx.context_lens[first:stop]
+    longest = max(lens)
+    ck, cv = ctx.cache.gather_batch(paged.index, ctx.block_tables[first:stop], longest)
+    bias = None
+    if min(lens) != longest:
+        valid = torch.arange(longest)[None, :] < torch.as_tensor(lens)[:, None]
+        bias = torch.where(valid, 0.0, -torch.inf).to(q.dtype)[:, None, None, :]
+    k, v = ck.transpose(1, 2), cv.transpose(1, 2)
+    qg = q.view(b, k.shape[1], -1, q.shape[-1])
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
+    return o.reshape(b, q.shape[1], v.shape[-1])
 
 
 def _same_dtype(written: tuple[torch.Tensor, torch.Tensor | None], paged: LayerKV) -> bool:
