@@ -54,6 +54,7 @@ from actors.kv_store_puts import (
     encode_part,
     piece_bounds,
     plan_batches,
+    r12_load_on,
     r12_on,
 )
 from actors.kv_store_puts import headers as _headers
@@ -385,7 +386,7 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     device, flat = staging.device, staging.view(-1)
     context = nullcontext() if stream is None else torch.cuda.stream(stream)
     checks = None if stream is None else t._side_stream(device, 1)
-    head, r12 = 0, r12_on()
+    head, r12 = 0, r12_load_on()
     on = checks is not None and scatter is not None and r12
     writes = t._side_stream(device, 3) if on else None
     hosted: list[int] = []  # rows verified on the host (XXH3 blocks)

@@ -73,6 +73,14 @@ def base_store() -> bool:
     return os.environ.get("MOE_KV_STORE_BASE") == "1"
 
 
+def r12_load_on() -> bool:
+    """MOE_KV_R12_LOAD=1: round 12's load (each span's scatter on a stream of its own beside
+    its verification, the expected headers after the second span's copies). Off by default: on
+    the H200 (fresh-process A/B, 2026-11-30 06:00Z) its copies took 9.3 ms against round 11's
+    8.1 (bench/notes/offload_round12.md), while round 12's store was faster (7.4 vs 8.1)."""
+    return r12_on() and os.environ.get("MOE_KV_R12_LOAD", "0") == "1"
+
+
 def r12_on() -> bool:
     """MOE_KV_R12=0: round 11's store (the launch loop's rounds of up to STAGING_SLOTS pieces,
     the garbage collector left running during the call) and arena (freed rows drained by the
