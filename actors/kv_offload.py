@@ -49,6 +49,7 @@ from actors.kv_cache_calls import (
 )
 from actors.kv_store_puts import (
     Puts,
+    add_row,
     base_store,
     cut,
     encode_part,
@@ -67,7 +68,6 @@ from cache_service.codec import (
     HEADER_WORDS,
     KIND_OFFSET,
     body_mix64,
-    is_buffer_block,
     row_bytes,
     row_headers,
     verify_block,
@@ -332,17 +332,26 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
         stream.wait_event(t._event(device, 0, torch.cuda.current_stream(device)))
     hits: dict | None = {} if t._counts_tier_hits() else None
     before = t._tier_counters() if hits is None else {}
-    # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
-    # them: an in-process TieredCache is asked for unverified reads. Otherwise every block is
-    # checked on the host (`_load_hosted`), and hashed unless the cache verified it.
-    if t._mix64(device) and width % 8 == 0:
-        unverified = reads_unverified(t.cache)
-        hash_here = unverified or getattr(t.cache, "verifies_reads", False) is not True
-        m, stop = _load_landed(t, keys, staging, stream, dtype=dtype, shape=shape,
-                               unverified=unverified, hash_here=hash_here, hits=hits,
-                               marks=marks, scatter=scatter)  # fmt: skip
-    else:
-        m, stop = _load_hosted(t, keys, staging, stream, dtype=dtype, shape=shape, hits=hits)
+    # As in a CUDA store (round 12): no collection between the spans' launches (a full one in a
+    # process of many objects would hold the later spans' copies back).
+    hold = _holds_gc(device)
+    if hold:
+        gc.disable()
+    try:
+        # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
+        # them: an in-process TieredCache is asked for unverified reads. Otherwise every block
+        # is checked on the host (`_load_hosted`), and hashed unless the cache verified it.
+        if t._mix64(device) and width % 8 == 0:
+            unverified = reads_unverified(t.cache)
+            hash_here = unverified or getattr(t.cache, "verifies_reads", False) is not True
+            m, stop = _load_landed(t, keys, staging, stream, dtype=dtype, shape=shape,
+                                   unverified=unverified, hash_here=hash_here, hits=hits,
+                                   marks=marks, scatter=scatter)  # fmt: skip
+        else:
+            m, stop = _load_hosted(t, keys, staging, stream, dtype=dtype, shape=shape, hits=hits)
+    finally:
+        if hold:
+            gc.enable()
     if stop is not None:
         t.counts[stop] += 1
     t.counts["hits"] += m
@@ -350,6 +359,11 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     marks.mark("end")
     marks.log("load", n, width, mix64=t._mix64(device) and width % 8 == 0)
     return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
+
+
+def _holds_gc(device: torch.device) -> bool:
+    """Whether a load to `device` runs with the collector off (CUDA, round 12, collector on)."""
+    return device.type == "cuda" and r12_on() and gc.isenabled()
 
 
 def _spans(n: int, width: int) -> list[tuple[int, int]]:
@@ -461,7 +475,7 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                         t._drop(keys[a + i])
                     break
                 hosted.append(a + i)
-            _add_row(runs, data, width, a + i)
+            add_row(runs, data, width, a + i)
         keep.append(runs)
         ok = len(runs) and runs[-1][4] + (runs[-1][3] - runs[-1][2]) // width - a
         with context:
@@ -558,7 +572,7 @@ def _load_hosted(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 why = "corrupt"
                 break
             ok += 1
-            _add_row(runs, data, width, a + i)
+            add_row(runs, data, width, a + i)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for _, owner, start, stop, row in runs:
                 dst = flat[row * width : row * width + stop - start]
@@ -578,18 +592,3 @@ def _load_hosted(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     if stream is not None:
         stream.synchronize()  # the host rows may be evicted once we return
     return m, stop
-
-
-def _add_row(runs: list, data: Any, width: int, row: int) -> None:
-    """Append a fetched block to the copy runs of a load: a row of a buffer that continues the
-    last run (the same owner memory, the next offset) extends it; any other block starts its own
-    run [owner's data pointer, owner, start, end, first row]."""
-    if is_buffer_block(data) and data.owner is not None:
-        last = runs[-1] if runs else None
-        ptr = data.owner.data_ptr()
-        if last and last[0] == ptr and last[3] == data.offset:
-            last[3] += width
-        else:
-            runs.append([ptr, data.owner, data.offset, data.offset + width, row])
-    else:
-        runs.append([0, torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])

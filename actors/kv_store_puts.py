@@ -20,6 +20,7 @@ from cache_service.codec import (
     body_mix64,
     encode_rows,
     freeze,
+    is_buffer_block,
     row_headers,
 )
 from cache_service.errors import CacheError
@@ -220,3 +221,18 @@ def encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -
     if ready is not None:
         ready.synchronize()
     return encode_rows(host, keys[lo:hi], dtype=dtype, shape=shape, first=first + lo)
+
+
+def add_row(runs: list, data: Any, width: int, row: int) -> None:
+    """Append a fetched block to the copy runs of a load: a row of a buffer that continues the
+    last run (the same owner memory, the next offset) extends it; any other block starts its own
+    run [owner's data pointer, owner, start, end, first row]."""
+    if is_buffer_block(data) and data.owner is not None:
+        last = runs[-1] if runs else None
+        ptr = data.owner.data_ptr()
+        if last and last[0] == ptr and last[3] == data.offset:
+            last[3] += width
+        else:
+            runs.append([ptr, data.owner, data.offset, data.offset + width, row])
+    else:
+        runs.append([0, torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, width, row])

@@ -198,3 +198,36 @@ def test_pinned_slabs_are_allocated_from_the_gpus_node(monkeypatch):
     monkeypatch.setattr(pinned_arena, "gpu_node_cpus", lambda: None)
     with pinned_arena.near_gpu():
         assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("r12", ["1", "0"], ids=["r12", "r11"])
+def test_the_collector_is_held_off_during_a_cuda_load(monkeypatch, r12):
+    """A load bound for CUDA runs its spans with the collector off (round 12; a full collection
+    in a process of many objects would hold the later spans' copies back), back on after, also
+    when the load raises; round 11 leaves it on. A load to the CPU leaves it on."""
+    monkeypatch.setenv("MOE_KV_R12", r12)
+    tiers = KVTiers(
+        host_cache(adopt="arena", capacity=1 << 26), block_shape=SHAPE, checksum="mix64"
+    )
+    keys, data = keys_for(4, seed=87), blocks(4, seed=87)
+    assert tiers.store_many(keys, data) == [True] * 4
+    seen: list = []
+    real = kv_offload._load_landed
+
+    def landed(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(kv_offload, "_load_landed", landed)
+    monkeypatch.setattr(tiers, "_mix64", lambda device: True)
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)  # to the CPU
+    assert not kv_offload._holds_gc(torch.device("cpu"))
+    # The CUDA case on the CPU: the predicate as it answers for a CUDA device.
+    holds = kv_offload._holds_gc(torch.device("cuda"))
+    monkeypatch.setattr(kv_offload, "_holds_gc", lambda device: holds)
+    assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
+    monkeypatch.setattr(kv_offload, "_load_landed", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        tiers.load_many(keys, dtype=torch.float16)
+    assert holds == (r12 == "1")
+    assert seen == [True, r12 != "1"] and gc.isenabled()
