@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,10 +116,9 @@ def swiglu_into_pairs(
     x[src[r]] by its expert, the same products as `grouped_swiglu` over x[src] (bit for bit),
     but each expert gathers its own rows (still in cache for its first GEMM) and scatters its
     outputs to their pairs, so the weighted sum reads them without gathering them back."""
-    y = x.new_empty(order.shape[0], w_down.shape[1])
     if order.shape[0] <= PADDED_MAX_PAIRS:
-        rows = swiglu_padded(x.index_select(0, src), counts, w_gate_up, w_down)
-        return y.index_copy_(0, order, rows)
+        return _padded_into_pairs(x, src, order, counts.tolist(), w_gate_up, w_down)
+    y = x.new_empty(order.shape[0], w_down.shape[1])
     sizes = counts.tolist()
     parts = zip(
         w_gate_up.unbind(0), w_down.unbind(0), src.split(sizes), order.split(sizes), strict=True
@@ -128,6 +128,37 @@ def swiglu_into_pairs(
             gate, up = F.linear(x.index_select(0, tokens), w_gu).chunk(2, dim=-1)
             y.index_copy_(0, pairs, F.linear(F.silu(gate) * up, w_d))
     return y
+
+
+def _padded_into_pairs(
+    x: torch.Tensor,
+    src: torch.Tensor,
+    order: torch.Tensor,
+    sizes: list[int],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """`swiglu_into_pairs` for a few pairs (a decode step's): `swiglu_padded`'s two batched
+    products over [E, busiest count, ...] with the row layout computed on the host (numpy on
+    the CPU tensors' memory, ~15 torch calls fewer): the slots past an expert's count gather
+    any token (their outputs are never read, where `swiglu_padded` computes zeros), and one
+    gather puts the outputs in (token, k) order. The same values as `swiglu_padded`, bit for
+    bit (each output row is its input row's products, the batched shapes are the same)."""
+    e, cap, (r, h) = len(sizes), max(sizes), (order.shape[0], w_down.shape[1])
+    if r == 0:
+        return x.new_empty(0, h)
+    # Step 1: sorted row i of expert j (rank i - start_j) goes to slot j * cap + rank.
+    ends = np.cumsum(sizes)
+    slot = np.repeat(np.arange(e) * cap - (ends - sizes), sizes) + np.arange(r)
+    tokens = np.zeros(e * cap, dtype=np.int64)
+    tokens[slot] = src.numpy()
+    # Step 2: one gather of the rows, the two batched products.
+    padded = x.index_select(0, torch.from_numpy(tokens)).view(e, cap, x.shape[1])
+    gate, up = torch.bmm(padded, w_gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    out = torch.bmm(F.silu(gate) * up, w_down.transpose(1, 2)).view(e * cap, h)
+    # Step 3: each pair's slot (order's inverse, scattered as int64 ids), one gather.
+    at = torch.empty_like(order).index_copy_(0, order, torch.from_numpy(slot))
+    return out.index_select(0, at)
 
 
 PADDED_MAX_PAIRS = 256

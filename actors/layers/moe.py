@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
 from actors.kernels import routing
+from actors.layers import experts as experts_lib
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
 from actors.layers.router import Router
@@ -180,6 +182,13 @@ class MoE(nn.Module):
         if small:
             src, pos, offsets = fused_kernels.dispatch_plan(flat, k, e, self.routed_counts)
             counts = None
+        elif cpu and flat.shape[0] <= experts_lib.PADDED_MAX_PAIRS:  # a decode step's: numpy
+            ids_np = flat.numpy()
+            order_np = np.argsort(ids_np, kind="stable")  # the same permutation (stable)
+            counts = torch.from_numpy(np.bincount(ids_np, minlength=e))
+            self.routed_counts += counts
+            order, src = torch.from_numpy(order_np), torch.from_numpy(order_np // k)
+            offsets = None
         else:
             counts = torch.bincount(flat, minlength=e) if cpu else expert_counts(flat, e)
             self.routed_counts += counts
