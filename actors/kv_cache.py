@@ -141,6 +141,12 @@ class KVCache:
     ) -> None:
         """Store the new tokens' keys (MLA: latents [T, latent]) and values [T, kv, d] at `slots` [T]."""
         flat = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        if flat.device.type == "cpu" and slots.dtype == torch.int64:
+            # index_copy_: the same copy as the indexed assignment, ~3 us a call less on the CPU
+            flat.index_copy_(0, slots, k.to(flat.dtype))
+            if v is not None:
+                self.v[layer].view_as(flat).index_copy_(0, slots, v.to(flat.dtype))
+            return
         flat[slots] = k.to(flat.dtype)
         if v is not None:
             self.v[layer].view(-1, *self.v[layer].shape[2:])[slots] = v.to(flat.dtype)
