@@ -487,7 +487,9 @@ class Engine:
         `actors/recovery.py` re-admits with `resume_request`.
         """
         dropped = list(self.seqs)
-        self._inflight = None
+        if self._inflight is not None:  # let it finish before its graph and cache are dropped
+            self.runner.collect(self._inflight.launched)
+            self._inflight = None
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         self.seqs.clear()

@@ -121,3 +121,13 @@ def test_drain_collects_the_step_in_flight_and_launches_none(ckpt):
         {},
     )
     assert got == reference["x"][0]
+
+
+def test_reset_with_a_step_in_flight_drops_it(ckpt):
+    engine = _engine(ckpt, True)
+    engine.add_request("y", prompt(5, 7), SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.stats()["overlapped_steps"] < 2:
+        engine.step()
+    assert engine.reset() == ["y"]
+    assert not engine.has_unfinished() and engine.step() == []
+    assert engine.blocks.free_count == NUM_BLOCKS
