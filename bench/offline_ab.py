@@ -74,6 +74,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every run (default: unset)")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the last tree's runs")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.model, args.reps)
@@ -83,6 +85,8 @@ def main() -> int:
 
     model = str(ensure_checkpoint(args.model))
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     labels = ["base", "new"] if len(args.trees) == 2 else [f"t{i}" for i in range(len(args.trees))]
     print(
         f"{'run':<6}{'load':>6}{'tok/s':>8}{'best':>8}{'prefill':>9}{'mixed':>7}{'decode':>8}  sha"
@@ -92,7 +96,10 @@ def main() -> int:
             load = os.getloadavg()[0]
             cmd = [sys.executable, __file__, "--child", str(Path(tree).resolve())]
             cmd += ["--model", model, "--reps", str(args.reps)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            run_env = dict(env)
+            if tree == args.trees[-1] and len(args.trees) > 1:
+                run_env.update(kv.split("=", 1) for kv in args.env)
+            done = subprocess.run(cmd, env=run_env, capture_output=True, text=True, check=False)
             if done.returncode:
                 print(f"{label}: failed\n{done.stderr[-2000:]}")
                 continue
