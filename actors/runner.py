@@ -163,6 +163,8 @@ class LocalRunner:
         as ShardWorker(num_threads=1) does for a Ray rank."""
         from actors.weights import load_stage_model
 
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()
         if num_threads is not None:
             if num_threads < 1:
                 raise InputError(f"num_threads={num_threads} must be at least 1")
@@ -469,6 +471,21 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     vals, idx = logits.view(b, c, v // c).max(dim=-1)  # the first maximum of each chunk
     chunk = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
     return (chunk * (v // c) + idx.gather(1, chunk))[:, 0]
+
+
+def keep_freed_memory() -> None:
+    """glibc malloc on a CPU runner: serve blocks up to 32 MB from the heap and never give freed
+    heap memory back, so a step's multi-MB temporaries reuse mapped pages instead of faulting
+    fresh ones in (a 4,096-token prefill step: ~12K minor faults, ~2 us each on a VM)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
 
 
 def _num_layers(model_dir: str | Path) -> int:

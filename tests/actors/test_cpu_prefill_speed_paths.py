@@ -142,9 +142,12 @@ def test_experts_into_pairs_equal_the_grouped_experts_gathered_back(t):
     assert torch.equal(y[order], expected)
 
 
-def test_moe_without_grad_equals_the_gathered_combine_bit_for_bit():
+def test_moe_without_grad_equals_the_gathered_combine():
     """The engine's forward (no_grad: rows in pair order) against the same layer with gradients
-    on (the sort, the inverse permutation and fused.combine's gather)."""
+    on (the sort, the inverse permutation and fused.combine's gather). Within float32 rounding,
+    not bit for bit: the no-grad path runs the experts as one batched product over padded rows
+    (<= PADDED_MAX_PAIRS pairs), the grad path one product per expert, and MKL's AVX2 kernels
+    (AMD hosts) round those shapes differently (AVX-512 Xeons agreed bit for bit)."""
     arch = ArchConfig.from_hf(
         {
             "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
@@ -168,7 +171,7 @@ def test_moe_without_grad_equals_the_gathered_combine_bit_for_bit():
     with torch.enable_grad():
         x_grad = x.clone().requires_grad_(True)
         plain = moe(x_grad)
-    assert torch.equal(fast, plain.detach())
+    torch.testing.assert_close(fast, plain.detach(), rtol=1e-5, atol=1e-4)
     assert torch.equal(fast_captured, fast)
     assert set(captured) >= {"m.gate", "m.experts"}
 
