@@ -45,7 +45,7 @@ from actors.microbatch import (
     split_contiguous,
     split_round_robin,
 )
-from actors.runner import StepInput
+from actors.runner import StepInput, keep_freed_memory
 from actors.sampler import TokenLogprob, sample
 from actors.weights import load_stage_model
 from cluster.errors import InputError
@@ -189,6 +189,8 @@ class ShardWorker:
         self.in_step = False
         if device.startswith("cuda"):
             torch.cuda.set_device(self._local_device_index(device))
+        else:
+            keep_freed_memory()  # as a CPU LocalRunner: no page faults for reused temporaries
         self.device = torch.device(device)
 
         # Step 1: join the world; Step 2: every rank creates every axis group in the same order.

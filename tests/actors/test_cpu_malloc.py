@@ -56,3 +56,17 @@ def test_a_cpu_runner_keeps_freed_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(runner_mod, "keep_freed_memory", lambda: calls.append(1))
     runner_mod.LocalRunner.from_checkpoint(make_tiny_checkpoint("qwen3_moe", tmp_path))
     assert calls == [1]
+
+
+def test_a_cpu_shard_worker_keeps_freed_memory(tmp_path, monkeypatch):
+    from actors import worker as worker_mod
+    from tests.actors.test_worker import _layout
+
+    calls = []
+    monkeypatch.setattr(worker_mod, "keep_freed_memory", lambda: calls.append(1))
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path)
+    worker = worker_mod.ShardWorker(
+        layout=_layout("single"), rank=0, checkpoint_dir=ckpt, num_threads=None
+    )
+    worker.close()
+    assert calls == [1]
