@@ -26,10 +26,10 @@ from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers import attention, experts
 from actors.layers.attention import GQAAttention, paged_attend
 from actors.layers.experts import grouped_swiglu, swiglu_into_pairs
-from actors.layers.moe import MoE
 from actors.layers.norm import RMSNorm
 from actors.layers.rope import apply_rotary
 from tests.actors.checkpoints import make_tiny_checkpoint
+from tests.actors.test_cpu_moe_host_plan import _moe
 from tests.actors.test_engine import prompt
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -148,19 +148,7 @@ def test_moe_without_grad_equals_the_gathered_combine():
     not bit for bit: the no-grad path runs the experts as one batched product over padded rows
     (<= PADDED_MAX_PAIRS pairs), the grad path one product per expert, and MKL's AVX2 kernels
     (AMD hosts) round those shapes differently (AVX-512 Xeons agreed bit for bit)."""
-    arch = ArchConfig.from_hf(
-        {
-            "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64,
-            "moe_intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 8, "num_experts": 6, "num_experts_per_tok": 2,
-            "vocab_size": 64, "norm_topk_prob": True,
-        }
-    )  # fmt: skip
-    torch.manual_seed(4)
-    moe = MoE(arch)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p))
+    moe = _moe()
     x = torch.randn(40, 32)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         fast = moe(x)
