@@ -303,27 +303,29 @@ class Engine:
         finally:
             self.async_scheduling = overlap
 
-    def _step_input(self, batch: list[tuple[Sequence, int]]) -> StepInput:
+    def _step_input(self, batch: list[tuple[Sequence, int]], *, ahead: int = 0) -> StepInput:
+        """The step computing each (sequence, n)'s next n tokens. `ahead` = 1: the decode step
+        after one still in flight (actors/engine_overlap.py), whose token is not appended yet:
+        positions one further, the ids zeros (the device's sampled tokens stand in for them)."""
         tokens, positions, slots, sample_seqs, sampling = [], [], [], [], []
         bs = self.block_size  # a decode token (n == 1, most rows) gets its slot without a list
         for i, (seq, n) in enumerate(batch):
-            start, stop = seq.num_computed, seq.num_computed + n
-            tokens += seq.token_slice(start, stop)
+            start, stop = seq.num_computed + ahead, seq.num_computed + ahead + n
+            tokens += seq.token_slice(start, stop) if not ahead else [0] * n
             positions += range(start, stop)
             if n == 1:
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
             else:
                 slots += slots_for(seq.block_table, start, stop, bs)
-            if stop == seq.num_tokens:
+            if stop == seq.num_tokens + ahead:
                 sample_seqs.append(i)
-                sampling.append(
-                    RowSampling.of(seq.params, seed=seq.seed, step=len(seq.output_token_ids))
-                )
+                step = len(seq.output_token_ids) + ahead
+                sampling.append(RowSampling.of(seq.params, seed=seq.seed, step=step))
         return StepInput(
             token_ids=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             query_lens=tuple(n for _, n in batch),
-            context_lens=tuple(seq.num_computed + n for seq, n in batch),
+            context_lens=tuple(seq.num_computed + ahead + n for seq, n in batch),
             block_tables=tuple(tuple(seq.block_table) for seq, _ in batch),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             sample_seqs=tuple(sample_seqs),

@@ -25,10 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from actors.runner import StepInput
-from actors.sampler import RowSampling
 from actors.scheduler import Sequence
 
 if TYPE_CHECKING:
@@ -71,27 +68,9 @@ def next_decode(engine: Engine, current: InFlight) -> InFlight | None:
         return None
     # `current` computes position num_computed (not yet counted) and samples the token there
     # after; the next step computes that token's position, num_computed + 1.
-    positions, slots = [], []
     for seq in seqs:
-        pos = seq.num_computed + 1
-        if pos // bs >= len(seq.block_table):
+        if (seq.num_computed + 1) // bs >= len(seq.block_table):
             seq.block_table.append(engine.blocks.allocate())
-        positions.append(pos)
-        slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-    b = len(seqs)
-    step = StepInput(
-        token_ids=torch.zeros(b, dtype=torch.int64),  # the device tokens stand in for these
-        positions=torch.tensor(positions, dtype=torch.int64),
-        query_lens=(1,) * b,
-        context_lens=tuple(p + 1 for p in positions),
-        block_tables=tuple(tuple(seq.block_table) for seq in seqs),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        sample_seqs=tuple(range(b)),
-        sampling=tuple(
-            RowSampling.of(seq.params, seed=seq.seed, step=len(seq.output_token_ids) + 1)
-            for seq in seqs
-        ),
-        per_sequence=current.step.per_sequence,
-    )
-    launched = engine.runner.launch(step, tokens=engine.runner.launched_tokens(current.launched))
-    return InFlight([(seq, 1) for seq in seqs], step, launched)
+    batch = [(seq, 1) for seq in seqs]
+    step = engine._step_input(batch, ahead=1)
+    return InFlight(batch, step, engine.runner.launch(step, after=current.launched))

@@ -138,6 +138,8 @@ class LocalRunner:
         self.kv: KVCache | None = None
         self.mirror: DecodeMirror | None = None
         cuda = self.device.type == "cuda"
+        if not cuda:
+            keep_freed_memory()  # process-wide; every CPU runner wants it (see the function)
         self.fast_decode = cuda if fast_decode is None else fast_decode
         self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not (cuda and self.fast_decode):
@@ -163,8 +165,6 @@ class LocalRunner:
         as ShardWorker(num_threads=1) does for a Ray rank."""
         from actors.weights import load_stage_model
 
-        if torch.device(device).type == "cpu":
-            keep_freed_memory()
         if num_threads is not None:
             if num_threads < 1:
                 raise InputError(f"num_threads={num_threads} must be at least 1")
@@ -200,14 +200,17 @@ class LocalRunner:
         with `all_rows`, of every new token [T, V] (teacher forcing in tests)."""
         return self._logits(step, all_rows=all_rows).float().cpu()
 
-    def _logits(self, step: StepInput, *, all_rows: bool = False) -> torch.Tensor:
-        """forward's logits, left on the device in the model's dtype."""
+    def _logits(
+        self, step: StepInput, *, all_rows: bool = False, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """forward's logits, left on the device in the model's dtype; `tokens` (a fast decode
+        step's): its input ids on the device, in place of step.token_ids."""
         if self.kv is None:
             raise RuntimeError("allocate_kv has not been called")
         if not all_rows and self._decodes_fast(step):
             if self.mirror is not None:
                 self.mirror.drop()
-            return self._decode(step)
+            return self._decode(step, tokens)
         if step.per_sequence and len(step.query_lens) > 1:
             parts = [
                 self._logits(step.sub(i), all_rows=all_rows) for i in range(len(step.query_lens))
@@ -311,15 +314,11 @@ class LocalRunner:
         greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
         return greedy and self._decodes_fast(step)
 
-    def launch(self, step: StepInput, *, tokens: torch.Tensor | None = None) -> Launched:
+    def launch(self, step: StepInput, *, after: Launched | None = None) -> Launched:
         """Start an `overlaps` step without waiting for it (async scheduling,
-        actors/engine_overlap.py); `tokens` [B]: its input ids still on the device (an earlier
-        launch's `launched_tokens`), in place of step.token_ids. `collect` reads the result."""
-        if self.kv is None:
-            raise RuntimeError("allocate_kv has not been called")
-        if self.mirror is not None:
-            self.mirror.drop()
-        ids = greedy_tokens(self._decode(step, tokens))
+        actors/engine_overlap.py); `after`: the launch whose sampled tokens (still on the
+        device) are this step's input ids, in place of step.token_ids. `collect` reads it."""
+        ids = greedy_tokens(self._logits(step, tokens=after.tokens if after else None))
         if ids.device.type != "cuda":
             return Launched(tokens=ids, host=ids, event=None)
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -327,10 +326,6 @@ class LocalRunner:
         event = torch.cuda.Event()
         event.record()
         return Launched(tokens=ids, host=host, event=event)
-
-    @staticmethod
-    def launched_tokens(launched: Launched) -> torch.Tensor:
-        return launched.tokens
 
     @staticmethod
     def collect(launched: Launched) -> StepOutput:

@@ -26,9 +26,9 @@ class Counting(LocalRunner):
 
     fed = 0
 
-    def launch(self, step, *, tokens=None):
-        self.fed += tokens is not None
-        return super().launch(step, tokens=tokens)
+    def launch(self, step, *, after=None):
+        self.fed += after is not None
+        return super().launch(step, after=after)
 
 
 def _engine(ckpt, overlap: bool) -> Engine:
