@@ -221,6 +221,7 @@ class EngineBench:
         from actors.kv_tiers import KVTiers
         from cache_service.namespace import CacheNamespace
         from cache_service.store import TieredCache
+        from cache_service.tiers.pinned_arena import near_gpu
 
         layout, kv = self.runner.kv_layout, self.runner.kv
         if layers is not None:
@@ -235,8 +236,6 @@ class EngineBench:
             codec="raw", layer_range=layout.layer_range, kv_head_range=layout.kv_head_range,
             block_size=layout.block_size,
         )  # fmt: skip
-        from cache_service.tiers.pinned_arena import near_gpu
-
         one = kv.read_block(0)
         nbytes = one.numel() * one.element_size() * blocks
         # The pinned reference: allocated before the cache's slabs, placed as they are, timed

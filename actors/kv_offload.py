@@ -35,8 +35,8 @@ move in a few large copies instead of one small copy per layer and block.
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,19 +119,15 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     marks = Marks(trace_for(t), src.device if cuda else None)
     # Round 12: no collection inside the launches; one gen-0 collection where the host waits for
     # the last copies (`_store_pieces`), the collector back on at the end.
-    hold = _on_cuda(src) and r12_on() and gc.isenabled()
-    if hold:
-        gc.disable()
-    lease = arena.take(width, n) if arena is not None else None
-    try:
-        pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
-        out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix, marks,
-                            paged, idle_gc=hold)  # fmt: skip
-    finally:
-        if lease is not None:
-            lease.close()
-        if hold:
-            gc.enable()
+    with _collector_off(_holds_gc(_on_cuda(src))) as hold:
+        lease = arena.take(width, n) if arena is not None else None
+        try:
+            pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
+            out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix,
+                                marks, paged, idle_gc=hold)  # fmt: skip
+        finally:
+            if lease is not None:
+                lease.close()
     marks.mark("closed")
     if not adopt:
         t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
@@ -334,10 +330,7 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     before = t._tier_counters() if hits is None else {}
     # As in a CUDA store (round 12): no collection between the spans' launches (a full one in a
     # process of many objects would hold the later spans' copies back).
-    hold = _holds_gc(device)
-    if hold:
-        gc.disable()
-    try:
+    with _collector_off(_holds_gc(device.type == "cuda")):
         # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
         # them: an in-process TieredCache is asked for unverified reads. Otherwise every block
         # is checked on the host (`_load_hosted`), and hashed unless the cache verified it.
@@ -349,9 +342,6 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
                                    marks=marks, scatter=scatter)  # fmt: skip
         else:
             m, stop = _load_hosted(t, keys, staging, stream, dtype=dtype, shape=shape, hits=hits)
-    finally:
-        if hold:
-            gc.enable()
     if stop is not None:
         t.counts[stop] += 1
     t.counts["hits"] += m
@@ -361,9 +351,21 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
 
 
-def _holds_gc(device: torch.device) -> bool:
-    """Whether a load to `device` runs with the collector off (CUDA, round 12, collector on)."""
-    return device.type == "cuda" and r12_on() and gc.isenabled()
+def _holds_gc(cuda: bool) -> bool:
+    """Whether a store or load runs with the collector off (on CUDA, round 12, collector on)."""
+    return cuda and r12_on() and gc.isenabled()
+
+
+@contextmanager
+def _collector_off(hold: bool) -> Iterator[bool]:
+    """The garbage collector off inside (where `hold`), back on after, also on error."""
+    if hold:
+        gc.disable()
+    try:
+        yield hold
+    finally:
+        if hold:
+            gc.enable()
 
 
 def _spans(n: int, width: int) -> list[tuple[int, int]]:

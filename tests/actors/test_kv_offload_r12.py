@@ -221,10 +221,10 @@ def test_the_collector_is_held_off_during_a_cuda_load(monkeypatch, r12):
     monkeypatch.setattr(kv_offload, "_load_landed", landed)
     monkeypatch.setattr(tiers, "_mix64", lambda device: True)
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)  # to the CPU
-    assert not kv_offload._holds_gc(torch.device("cpu"))
+    assert not kv_offload._holds_gc(False)
     # The CUDA case on the CPU: the predicate as it answers for a CUDA device.
-    holds = kv_offload._holds_gc(torch.device("cuda"))
-    monkeypatch.setattr(kv_offload, "_holds_gc", lambda device: holds)
+    holds = kv_offload._holds_gc(True)
+    monkeypatch.setattr(kv_offload, "_holds_gc", lambda cuda: holds)
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
     monkeypatch.setattr(kv_offload, "_load_landed", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
