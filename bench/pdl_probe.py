@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actors.kernels import gemv as gemv_mod  # noqa: E402
+from actors.kernels import gemv as gemv_mod
 
 
 @triton.jit
@@ -57,8 +57,9 @@ def _spin(x_ptr, y_ptr, ns, GDC: tl.constexpr, EARLY: tl.constexpr, N: tl.conste
     t = t0
     while t - t0 < ns:
         t = _now()
-    i = tl.arange(0, N)
-    tl.store(y_ptr + i, tl.load(x_ptr + i))
+    for off in tl.static_range(0, N, 1024):
+        i = off + tl.arange(0, 1024)
+        tl.store(y_ptr + i, tl.load(x_ptr + i))
 
 
 def graph_us(fn, items: int, reps: int = 20) -> float:
@@ -111,66 +112,70 @@ def run_gemv_part(out: dict) -> None:
         "o_proj": [(8, 4096, 4096, 8), (4, 4096, 4096, 4), (8, 2048, 2048, 4), (16, 2048, 2048, 8),
                    (2, 4096, 4096, 2), (4, 2048, 2048, 2)],
     }  # fmt: skip
-    spin_ns = 5000
     for name, (k, n) in shapes.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         for m in (1, 4):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            x2 = torch.empty_like(x)
-            ref = x.float() @ ws[0].float().T
-            mb = n * k * 2 / 1e6
-            row: dict = {"MB": mb}
+            out[f"{name}_m{m}"] = gemv_row(ws, m, tiles[name])
 
-            def lin_alone():
+
+def gemv_row(ws: list[torch.Tensor], m: int, tiles: list) -> dict:
+    """Timings of one projection shape at m tokens (see the module docstring)."""
+    copies, spin_ns = len(ws), 5000
+    n, k = ws[0].shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    x2 = torch.empty_like(x)
+    ref = x.float() @ ws[0].float().T
+    row: dict = {"MB": n * k * 2 / 1e6}
+
+    def lin_alone():
+        for w in ws:
+            F.linear(x, w)
+
+    row["torch_alone_us"] = graph_us(lin_alone, copies)
+
+    def spin(early: bool, gdc: bool):
+        extra = {"launch_pdl": True} if gdc else {}
+        _spin[(1,)](x, x2, spin_ns, GDC=gdc, EARLY=early, N=k * m, num_warps=1, **extra)
+
+    def lin_after():
+        for w in ws:
+            spin(False, False)
+            F.linear(x2, w)
+
+    row["torch_after_spin_us"] = graph_us(lin_after, copies)
+
+    def spin_alone():
+        for _ in ws:
+            spin(False, False)
+
+    row["spin_alone_us"] = graph_us(spin_alone, copies)
+    for tile in tiles:
+        key = "x".join(map(str, tile))
+        errs = []
+        for pdl in (False, True):
+            y = gemv_mod.gemv(x, ws[0], tile=tile, pdl=pdl)
+            torch.cuda.synchronize()
+            errs.append(float((y.float() - ref).norm() / ref.norm()))
+
+            def alone(pdl=pdl, tile=tile):
                 for w in ws:
-                    F.linear(x, w)
+                    gemv_mod.gemv(x, w, tile=tile, pdl=pdl)
 
-            row["torch_alone_us"] = graph_us(lin_alone, copies)
+            row[f"{key}_alone{'_pdl' if pdl else ''}_us"] = graph_us(alone, copies)
+        for label, gdc, early in (("plain", False, False), ("pdl_late", True, False),
+                                  ("pdl_early", True, True)):  # fmt: skip
 
-            def spin(early: bool, gdc: bool):
-                extra = {"launch_pdl": True} if gdc else {}
-                _spin[(1,)](x, x2, spin_ns, GDC=gdc, EARLY=early, N=k * m, num_warps=1, **extra)
-
-            def lin_after():
+            def after(tile=tile, gdc=gdc, early=early):
                 for w in ws:
-                    spin(False, False)
-                    F.linear(x2, w)
+                    spin(early, gdc)
+                    gemv_mod.gemv(x2, w, tile=tile, pdl=gdc)
 
-            row["torch_after_spin_us"] = graph_us(lin_after, copies)
-
-            def spin_alone():
-                for _ in ws:
-                    spin(False, False)
-
-            row["spin_alone_us"] = graph_us(spin_alone, copies)
-            for tile in tiles[name]:
-                key = "x".join(map(str, tile))
-                errs = []
-                for pdl in (False, True):
-                    y = gemv_mod.gemv(x, ws[0], tile=tile, pdl=pdl)
-                    torch.cuda.synchronize()
-                    errs.append(float((y.float() - ref).norm() / ref.norm()))
-
-                    def alone(pdl=pdl, tile=tile):
-                        for w in ws:
-                            gemv_mod.gemv(x, w, tile=tile, pdl=pdl)
-
-                    row[f"{key}_alone{'_pdl' if pdl else ''}_us"] = graph_us(alone, copies)
-                for label, gdc, early in (("plain", False, False), ("pdl_late", True, False),
-                                          ("pdl_early", True, True)):  # fmt: skip
-
-                    def after(tile=tile, gdc=gdc, early=early):
-                        for w in ws:
-                            spin(early, gdc)
-                            gemv_mod.gemv(x2, w, tile=tile, pdl=gdc)
-
-                    row[f"{key}_after_{label}_us"] = graph_us(after, copies)
-                # correctness of the PDL chain's last output
-                y = gemv_mod.gemv(x2, ws[0], tile=tile, pdl=True)
-                torch.cuda.synchronize()
-                row[f"{key}_rel_err"] = max(errs + [float((y.float() - ref).norm() / ref.norm())])
-            out[f"{name}_m{m}"] = row
-            del x, x2
+            row[f"{key}_after_{label}_us"] = graph_us(after, copies)
+        # correctness of the PDL chain's last output (x2 is x copied by the spin kernels)
+        y = gemv_mod.gemv(x2, ws[0], tile=tile, pdl=True)
+        torch.cuda.synchronize()
+        row[f"{key}_rel_err"] = max([*errs, float((y.float() - ref).norm() / ref.norm())])
+    return row
 
 
 def main() -> None:
