@@ -20,6 +20,7 @@ applied to the weighted latent), reading only the cached latents.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,24 @@ def causal_mask(n: int, ctx: int, window: int | None, device) -> torch.Tensor:
     if window is not None:
         mask &= j[None, :] > i[:, None] - window
     return mask
+
+
+CPU_FLOAT_MASK_ELEMENTS = 1 << 20
+"""A CPU chunk over a cached prefix gets its mask as an additive float tensor (0 / -inf) when
+it has at most this many elements, built once per shape (`_cpu_chunk_mask`), not per layer."""
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_chunk_mask(n: int, ctx: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """`causal_mask` for SDPA's CPU flash kernel: the additive float form for small chunks (a
+    prefix hit's few new tokens: ~60 us a layer less than a boolean mask, which the kernel turns
+    into this same 0 / -inf tensor on every call, so the outputs are equal bit for bit), the
+    boolean one above CPU_FLOAT_MASK_ELEMENTS (a long chunk: 4 bytes an element instead of 1).
+    Cached (a step's layers share it); SDPA only reads it."""
+    mask = causal_mask(n, ctx, window, "cpu")
+    if n * ctx > CPU_FLOAT_MASK_ELEMENTS:
+        return mask
+    return torch.zeros(n, ctx, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
 def paged_attend(
@@ -245,7 +264,7 @@ def _cpu_paged_attend(
             if window is None and ctx == n:
                 causal = n > 1
             elif window is not None or n > 1:
-                mask = causal_mask(n, ctx, window, q.device)
+                mask = _cpu_chunk_mask(n, ctx, window, q.dtype)
             o = F.scaled_dot_product_attention(
                 qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
                 is_causal=causal, scale=scale, enable_gqa=grouped,

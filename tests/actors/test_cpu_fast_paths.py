@@ -137,3 +137,16 @@ def test_the_engine_sets_the_torch_thread_count_it_is_given(ckpt):
             )
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_chunk_mask_is_additive_for_small_chunks_and_boolean_for_long_ones(monkeypatch):
+    from actors.layers import attention
+
+    mask = attention.causal_mask(5, 12, None, "cpu")
+    small = attention._cpu_chunk_mask(5, 12, None, torch.float32)
+    assert small.dtype == torch.float32
+    assert torch.equal(small == 0, mask) and bool(torch.isneginf(small[~mask]).all())
+    assert attention._cpu_chunk_mask(5, 12, None, torch.float32) is small  # once per shape
+    monkeypatch.setattr(attention, "CPU_FLOAT_MASK_ELEMENTS", 59)  # 5 x 12 = 60 > 59
+    long = attention._cpu_chunk_mask(5, 12, 3, torch.float32)
+    assert long.dtype == torch.bool and torch.equal(long, attention.causal_mask(5, 12, 3, "cpu"))
