@@ -37,6 +37,7 @@ from actors import gpu_tune
 from actors.engine import Engine, SamplingParams
 from actors.gpu_bench_parts import log
 from actors.kernels import fused
+from actors.kernels import gemv as gemv_mod
 from actors.kv_cache import KVCache, KVLayout
 from actors.layers import experts as experts_mod
 from actors.runner import LocalRunner
@@ -393,6 +394,8 @@ def run(
     result["fast_paths"] = {
         **flags,
         "grouped_mm": cuda and hasattr(torch, "_grouped_mm"),
+        "gemv": gemv_mod.GEMV_ENABLED[0],
+        "pdl": cuda and gemv_mod.PDL_ENABLED[0] and gemv_mod.gdc_supported(0),
     }
     # Steps 3-4, per model.
     configs = parts.tiny_configs() if tiny else parts.full_configs()
@@ -555,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-grouped-mm", action="store_true", help="time the padded expert path")
     p.add_argument("--no-fused", action="store_true", help="time without actors/kernels/fused.py")
+    p.add_argument("--no-gemv", action="store_true", help="1-token projections through cuBLAS")
+    p.add_argument("--no-pdl", action="store_true", help="no Programmatic Dependent Launch")
     p.add_argument("--models", default=None, help="comma-separated model names (default all)")
     p.add_argument("--shapes", default=None, help="decode rows as BxC,... (e.g. 1x1024,32x1024)")
     p.add_argument("--no-prefill", action="store_true", help="leave the prefill row out")
@@ -564,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         experts_mod.GROUPED_MM_ENABLED[0] = False
     if args.no_fused:
         fused.FUSED_ENABLED[0] = False
+    gemv_mod.GEMV_ENABLED[0] = not args.no_gemv
+    gemv_mod.PDL_ENABLED[0] = not args.no_pdl
 
     def write(obj: dict) -> None:
         if args.out:

@@ -74,15 +74,24 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
         seq_lens: Sequence[int],
         capture: Capture,
         paged: PagedContext | None = None,
-    ) -> torch.Tensor:
+        *,
+        defer: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`defer` (Triton path, no capture): return (h, ff) unsummed; a tuple x is such a pair
+        from the layer before, summed by this layer's input-norm kernel (one kernel, not two)."""
         kv = paged.layer(self.index) if paged is not None else None
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, seq_lens, kv)
+        if isinstance(x, tuple):
+            pre = self.input_layernorm
+            x, normed_in = fused.rms_norm(x[1], pre.weight, pre.eps, residual=x[0])
+        else:
+            normed_in = self.input_layernorm(x)
+        attn = self.self_attn(normed_in, cos, sin, seq_lens, kv)
         post = self.post_attention_layernorm
         if fused.use_triton(x):
             h, normed = fused.rms_norm(x, post.weight, post.eps, residual=attn)
@@ -93,6 +102,8 @@ class DecoderLayer(nn.Module):
             ff = self.mlp(normed, capture, f"{self.name}.mlp")
         else:
             ff = self.mlp(normed)
+        if defer and capture is None and ff.shape == h.shape and ff.dtype == h.dtype:
+            return h, ff
         out = h + ff
         if capture is not None:
             capture[f"{self.name}.self_attn"] = attn
@@ -211,8 +222,12 @@ class StageModel(nn.Module):
         else:
             x = inputs
         cos, sin = self.rotary(positions, x.dtype)
+        # CUDA Triton path: each layer's residual add runs inside the next layer's input norm.
+        defer = capture is None and x.is_cuda and fused.use_triton(x)
         for layer in self.layers.values():
-            x = layer(x, cos, sin, seq_lens, capture, paged)
+            x = layer(x, cos, sin, seq_lens, capture, paged, defer=defer)
+        if isinstance(x, tuple):
+            x = x[0] + x[1]
         if not self.last:
             return x
         if logits_rows is not None:

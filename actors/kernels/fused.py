@@ -1,31 +1,25 @@
 """Fused kernels that cut the number of launches of a decode layer, each with a torch fallback.
 
-A decode step of a 48-layer MoE used ~75 small kernels per layer (norms, rotary, KV write,
-router, sort, dispatch, combine); on an H200 each costs ~2-3 us of device time however little it
-does, so the step was bound by the kernel count, not by bytes. Here (T tokens, H hidden, E experts,
-K experts per token, R = T * K routed rows):
+A decode step of a 48-layer MoE used ~75 small kernels a layer, each ~2-3 us on an H200 however
+little it does. Here (T tokens, H hidden, E experts, K experts per token, R = T * K routed rows):
 
-- `rms_norm(x, w, eps, residual)`: one kernel for [residual add +] RMSNorm (statistics in
-  float32); with a residual it returns (x + residual, norm(x + residual)).
+- `rms_norm(x, w, eps, residual)`: [residual add +] RMSNorm, float32 statistics (+ x + residual).
 - `qk_norm_rope_write(...)`: one kernel per decode step and layer: q/k per-head RMSNorm, rotary
   (halves convention), the new K/V written at their slots, and the min/max key summary of the
   block each token landed in (over the whole block, the new row included).
-- `qk_norm_rope(q, k, ...)`: the same q/k RMSNorm + rotary for many tokens (a prompt), one
-  kernel instead of two norms and ~14 element-wise passes over strided halves; no cache write.
-- `router_softmax_topk(x, w, k, norm)`: router logits in float32 (bf16 products summed in float32),
-  softmax, top-k, renormalisation: two kernels.
-- `dispatch_plan(ids, k, E, routed_counts)`: one single-program kernel: per-expert counts (added to
-  `routed_counts`), cumulative offsets for the grouped GEMMs, and a stable counting sort of the
-  (token, k) pairs: src [R] (token of each sorted row) and pos [R] (sorted index of each pair,
-  the inverse permutation).
+- `qk_norm_rope(q, k, ...)`: the same q/k RMSNorm + rotary for many tokens (a prompt), no write.
+- `router_softmax_topk(x, w, k, norm)`: float32 router logits, softmax, top-k, renormalisation.
+- `dispatch_plan(ids, k, E, routed_counts)`: one program: per-expert counts (added to
+  `routed_counts`), cumulative offsets, and a stable sort of the (token, k) pairs: src [R] (token
+  of each sorted row), pos [R] (sorted index of each pair, the inverse permutation).
 - `moe_experts(x, src, offsets, w_gate_up, w_down)`: the routed SwiGLU experts of a decode batch
-  in two kernels (gate/up + SwiGLU, down), one program per busy expert and column tile, so each
-  expert's weights are read once; the rows are gathered from x inside the kernel.
+  in two kernels, one program per busy expert and column tile (each expert's weights read once).
 - `combine(y_sorted, pos, weights, residual, y_rest)`: out[t] = residual[t] + sum_k w[t,k]
   y[pos[t,k]] (float32 accumulation, no atomics); y may be two buffers read in place.
 
 Kernels run on CUDA, or on the CPU under `TRITON_INTERPRET=1` (the tests); `FUSED_ENABLED[0]`
-switches them off (the benchmark times both).
+switches them off (the benchmark times both). `_rms`, `_qk_rope_write` and `_combine` take part
+in Programmatic Dependent Launch on sm90 (`actors.kernels.gemv.gdc_enter`, `pdl_kwargs`).
 """
 
 from __future__ import annotations
@@ -72,8 +66,12 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from actors.kernels.gemv import gdc_enter, pdl_kwargs
+
     @triton.jit
-    def _rms(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+             GDC: tl.constexpr):  # fmt: skip
+        gdc_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         m = c < n
@@ -113,9 +111,10 @@ if triton_available():
     def _qk_rope_write(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
                        kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, eps, q_stride, k_stride,
                        v_stride, H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
-                       D: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr):  # fmt: skip
+                       D: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
         # Program (b, 0) rotates token b's queries; (b, 1) writes its K/V and the block summary
         # (two short programs side by side instead of one long one).
+        gdc_enter(GDC)
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)
         if tl.program_id(1) == 0:
@@ -260,7 +259,8 @@ if triton_available():
     @triton.jit
     def _combine(y_ptr, rest_ptr, split, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
                  K: tl.constexpr, HAS_RES: tl.constexpr, HAS_REST: tl.constexpr,
-                 BLOCK: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        gdc_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < hid
@@ -385,7 +385,7 @@ def rms_norm(
     block = _pow2(n)
     _rms[(rows,)](
         xc, r, weight, h, y, n, eps, HAS_RES=residual is not None, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=8 if block >= 4096 else 4, **pdl_kwargs(xc),
     )  # fmt: skip
     return y if residual is None else (h, y)
 
@@ -416,7 +416,7 @@ def qk_norm_rope_write(
         q_weight if has_norm else q, k_weight if has_norm else q,
         cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, key_min, key_max, slots, eps,
         q.stride(0), k.stride(0), v.stride(0), H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv),
-        D=d, BS=bs, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"],
+        D=d, BS=bs, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"], **pdl_kwargs(q),
     )  # fmt: skip
     return q_out
 
@@ -595,6 +595,6 @@ def combine(
     _combine[(t, triton.cdiv(hid, block))](
         y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
         res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
-        BLOCK=block,
+        BLOCK=block, **pdl_kwargs(out),
     )  # fmt: skip
     return out

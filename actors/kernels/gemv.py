@@ -25,17 +25,22 @@ GEMV_ENABLED = [True]
 """Switch of the Triton GEMV for few-token projections on CUDA (the benchmark times both)."""
 PDL_ENABLED = [True]
 """Launch the GEMV (and other PDL-aware kernels) with the PDL attribute on sm90+."""
-GEMV_MAX_ROWS = 4
-"""The GEMV serves up to this many tokens; beyond, cuBLAS (the weights are re-used per row)."""
-GEMV_TILES: dict[int, tuple[int, int, int, int]] = {}
-"""K -> (BN, KP, BK, num_warps) chosen on the device; absent K: `default_tile`."""
+GEMV_MAX_ROWS = 1
+"""The GEMV serves up to this many tokens; beyond, cuBLAS. At 4 tokens it was slower than cuBLAS
+on the H200 (round 11 probe: 2048 -> 5120 in 10.2-11.3 us vs 8.2), at 1 token faster."""
+GEMV_TILES: dict[int, tuple[int, int, int, int]] = {
+    2048: (4, 2048, 2048, 4),
+    4096: (4, 4096, 4096, 4),
+}
+"""K -> (BN, KP, BK, num_warps): the fastest of six after a latency-bound kernel with PDL on the
+H200 (round 11 probe: Qwen3's 2048 -> 5120 and 4096 -> 2048); other K: `default_tile`."""
 
 
 def default_tile(k: int, n: int) -> tuple[int, int, int, int]:
-    """(BN, KP, BK, warps): ~64 KB of weights per program, all of it loaded before the wait."""
-    bn = max(1, min(64, (32768 // max(k, 1))))
+    """(BN, KP, BK, warps): ~16 KB of weights per program, all of it loaded before the wait."""
+    bn = max(1, min(64, 8192 // max(k, 1)))
     bn = 1 << (bn.bit_length() - 1)
-    return bn, k, k, 4
+    return bn, k, k, 4 if bn >= 4 else 2
 
 
 @functools.cache
@@ -50,6 +55,11 @@ def pdl_on(x: torch.Tensor) -> bool:
     return PDL_ENABLED[0] and x.is_cuda and gdc_supported(x.device.index or 0)
 
 
+def pdl_kwargs(x: torch.Tensor) -> dict:
+    """Launch arguments of a kernel that calls `gdc_enter(GDC)` first: PDL on sm90+ CUDA."""
+    return {"GDC": True, "launch_pdl": True} if pdl_on(x) else {"GDC": False}
+
+
 if triton_available():
     import triton
     import triton.language as tl
@@ -60,17 +70,26 @@ if triton_available():
         gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
+    def gdc_enter(GDC: tl.constexpr):
+        """First thing in a kernel that may be launched with PDL: let the next kernel launch,
+        then wait until the previous one has finished and its writes are visible."""
+        if GDC:
+            gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, x_stride, y_stride, M: tl.constexpr,
               M_PAD: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
               BK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
         """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for BN columns n, float32 accumulation."""
+        if GDC:
+            gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nm = n < N
         rows = w_ptr + n.to(tl.int64)[:, None] * K
         kp = tl.arange(0, KP)
         w = tl.load(rows + kp[None, :], mask=nm[:, None], other=0.0)
         if GDC:
-            gdc_launch_dependents()
             gdc_wait()
         mi = tl.arange(0, M_PAD)
         acc = tl.zeros([M_PAD, BN], tl.float32)

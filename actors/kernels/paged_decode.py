@@ -117,6 +117,8 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from actors.kernels.gemv import gdc_enter, pdl_kwargs
+
     @triton.jit
     def _gqa_partial(
         q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
@@ -124,10 +126,12 @@ if triton_available():
         qk_scale,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
         BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
+        GDC: tl.constexpr = False,
     ):  # fmt: skip
         """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
         step (spanning TILE / BS cache blocks, each row found through the block table), for the
         REP query heads of KV head g. Scores in base 2 (qk_scale includes log2 e)."""
+        gdc_enter(GDC)
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -175,7 +179,9 @@ if triton_available():
         tl.store(ml_ptr + row * 2 + 1, l_sum, mask=keep)
 
     @triton.jit
-    def _gqa_merge(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr):
+    def _gqa_merge(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                   GDC: tl.constexpr = False):  # fmt: skip
+        gdc_enter(GDC)
         bh = tl.program_id(0)
         s = tl.arange(0, S_PAD)
         d = tl.arange(0, D)
@@ -350,7 +356,9 @@ def gqa_decode_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
-        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
+        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )  # fmt: skip
-    _gqa_merge[(b * h,)](acc, ml, out, D=d, S=s, S_PAD=max(2, triton.next_power_of_2(s)))
+    _gqa_merge[(b * h,)](
+        acc, ml, out, D=d, S=s, S_PAD=max(2, triton.next_power_of_2(s)), **pdl_kwargs(q)
+    )
     return out

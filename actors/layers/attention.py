@@ -30,6 +30,7 @@ from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
+from actors.kernels import gemv as gemv_kernels
 from actors.kernels.decode_step import DecodeView
 from actors.layers.norm import RMSNorm, rms_norm_into
 from actors.layers.rope import apply_rotary
@@ -453,7 +454,9 @@ class GQAAttention(nn.Module):
         """The q, k, v projections of x [T, H]. CUDA decode steps (a few tokens, where each small
         GEMM is bound by its launch and latency, not its bytes) use one GEMM over the three
         weights stacked: a copy made outside graph capture, rebuilt when a weight changes
-        (storage or in-place version), costing (q + 2 kv heads) x head_dim x H extra weights."""
+        (storage or in-place version), costing (q + 2 kv heads) x head_dim x H extra weights.
+        One token: the Triton GEMV, whose weight reads start before the kernels ahead of it end
+        (PDL on sm90, `actors.kernels.gemv`)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if not (decode and x.is_cuda and FUSE_QKV[0] and x.shape[0] <= 64):
             return tuple(p(x) for p in projs)
@@ -466,13 +469,22 @@ class GQAAttention(nn.Module):
                 w = torch.cat([p.weight for p in projs])
                 b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
             cached = self.__dict__["_qkv_cache"] = (key, w, b)
-        y = torch.nn.functional.linear(x, cached[1], cached[2])
+        if gemv_kernels.gemv_suits(x, cached[1]):
+            y = gemv_kernels.gemv(x, cached[1], cached[2])
+        else:
+            y = torch.nn.functional.linear(x, cached[1], cached[2])
         nq, nk = self.q_proj.out_features, self.k_proj.out_features
         return y[:, :nq], y[:, nq : nq + nk], y[:, nq + nk :]
 
     def _out(self, o: torch.Tensor) -> torch.Tensor:
-        """o [T, heads, D] -> the row-parallel output projection (reduced over TP) [T, H]."""
-        y = self.o_proj(o.reshape(o.shape[0], self.heads * self.arch.head_dim))
+        """o [T, heads, D] -> the row-parallel output projection (reduced over TP) [T, H]; one
+        token on CUDA through the Triton GEMV (as in `_qkv`)."""
+        o = o.reshape(o.shape[0], self.heads * self.arch.head_dim)
+        w = self.o_proj.weight
+        if o.is_cuda and gemv_kernels.gemv_suits(o, w):
+            y = gemv_kernels.gemv(o, w)
+        else:
+            y = self.o_proj(o)
         if self.reduce is not None:
             y = self.reduce(y)
         return y + self.o_bias if self.o_bias is not None else y
