@@ -18,17 +18,22 @@ little it does. Here (T tokens, H hidden, E experts, K experts per token, R = T 
   y[pos[t,k]] (float32 accumulation, no atomics); y may be two buffers read in place.
 
 Kernels run on CUDA, or on the CPU under `TRITON_INTERPRET=1` (the tests); `FUSED_ENABLED[0]`
-switches them off (the benchmark times both). `_rms`, `_qk_rope_write` and `_combine` take part
-in Programmatic Dependent Launch on sm90 (`actors.kernels.gemv.gdc_enter`, `pdl_kwargs`).
+switches them off (the benchmark times both). The decode kernels take part in Programmatic
+Dependent Launch on sm90 (`actors.kernels.gemv.gdc_enter`, `pdl_kwargs`). The expert kernels
+live in `actors.kernels.moe_kernels` (re-exported here).
 """
 
 from __future__ import annotations
 
 import torch
 
-from actors.kernels import triton_available, triton_interpreted
+from actors.kernels import moe_kernels, triton_available, triton_interpreted
 
 FUSED_ENABLED = [True]
+# The expert kernels moved to moe_kernels; the same objects under their old names here.
+EXPERT_MAX_ROWS, EXPERT_SMALL_ROWS = moe_kernels.EXPERT_MAX_ROWS, moe_kernels.EXPERT_SMALL_ROWS
+EXPERT_TILES, EXPERTS_ENABLED = moe_kernels.EXPERT_TILES, moe_kernels.EXPERTS_ENABLED
+moe_experts, moe_experts_suit = moe_kernels.moe_experts, moe_kernels.moe_experts_suit
 PLAN_MAX_ROWS = 4096
 """The single-program dispatch plan serves up to this many (token, expert) rows (decode)."""
 PLAN_SORT = [True]
@@ -43,17 +48,6 @@ SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
 one warp they need no shared memory). One warp was fastest of 1/2/4/8 on the H200 (round 7:
 rope write 7.4 -> 3.4 us, router + top-k 5.3 -> 4.2 us at 1 token); the benchmark retimes."""
-EXPERT_MAX_ROWS = 1024
-"""`moe_experts` serves up to this many routed rows (decode batches); beyond, grouped GEMMs."""
-EXPERTS_ENABLED = [True]
-"""Switch of `moe_experts` alone (the benchmark turns it off when its device check fails)."""
-EXPERT_SMALL_ROWS = 64
-EXPERT_TILES = {
-    "small": {"gate_up": (16, 16, 128, 4, 4), "down": (16, 32, 128, 4, 4)},
-    "large": {"gate_up": (16, 16, 128, 4, 4), "down": (16, 32, 128, 4, 4)},
-}
-"""(BM, BN, BK, num_warps, num_stages) of the two expert kernels, for up to EXPERT_SMALL_ROWS
-routed rows ("small") and beyond ("large"); the benchmark times candidates and may retune."""
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -66,7 +60,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from actors.kernels.gemv import gdc_enter, pdl_kwargs
+    from actors.kernels.gemv import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_kwargs
 
     @triton.jit
     def _rms(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
@@ -167,13 +161,30 @@ if triton_available():
 
     @triton.jit
     def _router_logits(
-        x_ptr, w_ptr, out_ptr, hid: tl.constexpr, E, E_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        hid: tl.constexpr,
+        E,
+        E_BLOCK: tl.constexpr,
+        H_BLOCK: tl.constexpr,
+        GDC: tl.constexpr = False,
     ):
+        """The first H_BLOCK columns of the weights are loaded before the PDL wait (weights
+        depend on no earlier kernel): their reads overlap the kernels before this one."""
         t = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1) * E_BLOCK + tl.arange(0, E_BLOCK)
         em = e < E
-        acc = tl.zeros([E_BLOCK], tl.float32)
-        for h0 in range(0, hid, H_BLOCK):
+        if GDC:
+            gdc_launch_dependents()
+        hb = tl.arange(0, H_BLOCK)
+        w0 = tl.load(w_ptr + e[:, None] * hid + hb[None, :], mask=em[:, None] & (hb < hid)[None, :],
+                     other=0.0)  # fmt: skip
+        if GDC:
+            gdc_wait()
+        x0 = tl.load(x_ptr + t * hid + hb, mask=hb < hid, other=0.0).to(tl.float32)
+        acc = tl.sum(w0.to(tl.float32) * x0[None, :], 1)
+        for h0 in range(H_BLOCK, hid, H_BLOCK):
             hh = h0 + tl.arange(0, H_BLOCK)
             hm = hh < hid
             x = tl.load(x_ptr + t * hid + hh, mask=hm, other=0.0).to(tl.float32)
@@ -185,7 +196,8 @@ if triton_available():
 
     @triton.jit
     def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, E, E_PAD: tl.constexpr, K: tl.constexpr,
-                      K_PAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+                      K_PAD: tl.constexpr, NORM: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
+        gdc_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_PAD)
         em = e < E
@@ -238,9 +250,11 @@ if triton_available():
 
     @triton.jit
     def _plan_sort(ids_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr, R: tl.constexpr, E,
-                   K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
+                   K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                   GDC: tl.constexpr = False):  # fmt: skip
         """`_plan`'s outputs from one load of the ids and no loops: counts by a histogram, the
         order by sorting the keys id * R_PAD + index (unique, so the order is the stable one)."""
+        gdc_enter(GDC)
         i = tl.arange(0, R_PAD)
         im = i < R
         idi = tl.load(ids_ptr + i, mask=im, other=0).to(tl.int32)
@@ -275,82 +289,6 @@ if triton_available():
                 row = tl.where(p < split, row, rest_ptr + (p - split) * hid)
             acc += w * tl.load(row + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * hid + c, acc.to(out_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _expert_slot(offs_ptr, p, E, E_PAD: tl.constexpr):
-        """The p-th expert that holds rows (offsets inclusive): (expert, start, end, valid)."""
-        e = tl.arange(0, E_PAD)
-        em = e < E
-        ends = tl.load(offs_ptr + e, mask=em, other=0)
-        starts = tl.load(offs_ptr + e - 1, mask=em & (e > 0), other=0)
-        busy = em & (ends > starts)
-        rank = tl.cumsum(busy.to(tl.int32), 0) - 1
-        mine = busy & (rank == p)
-        ex = tl.sum(tl.where(mine, e, 0), 0)
-        start = tl.sum(tl.where(mine, starts, 0), 0)
-        end = tl.sum(tl.where(mine, ends, 0), 0)
-        return ex, start, end, tl.sum(mine.to(tl.int32), 0) > 0
-
-    @triton.jit
-    def _moe_gate_up(x_ptr, src_ptr, offs_ptr, w_ptr, h_ptr, E, N_ROWS: tl.constexpr, HID: tl.constexpr,
-                     INTER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-        """h[r] = silu(gate_e x[src[r]]) * (up_e x[src[r]]) for the rows of one busy expert e and
-        BN intermediate columns: the expert's weights are read once for all its rows."""
-        ex, start, end, valid = _expert_slot(offs_ptr, tl.program_id(0), E, E_PAD)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nm = n < INTER
-        w = w_ptr + ex.to(tl.int64) * (2 * INTER * HID)
-        k = tl.arange(0, BK)
-        if valid:
-            for m0 in range(0, N_ROWS, BM):
-                rows = start + m0 + tl.arange(0, BM)
-                if start + m0 < end:
-                    rm = rows < end
-                    tok = tl.load(src_ptr + rows, mask=rm, other=0)
-                    acc_g = tl.zeros([BM, BN], tl.float32)
-                    acc_u = tl.zeros([BM, BN], tl.float32)
-                    for k0 in range(0, HID, BK):
-                        kk = k0 + k
-                        km = kk < HID
-                        a = tl.load(x_ptr + tok[:, None] * HID + kk[None, :],
-                                    mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
-                        wm = nm[:, None] & km[None, :]
-                        g = tl.load(w + n[:, None] * HID + kk[None, :], mask=wm, other=0.0)
-                        u = tl.load(w + (INTER + n[:, None]) * HID + kk[None, :], mask=wm,
-                                    other=0.0)  # fmt: skip
-                        acc_g = tl.dot(a, tl.trans(g), acc_g)
-                        acc_u = tl.dot(a, tl.trans(u), acc_u)
-                    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-                    tl.store(h_ptr + rows[:, None] * INTER + n[None, :],
-                             h.to(h_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])  # fmt: skip
-
-    @triton.jit
-    def _moe_down(h_ptr, offs_ptr, w_ptr, y_ptr, E, N_ROWS: tl.constexpr, HID: tl.constexpr,
-                  INTER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):  # fmt: skip
-        """y[r] = down_e h[r] for the rows of one busy expert e and BN hidden columns."""
-        ex, start, end, valid = _expert_slot(offs_ptr, tl.program_id(0), E, E_PAD)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nm = n < HID
-        w = w_ptr + ex.to(tl.int64) * (HID * INTER)
-        k = tl.arange(0, BK)
-        if valid:
-            for m0 in range(0, N_ROWS, BM):
-                rows = start + m0 + tl.arange(0, BM)
-                if start + m0 < end:
-                    rm = rows < end
-                    acc = tl.zeros([BM, BN], tl.float32)
-                    for k0 in range(0, INTER, BK):
-                        kk = k0 + k
-                        km = kk < INTER
-                        a = tl.load(h_ptr + rows[:, None] * INTER + kk[None, :],
-                                    mask=rm[:, None] & km[None, :], other=0.0)  # fmt: skip
-                        wt = tl.load(w + n[:, None] * INTER + kk[None, :],
-                                     mask=nm[:, None] & km[None, :], other=0.0)  # fmt: skip
-                        acc = tl.dot(a, tl.trans(wt), acc)
-                    tl.store(y_ptr + rows[:, None] * HID + n[None, :],
-                             acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])  # fmt: skip
 
 
 def _heads_rows(x: torch.Tensor) -> torch.Tensor:
@@ -470,7 +408,7 @@ def router_softmax_topk(
     logits, ids, wts = router_logits(x, weight, k)
     _softmax_topk[(x.shape[0],)](
         logits, ids, wts, weight.shape[0], E_PAD=_pow2(weight.shape[0]), K=k, K_PAD=_pow2(k),
-        NORM=norm_topk_prob, num_warps=SMALL_WARPS["softmax_topk"],
+        NORM=norm_topk_prob, num_warps=SMALL_WARPS["softmax_topk"], **pdl_kwargs(x),
     )  # fmt: skip
     return logits, ids, wts
 
@@ -483,62 +421,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.
     e_block, h_block, warps = ROUTER_TILES["small" if t <= 4 else "mid" if t <= 16 else "large"]
     _router_logits[(t, triton.cdiv(e, e_block))](
         x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block,
-        H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps,
+        H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps, **pdl_kwargs(x),
     )  # fmt: skip
     ids, wts = torch.empty(t, k, dtype=torch.int64, device=x.device), logits.new_empty(t, k)
     return logits, ids, wts
-
-
-def moe_experts_suit(x: torch.Tensor, rows: int, w_gate_up: torch.Tensor) -> bool:
-    """`moe_experts` serves this: Triton on, a decode-sized batch, contiguous stacked weights, and
-    on CUDA 16-bit operands (a float32 `tl.dot` there would run in tf32, below float32's
-    precision; the interpreter on the CPU computes in float32)."""
-    return (
-        EXPERTS_ENABLED[0]
-        and use_triton(x)
-        and 0 < rows <= EXPERT_MAX_ROWS
-        and w_gate_up.is_contiguous()
-        and x.dtype == w_gate_up.dtype
-        and (not x.is_cuda or x.dtype in (torch.bfloat16, torch.float16))
-    )
-
-
-def moe_experts(
-    x: torch.Tensor,
-    src: torch.Tensor,
-    offsets: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-) -> torch.Tensor:
-    """Routed SwiGLU experts over the sorted rows, for decode-sized batches: two kernels.
-
-    x [T, H] (tokens, not sorted), src [R] int64 (token of each sorted row), offsets [E] int32
-    (inclusive cumulative rows per expert), w_gate_up [E, 2I, H], w_down [E, H, I] -> [R, H]:
-    row r = w_down[e] @ (silu(gate_e x[src[r]]) * (up_e x[src[r]])) for the expert e of row r.
-    One program per (busy expert, column tile) reads that expert's weight tile once for all its
-    rows (grouped GEMMs read it at ~40% of bandwidth at these sizes); the gather of x and the
-    SwiGLU are fused in (no `x[src]`, no silu/mul passes). The intermediate rows stay float32
-    until the store in x's dtype."""
-    r = src.shape[0]
-    e, two_i, hid = w_gate_up.shape
-    inter = two_i // 2
-    h = torch.empty(r, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(r, hid, dtype=x.dtype, device=x.device)
-    slots = min(r, e)
-    tiles = EXPERT_TILES["small" if r <= EXPERT_SMALL_ROWS else "large"]
-    bm, bn, bk, warps, stages = tiles["gate_up"]
-    bk_g = min(bk, max(16, _pow2(hid)))
-    _moe_gate_up[(slots, triton.cdiv(inter, bn))](
-        x.contiguous(), src, offsets, w_gate_up, h, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter,
-        E_PAD=_pow2(e), BM=bm, BN=bn, BK=bk_g, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    bm, bn, bk, warps, stages = tiles["down"]
-    bk_d = min(bk, max(16, _pow2(inter)))
-    _moe_down[(slots, triton.cdiv(hid, bn))](
-        h, offsets, w_down.contiguous(), y, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter, E_PAD=_pow2(e),
-        BM=bm, BN=bn, BK=bk_d, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return y
 
 
 def dispatch_plan(
@@ -557,6 +443,7 @@ def dispatch_plan(
         _plan_sort[(1,)](
             ids, src, pos, offsets, routed_counts, r, num_experts, K=k,
             E_PAD=_pow2(num_experts), R_PAD=r_pad, num_warps=8 if r_pad >= 1024 else 4,
+            **pdl_kwargs(ids),
         )  # fmt: skip
         return src, pos, offsets
     _plan[(1,)](
