@@ -323,7 +323,7 @@ def rms_norm(
     block = _pow2(n)
     _rms[(rows,)](
         xc, r, weight, h, y, n, eps, HAS_RES=residual is not None, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4, **pdl_kwargs(xc),
+        num_warps=8 if block >= 4096 else 4, **pdl_kwargs(xc, "rms"),
     )  # fmt: skip
     return y if residual is None else (h, y)
 
@@ -354,7 +354,7 @@ def qk_norm_rope_write(
         q_weight if has_norm else q, k_weight if has_norm else q,
         cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, key_min, key_max, slots, eps,
         q.stride(0), k.stride(0), v.stride(0), H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv),
-        D=d, BS=bs, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"], **pdl_kwargs(q),
+        D=d, BS=bs, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"], **pdl_kwargs(q, "qk_rope_write"),
     )  # fmt: skip
     return q_out
 
@@ -408,7 +408,7 @@ def router_softmax_topk(
     logits, ids, wts = router_logits(x, weight, k)
     _softmax_topk[(x.shape[0],)](
         logits, ids, wts, weight.shape[0], E_PAD=_pow2(weight.shape[0]), K=k, K_PAD=_pow2(k),
-        NORM=norm_topk_prob, num_warps=SMALL_WARPS["softmax_topk"], **pdl_kwargs(x),
+        NORM=norm_topk_prob, num_warps=SMALL_WARPS["softmax_topk"], **pdl_kwargs(x, "softmax_topk"),
     )  # fmt: skip
     return logits, ids, wts
 
@@ -421,7 +421,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.
     e_block, h_block, warps = ROUTER_TILES["small" if t <= 4 else "mid" if t <= 16 else "large"]
     _router_logits[(t, triton.cdiv(e, e_block))](
         x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block,
-        H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps, **pdl_kwargs(x),
+        H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps, **pdl_kwargs(x, "router_logits"),
     )  # fmt: skip
     ids, wts = torch.empty(t, k, dtype=torch.int64, device=x.device), logits.new_empty(t, k)
     return logits, ids, wts
@@ -443,7 +443,7 @@ def dispatch_plan(
         _plan_sort[(1,)](
             ids, src, pos, offsets, routed_counts, r, num_experts, K=k,
             E_PAD=_pow2(num_experts), R_PAD=r_pad, num_warps=8 if r_pad >= 1024 else 4,
-            **pdl_kwargs(ids),
+            **pdl_kwargs(ids, "plan_sort"),
         )  # fmt: skip
         return src, pos, offsets
     _plan[(1,)](
@@ -482,6 +482,6 @@ def combine(
     _combine[(t, triton.cdiv(hid, block))](
         y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
         res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
-        BLOCK=block, **pdl_kwargs(out),
+        BLOCK=block, **pdl_kwargs(out, "combine"),
     )  # fmt: skip
     return out

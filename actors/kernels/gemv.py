@@ -25,6 +25,8 @@ GEMV_ENABLED = [True]
 """Switch of the Triton GEMV for few-token projections on CUDA (the benchmark times both)."""
 PDL_ENABLED = [True]
 """Launch the GEMV (and other PDL-aware kernels) with the PDL attribute on sm90+."""
+PDL_SKIP: set[str] = set()
+"""Kernels (by the name given to `pdl_kwargs`) launched without PDL: the benchmark's A/B."""
 GEMV_MAX_ROWS = 1
 """The GEMV serves up to this many tokens; beyond, cuBLAS. At 4 tokens it was slower than cuBLAS
 on the H200 (round 11 probe: 2048 -> 5120 in 10.2-11.3 us vs 8.2), at 1 token faster."""
@@ -51,13 +53,14 @@ def gdc_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_on(x: torch.Tensor) -> bool:
-    return PDL_ENABLED[0] and x.is_cuda and gdc_supported(x.device.index or 0)
+def pdl_on(x: torch.Tensor, name: str = "") -> bool:
+    on = PDL_ENABLED[0] and name not in PDL_SKIP
+    return on and x.is_cuda and gdc_supported(x.device.index or 0)
 
 
-def pdl_kwargs(x: torch.Tensor) -> dict:
+def pdl_kwargs(x: torch.Tensor, name: str = "") -> dict:
     """Launch arguments of a kernel that calls `gdc_enter(GDC)` first: PDL on sm90+ CUDA."""
-    return {"GDC": True, "launch_pdl": True} if pdl_on(x) else {"GDC": False}
+    return {"GDC": True, "launch_pdl": True} if pdl_on(x, name) else {"GDC": False}
 
 
 if triton_available():
@@ -143,7 +146,7 @@ def gemv(
         x = x.contiguous()
     bn, kp, bk, warps = tile or GEMV_TILES.get(k) or default_tile(k, n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    gdc = pdl_on(x) if pdl is None else (pdl and x.is_cuda)
+    gdc = pdl_on(x, "gemv") if pdl is None else (pdl and x.is_cuda)
     extra = {"launch_pdl": True} if gdc else {}
     _gemv[(triton.cdiv(n, bn),)](
         x, w, bias if bias is not None else w, y, n, x.stride(0), y.stride(0), M=m,

@@ -154,12 +154,12 @@ def moe_experts(
     bk_g = min(bk, max(16, _pow2(hid)))
     _moe_gate_up[(slots, triton.cdiv(inter, bn))](
         x.contiguous(), src, offsets, w_gate_up, h, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter,
-        E_PAD=_pow2(e), BM=bm, BN=bn, BK=bk_g, num_warps=warps, num_stages=stages, **pdl_kwargs(x),
+        E_PAD=_pow2(e), BM=bm, BN=bn, BK=bk_g, num_warps=warps, num_stages=stages, **pdl_kwargs(x, "moe_gate_up"),
     )  # fmt: skip
     bm, bn, bk, warps, stages = tiles["down"]
     bk_d = min(bk, max(16, _pow2(inter)))
     _moe_down[(slots, triton.cdiv(hid, bn))](
         h, offsets, w_down.contiguous(), y, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter, E_PAD=_pow2(e),
-        BM=bm, BN=bn, BK=bk_d, num_warps=warps, num_stages=stages, **pdl_kwargs(x),
+        BM=bm, BN=bn, BK=bk_d, num_warps=warps, num_stages=stages, **pdl_kwargs(x, "moe_down"),
     )  # fmt: skip
     return y

@@ -356,9 +356,15 @@ def gqa_decode_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
-        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages, **pdl_kwargs(q),
+        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages, **pdl_kwargs(q, "gqa_partial"),
     )  # fmt: skip
     _gqa_merge[(b * h,)](
-        acc, ml, out, D=d, S=s, S_PAD=max(2, triton.next_power_of_2(s)), **pdl_kwargs(q)
+        acc,
+        ml,
+        out,
+        D=d,
+        S=s,
+        S_PAD=max(2, triton.next_power_of_2(s)),
+        **pdl_kwargs(q, "gqa_merge"),
     )
     return out

@@ -1,0 +1,91 @@
+"""A/B of the PDL and GEMV switches on one engine in one process (issue #8, round 11).
+
+Builds the random Qwen3-30B-A3B of `actors.gpu_bench` once, then for each configuration (which
+kernels launch with PDL, whether the GEMV serves 1-token projections, its tiles) drops the
+captured decode graphs and times decode rows as gpu_bench does (wall ms a step with async
+scheduling, and the graph replayed alone), in interleaved rounds. No correctness checks here:
+gpu_moe's checks cover the same kernels. The expert/router tiles are those gpu_moe's tuning
+picked on the H200 (rounds 7-11).
+
+    python3 bench/pdl_ab.py --shapes 1x1024,32x1024 --rounds 2 --out $OUT/pdl_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from actors import gpu_bench, gpu_bench_parts
+from actors.kernels import fused, gemv
+
+LATE = {"router_logits", "softmax_topk", "plan_sort", "moe_gate_up", "moe_down"}
+ALL = LATE | {"rms", "qk_rope_write", "combine", "gqa_partial", "gqa_merge", "gemv"}
+CONFIGS = {
+    "call2": {"skip": LATE},
+    "all": {"skip": set()},
+    "all_but_experts": {"skip": {"moe_gate_up", "moe_down"}},
+    "call2_plus_router": {"skip": LATE - {"router_logits"}},
+    "gemv_no_pdl": {"skip": ALL},
+    "base": {"skip": ALL, "gemv": False},
+}
+
+
+def apply(cfg: dict) -> None:
+    gemv.PDL_SKIP.clear()
+    gemv.PDL_SKIP.update(cfg.get("skip", ()))
+    gemv.GEMV_ENABLED[0] = cfg.get("gemv", True)
+    gemv.GEMV_TILES.clear()
+    gemv.GEMV_TILES.update(cfg.get("tiles", {2048: (4, 2048, 2048, 4), 4096: (4, 4096, 4096, 4)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x1024")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    fused.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
+    fused.EXPERT_TILES["large"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 128, 4, 4))
+    device = torch.device("cuda")
+    cfg = gpu_bench_parts.full_configs()["qwen3-30b-a3b"]
+    flags = {"graphs": True, "triton": True, "async": True}
+    kv_tokens = max(b * (c + b + 64) for b, c in shapes) + 4096
+    bench = gpu_bench.EngineBench("qwen3-30b-a3b", cfg, device=device, dtype=torch.bfloat16,
+                                  tiny=False, flags=flags, kv_tokens=kv_tokens)  # fmt: skip
+    names = args.configs.split(",")
+    out: dict = {"rows": []}
+    for rnd in range(args.rounds):
+        for name in names:
+            apply(CONFIGS[name])
+            for b, c in shapes:
+                if bench.runner.graphs is not None:
+                    bench.runner.graphs.graphs.clear()
+                d = bench.decode(b, c, warm=3, steps=10)
+                row = {"round": rnd, "config": name, "batch": b, "context": c,
+                       "ms": round(d["ms"], 3), "device_ms": round(d["device_ms"] or 0, 3),
+                       "sync_ms": round(d["sync_ms"], 3)}  # fmt: skip
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    print("| config | shape | ms (each round) | device ms (each round) |")
+    for name in names:
+        for b, c in shapes:
+            rs = [
+                r
+                for r in out["rows"]
+                if r["config"] == name and (r["batch"], r["context"]) == (b, c)
+            ]
+            print(f"| {name} | {b}x{c} | {' / '.join(str(r['ms']) for r in rs)} | "
+                  f"{' / '.join(str(r['device_ms']) for r in rs)} |")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
