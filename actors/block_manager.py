@@ -13,16 +13,25 @@ Released blocks join the end of the queue and `allocate` takes from the front, s
 recently released cached blocks are reused (evicted from the device) first. The queue is an
 OrderedDict so that reviving a cached-free block (`acquire`) is O(1), not a deque's O(n) scan
 (a 2,000-token prefix hit revives 62 blocks).
+
+Registered blocks also remember their tokens under their parent's key (`tail_match`): a prompt
+that shares only the first tokens of a cached block (the usual case for its last, partial block
+of prefix) can copy that block and skip computing those tokens, as a token-granular prefix cache
+(SGLang's radix tree) does, where a block-granular one recomputes up to block_size - 1 of them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache_service.block_key import BlockKey, prefix_block_keys
 from cluster.errors import InputError
+
+TAIL_MIN_TOKENS = 4
+"""`take_tail` copies a cached block for at least this many shared leading tokens (a copy is a
+block of every layer; a remote replica's is a read and a write over Ray)."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -76,6 +85,9 @@ class BlockManager:
         """Whether the block's current contents were already written down the cache tiers."""
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.by_key: dict[BlockKey, int] = {}
+        self.children: dict[BlockKey | None, dict[int, tuple[int, ...]]] = {}
+        """Registered blocks' tokens by their parent's key (None: a first block), for tail_match."""
+        self.parent: dict[int, BlockKey | None] = {}
 
     @property
     def free_count(self) -> int:
@@ -107,6 +119,51 @@ class BlockManager:
             out.append(block)
         return out
 
+    def tail_match(self, parent: BlockKey | None, tokens: Sequence[int]) -> tuple[int, int]:
+        """The registered child of `parent` whose tokens share the longest leading run with
+        `tokens` (the next block's tokens of a prompt): (block, run length), (-1, 0) if none."""
+        best, run = -1, 0
+        want = tuple(tokens)
+        for block, have in self.children.get(parent, {}).items():
+            n = 0
+            for a, b in zip(have, want, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > run:
+                best, run = block, n
+        return best, run
+
+    def take_tail(
+        self,
+        parent: BlockKey | None,
+        tokens: Sequence[int],
+        room: int,
+        copy: Callable[[int, int], None],
+    ) -> tuple[int, int]:
+        """A private copy of the cached child of `parent` sharing the longest leading run with
+        `tokens`, at most `room` tokens of it: (new block, run), or (-1, 0) when no child shares
+        TAIL_MIN_TOKENS or no block is free. `copy(src, dst)` copies a block's KV. The copy's
+        slots past the run hold the other prompt's KV until this sequence writes its own there
+        (attention reads only a sequence's first context_len slots)."""
+        src, run = self.tail_match(parent, tokens)
+        run = min(run, room)
+        if run < TAIL_MIN_TOKENS:
+            return -1, 0
+        self.acquire(src)  # so that allocate cannot hand out src itself
+        try:
+            if not self.free:
+                return -1, 0
+            dst = self.allocate()
+            try:
+                copy(src, dst)
+            except BaseException:
+                self.release([dst])
+                raise
+        finally:
+            self.release([src])
+        return dst, run
+
     def acquire(self, block: int) -> None:
         """Add a reference to a registered block (reviving it when it was cached-free)."""
         if self.ref_count[block] == 0:
@@ -122,8 +179,16 @@ class BlockManager:
             if self.ref_count[block] == 0:
                 self.free[block] = None
 
-    def register(self, block: int, key: BlockKey) -> bool:
-        """Record that `block` now holds the fully computed KV of `key`.
+    def register(
+        self,
+        block: int,
+        key: BlockKey,
+        *,
+        parent: BlockKey | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> bool:
+        """Record that `block` now holds the fully computed KV of `key`; with `tokens` (its
+        block_size token ids) it is also found by `tail_match(parent, ...)`.
 
         Returns False (and leaves the map alone) when another block already holds that key, as
         when two requests with the same prefix computed it side by side.
@@ -135,6 +200,9 @@ class BlockManager:
         self._forget(block)
         self.key[block] = key
         self.by_key[key] = block
+        if tokens is not None:
+            self.children.setdefault(parent, {})[block] = tuple(tokens)
+            self.parent[block] = parent
         return True
 
     def _forget(self, block: int) -> None:
@@ -143,3 +211,8 @@ class BlockManager:
             del self.by_key[key]
         self.key[block] = None
         self.stored[block] = False
+        if block in self.parent:
+            parent = self.parent.pop(block)
+            del self.children[parent][block]
+            if not self.children[parent]:
+                del self.children[parent]

@@ -155,6 +155,7 @@ class Engine:
         self.counts = {
             "prefix_queries": 0,
             "prefix_hits": 0,
+            "prefix_tail_tokens": 0,
             "tier_hits": 0,
             "steps": 0,
             "handoffs": 0,
@@ -409,11 +410,11 @@ class Engine:
     # -------------------------------------------------------------- KV blocks
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Acquire the sequence's cached prefix: device blocks by key, then blocks from the tiers.
-
+        """Acquire the sequence's cached prefix: device blocks by key, then blocks from the tiers,
+        then a copy of a device block sharing the next block's first tokens (`take_tail`).
         At most (tokens - 1) // block_size blocks: the last token is always computed (its logits
-        are sampled) and never lands in a shared block.
-        """
+        are sampled) and never lands in a shared block. A copied tail leaves >= 2 tokens to
+        compute (a one-row step takes the CPU decode path: equal within rounding, not bitwise)."""
         cap = (seq.num_tokens - 1) // self.block_size
         self.keyer.extend(seq.block_keys, seq.tokens, cap)
         keys = seq.block_keys[:cap]
@@ -433,16 +434,27 @@ class Engine:
                     loaded = (
                         self.tiers.load_many(rest[:count], dtype=self.kv_dtype) if count else ()
                     )
-            for key, data in zip(rest, loaded, strict=False):
+            for _, data in zip(rest, loaded, strict=False):
                 block = self.blocks.allocate()
                 self.runner.write_block(block, data)
-                self.blocks.register(block, key)
+                self._register_block(seq, len(table), block)
                 self.blocks.stored[block] = True
                 table.append(block)
                 self.counts["tier_hits"] += 1
+        i, bs, tail = len(table), self.block_size, 0
+        if self.blocks.children and seq.num_tokens - 2 > i * bs:
+            copy = getattr(self.runner, "copy_block", None) or (
+                lambda src, dst: self.runner.write_block(dst, self.runner.read_block(src))
+            )  # a runner without copy_block: through the host
+            tokens, room = seq.token_slice(i * bs, (i + 1) * bs), seq.num_tokens - 2 - i * bs
+            parent = seq.block_keys[i - 1] if i else None
+            block, tail = self.blocks.take_tail(parent, tokens, room, copy)
+            if tail:
+                table.append(block)
+                self.counts["prefix_tail_tokens"] += tail
         seq.block_table = table
-        seq.registered = len(table)
-        seq.num_computed = len(table) * self.block_size
+        seq.registered = i
+        seq.num_computed = i * bs + tail
         if seq.cached_tokens is None:
             seq.cached_tokens = min(seq.num_computed, len(seq.prompt_token_ids))
 
@@ -453,8 +465,14 @@ class Engine:
             return
         self.keyer.extend(seq.block_keys, seq.tokens, full)
         for i in range(seq.registered, full):
-            self.blocks.register(seq.block_table[i], seq.block_keys[i])
+            self._register_block(seq, i, seq.block_table[i])
         seq.registered = full
+
+    def _register_block(self, seq: Sequence, i: int, block: int) -> None:
+        """Register `block` as the sequence's full block i (its key, its parent's, its tokens)."""
+        tokens = seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
+        parent = seq.block_keys[i - 1] if i else None
+        self.blocks.register(block, seq.block_keys[i], parent=parent, tokens=tokens)
 
     def _write_down(self, seq: Sequence) -> int:
         """Write the sequence's computed full blocks to the tiers (finish, preemption, handoff);
@@ -550,8 +568,7 @@ class Engine:
 
     def stats(self, *, cache_max_age_s: float = 0.0) -> dict:
         """The engine's figures. The cache's own (`cache`) are a round trip to a remote cache:
-        `cache_max_age_s` > 0 reuses a reading that recent (AsyncEngine reads stats after every
-        step)."""
+        `cache_max_age_s` > 0 reuses a reading that recent (AsyncEngine reads them every step)."""
         total, free = self.blocks.num_blocks, self.blocks.free_count
         steps = self.counts["steps"]
         out = {
@@ -560,17 +577,10 @@ class Engine:
             "free_blocks": free,
             "total_blocks": total,
             "kv_utilisation": (total - free) / total,
-            "prefix_queries": self.counts["prefix_queries"],
-            "prefix_hits": self.counts["prefix_hits"],
-            "tier_hits": self.counts["tier_hits"],
+            **self.counts,  # prefix, tier, handoff, step counts
             "tier_hits_by_tier": dict(self.tiers.tier_hits) if self.tiers is not None else {},
             "preemptions": self.scheduler.preemptions,
             "role": self.role,
-            "handoffs": self.counts["handoffs"],
-            "handoff_blocks": self.counts["handoff_blocks"],
-            "handoff_bytes": self.counts["handoff_bytes"],
-            "steps": steps,
-            "overlapped_steps": self.counts["overlapped_steps"],
             "step_latency_s": self._latency["last_s"],
             "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
         }

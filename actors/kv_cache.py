@@ -272,6 +272,12 @@ class KVCache:
         self._put("min", block_ids, keys.amin(dim=2).transpose(0, 1))
         self._put("max", block_ids, keys.amax(dim=2).transpose(0, 1))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` of every layer becomes a copy of block `src` (keys, values, summaries)."""
+        for whole in self._stacked.values():
+            if whole is not None:
+                whole[:, dst] = whole[:, src]
+
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Fill one block of every layer from `data` (`layout.block_shape`); refreshes its summaries."""
         if tuple(data.shape) != self.layout.block_shape:

@@ -343,6 +343,11 @@ class LocalRunner:
         if self.mirror is not None:
             self.mirror.drop()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        self.kv.copy_block(src, dst)
+        if self.mirror is not None:
+            self.mirror.drop()
+
 
 MIRROR_MAX_BYTES = 256 << 20
 """The decode mirror holds at most this many bytes (every layer's K and V); beyond, gather."""

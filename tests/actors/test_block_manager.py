@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from actors import block_manager
 from actors.block_manager import BlockKeyer, BlockManager, OutOfBlocks
 from cache_service.block_key import block_key
 from cluster.errors import InputError
@@ -93,3 +94,39 @@ def test_a_key_already_held_elsewhere_is_not_registered_twice():
 def test_bad_sizes():
     with pytest.raises(InputError):
         BlockManager(0, 16)
+
+
+def test_tail_match_finds_the_longest_shared_run_under_the_parent_and_forgets_evicted_blocks():
+    m = BlockManager(num_blocks=4, block_size=4)
+    keys = []
+    KEYER.extend(keys, [1, 2, 3, 4, 5, 6, 7, 8], 2)
+    other = []
+    KEYER.extend(other, [1, 2, 3, 4, 5, 6, 9, 9], 2)
+    a, b = m.allocate(), m.allocate()
+    m.register(a, keys[1], parent=keys[0], tokens=[5, 6, 7, 8])
+    m.register(b, other[1], parent=keys[0], tokens=[5, 6, 9, 9])
+    assert m.tail_match(keys[0], [5, 6, 7, 0]) == (a, 3)
+    assert m.tail_match(keys[0], [5, 6, 9, 0]) == (b, 3)
+    assert m.tail_match(None, [5, 6, 7, 0]) == (-1, 0)  # another parent: another prefix
+    m.release([a, b])  # last block first: b, then a
+    m.allocate(), m.allocate()  # the two never registered go first
+    assert m.allocate() == b  # reused: b's contents and tokens are gone
+    assert m.tail_match(keys[0], [5, 6, 9, 0]) == (a, 2)
+
+
+def test_take_tail_copies_into_a_fresh_block_never_the_source_itself(monkeypatch):
+    monkeypatch.setattr(block_manager, "TAIL_MIN_TOKENS", 3)
+    m = BlockManager(num_blocks=3, block_size=4)
+    keys = []
+    KEYER.extend(keys, [1, 2, 3, 4], 1)
+    src = m.allocate()
+    m.register(src, keys[0], tokens=[1, 2, 3, 4])
+    m.release([src])  # cached-free, behind the two never used
+    copies = []
+    dst, run = m.take_tail(None, [1, 2, 3, 7], 3, lambda s, d: copies.append((s, d)))
+    assert run == 3 and copies == [(src, dst)] and dst != src
+    assert m.ref_count[dst] == 1 and m.ref_count[src] == 0 and m.key[src] == keys[0]
+    assert m.take_tail(None, [1, 2, 3, 7], 2, copies.append) == (-1, 0)  # under TAIL_MIN_TOKENS
+    m.allocate()
+    assert m.take_tail(None, [1, 2, 3, 4], 3, copies.append) == (-1, 0)  # only src is free
+    assert m.ref_count[src] == 0 and src in m.free
