@@ -22,14 +22,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import gpu_bench, gpu_bench_parts
 from actors.kernels import fused, gemv
+from actors.kernels.decode_step import DecodeGraphs
 
-LATE = {"router_logits", "softmax_topk", "plan_sort", "moe_gate_up", "moe_down"}
+EXPERTS = {"moe_gate_up", "moe_down"}
+LATE = {"router_logits", "softmax_topk", "plan_sort"} | EXPERTS
 ALL = LATE | {"rms", "qk_rope_write", "combine", "gqa_partial", "gqa_merge", "gemv"}
+T4 = {2048: (4, 2048, 2048, 4), 4096: (4, 4096, 4096, 4)}
 CONFIGS = {
     "call2": {"skip": LATE},
     "all": {"skip": set()},
-    "all_but_experts": {"skip": {"moe_gate_up", "moe_down"}},
+    "default": {"skip": EXPERTS},  # = gemv.PDL_SKIP's default (call 5: the fastest)
+    "no_gate_up": {"skip": {"moe_gate_up"}},
+    "no_down": {"skip": {"moe_down"}},
     "call2_plus_router": {"skip": LATE - {"router_logits"}},
+    "t2": {"skip": EXPERTS, "tiles": {2048: (2, 2048, 2048, 2), 4096: (2, 4096, 4096, 2)}},
+    "t8": {"skip": EXPERTS, "tiles": {2048: (8, 2048, 2048, 4), 4096: (8, 4096, 4096, 8)}},
+    "q8": {"skip": EXPERTS, "tiles": {2048: (8, 2048, 2048, 4), 4096: T4[4096]}},
     "gemv_no_pdl": {"skip": ALL},
     "base": {"skip": ALL, "gemv": False},
 }
@@ -40,7 +48,7 @@ def apply(cfg: dict) -> None:
     gemv.PDL_SKIP.update(cfg.get("skip", ()))
     gemv.GEMV_ENABLED[0] = cfg.get("gemv", True)
     gemv.GEMV_TILES.clear()
-    gemv.GEMV_TILES.update(cfg.get("tiles", {2048: (4, 2048, 2048, 4), 4096: (4, 4096, 4096, 4)}))
+    gemv.GEMV_TILES.update(cfg.get("tiles", T4))
 
 
 def main() -> None:
@@ -53,6 +61,7 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     fused.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
     fused.EXPERT_TILES["large"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 128, 4, 4))
+    gpu_bench.PROFILE_SHAPES = ()  # no torch.profiler passes inside the rows
     device = torch.device("cuda")
     cfg = gpu_bench_parts.full_configs()["qwen3-30b-a3b"]
     flags = {"graphs": True, "triton": True, "async": True}
@@ -65,12 +74,19 @@ def main() -> None:
         for name in names:
             apply(CONFIGS[name])
             for b, c in shapes:
-                if bench.runner.graphs is not None:
-                    bench.runner.graphs.graphs.clear()
+                bench.engine.drain()
+                torch.cuda.synchronize()
+                runner = bench.runner
+                # A fresh set of graphs (and pool) per row: clearing a pool's graphs and
+                # capturing again into it tripped an allocator assertion (call 5, torch 2.11).
+                if runner.kv is not None:
+                    runner.graphs = DecodeGraphs(runner.model, runner.kv, use_triton=True)
                 d = bench.decode(b, c, warm=3, steps=10)
                 row = {"round": rnd, "config": name, "batch": b, "context": c,
                        "ms": round(d["ms"], 3), "device_ms": round(d["device_ms"] or 0, 3),
                        "sync_ms": round(d["sync_ms"], 3)}  # fmt: skip
+                if runner.graphs is None:
+                    row["graph_error"] = getattr(runner, "graph_error", None)
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
     print("| config | shape | ms (each round) | device ms (each round) |")

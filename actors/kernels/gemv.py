@@ -25,8 +25,10 @@ GEMV_ENABLED = [True]
 """Switch of the Triton GEMV for few-token projections on CUDA (the benchmark times both)."""
 PDL_ENABLED = [True]
 """Launch the GEMV (and other PDL-aware kernels) with the PDL attribute on sm90+."""
-PDL_SKIP: set[str] = set()
-"""Kernels (by the name given to `pdl_kwargs`) launched without PDL: the benchmark's A/B."""
+PDL_SKIP: set[str] = {"moe_gate_up", "moe_down"}
+"""Kernels (by the name given to `pdl_kwargs`) launched without PDL. The expert kernels with
+PDL made Qwen3's batch-1 step 0.16 ms slower (round 11, call 5, one process: 3.13 vs 2.97 ms of
+device time); `bench/pdl_ab.py` times the sets."""
 GEMV_MAX_ROWS = 1
 """The GEMV serves up to this many tokens; beyond, cuBLAS. At 4 tokens it was slower than cuBLAS
 on the H200 (round 11 probe: 2048 -> 5120 in 10.2-11.3 us vs 8.2), at 1 token faster."""
