@@ -28,16 +28,18 @@ EXPERTS = {"moe_gate_up", "moe_down"}
 LATE = {"router_logits", "softmax_topk", "plan_sort"} | EXPERTS
 ALL = LATE | {"rms", "qk_rope_write", "combine", "gqa_partial", "gqa_merge", "gemv"}
 T4 = {2048: (4, 2048, 2048, 4), 4096: (4, 4096, 4096, 4)}
+Q8 = {2048: (8, 2048, 2048, 4), 4096: (4, 4096, 4096, 4)}  # the defaults since call 6
 CONFIGS = {
-    "call2": {"skip": LATE},
-    "all": {"skip": set()},
-    "default": {"skip": EXPERTS},  # = gemv.PDL_SKIP's default (call 5: the fastest)
-    "no_gate_up": {"skip": {"moe_gate_up"}},
-    "no_down": {"skip": {"moe_down"}},
-    "call2_plus_router": {"skip": LATE - {"router_logits"}},
+    "call2": {"skip": LATE, "tiles": T4},
+    "all": {"skip": set(), "tiles": T4},
+    "default": {"skip": {"moe_gate_up"}},  # = gemv.PDL_SKIP / GEMV_TILES' defaults
+    "no_experts": {"skip": EXPERTS, "tiles": T4},  # call 5's fastest
+    "no_gate_up": {"skip": {"moe_gate_up"}, "tiles": T4},
+    "no_down": {"skip": {"moe_down"}, "tiles": T4},
+    "call2_plus_router": {"skip": LATE - {"router_logits"}, "tiles": T4},
     "t2": {"skip": EXPERTS, "tiles": {2048: (2, 2048, 2048, 2), 4096: (2, 4096, 4096, 2)}},
     "t8": {"skip": EXPERTS, "tiles": {2048: (8, 2048, 2048, 4), 4096: (8, 4096, 4096, 8)}},
-    "q8": {"skip": EXPERTS, "tiles": {2048: (8, 2048, 2048, 4), 4096: T4[4096]}},
+    "q8": {"skip": EXPERTS, "tiles": Q8},
     "gemv_no_pdl": {"skip": ALL},
     "base": {"skip": ALL, "gemv": False},
 }
@@ -48,7 +50,7 @@ def apply(cfg: dict) -> None:
     gemv.PDL_SKIP.update(cfg.get("skip", ()))
     gemv.GEMV_ENABLED[0] = cfg.get("gemv", True)
     gemv.GEMV_TILES.clear()
-    gemv.GEMV_TILES.update(cfg.get("tiles", T4))
+    gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 
 
 def main() -> None:

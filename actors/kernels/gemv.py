@@ -25,19 +25,21 @@ GEMV_ENABLED = [True]
 """Switch of the Triton GEMV for few-token projections on CUDA (the benchmark times both)."""
 PDL_ENABLED = [True]
 """Launch the GEMV (and other PDL-aware kernels) with the PDL attribute on sm90+."""
-PDL_SKIP: set[str] = {"moe_gate_up", "moe_down"}
-"""Kernels (by the name given to `pdl_kwargs`) launched without PDL. The expert kernels with
-PDL made Qwen3's batch-1 step 0.16 ms slower (round 11, call 5, one process: 3.13 vs 2.97 ms of
-device time); `bench/pdl_ab.py` times the sets."""
+PDL_SKIP: set[str] = {"moe_gate_up"}
+"""Kernels (by the name given to `pdl_kwargs`) launched without PDL. The gate/up expert kernel
+launched early made Qwen3's batch-1 step 0.14-0.19 ms slower on the H200 (round 11, calls 5-6,
+one process each: device 2.91 ms without it, 3.05 with it; the down kernel with PDL gains
+0.05 ms); `bench/pdl_ab.py` times the sets."""
 GEMV_MAX_ROWS = 1
 """The GEMV serves up to this many tokens; beyond, cuBLAS. At 4 tokens it was slower than cuBLAS
 on the H200 (round 11 probe: 2048 -> 5120 in 10.2-11.3 us vs 8.2), at 1 token faster."""
 GEMV_TILES: dict[int, tuple[int, int, int, int]] = {
-    2048: (4, 2048, 2048, 4),
+    2048: (8, 2048, 2048, 4),
     4096: (4, 4096, 4096, 4),
 }
-"""K -> (BN, KP, BK, num_warps): the fastest of six after a latency-bound kernel with PDL on the
-H200 (round 11 probe: Qwen3's 2048 -> 5120 and 4096 -> 2048); other K: `default_tile`."""
+"""K -> (BN, KP, BK, num_warps) on the H200 (round 11: probe after a latency-bound kernel, then
+in the step: Qwen3's 2048 -> 5120 with 8 rows a program 0.015 ms a step faster than 4 or 2);
+other K: `default_tile`."""
 
 
 def default_tile(k: int, n: int) -> tuple[int, int, int, int]:
