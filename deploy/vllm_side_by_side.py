@@ -172,8 +172,7 @@ def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, An
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     python = sys.executable
-    if engine == "vllm":  # vLLM at its defaults: not our `actors` import's huge-page setting
-        env.pop("THP_MEM_ALLOC_ENABLE", None)
+    if engine == "vllm":
         from deploy.vllm_env import find_python
 
         found = find_python()
