@@ -19,13 +19,14 @@ import os
 
 import torch
 
+from actors.kernels import triton_available
 from cache_service.codec import HEADER_WORDS
 from cache_service.mix64 import MIX_M1, MIX_M2, MIX_P, _signed
 
-try:
+if triton_available():
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - triton is optional
+else:  # no Triton, or a CPU build of torch: the torch form
     triton = None
 
 log = logging.getLogger(__name__)

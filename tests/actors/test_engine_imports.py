@@ -58,3 +58,24 @@ def test_the_blocker_really_blocks(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "blocked for this test" in proc.stderr
+
+
+def test_a_cpu_build_of_torch_does_not_import_triton_in_the_runtime():
+    """Every Ray worker of a CPU replica imports these: Triton would add ~50 MB to each."""
+    import pytest
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("a CUDA/ROCm build of torch imports Triton for its kernels")
+    code = (
+        "import sys\n"
+        "import actors.engine, actors.worker, actors.replica, actors.kv_offload, actors.gpu_bench\n"
+        "print('triton' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "False"
