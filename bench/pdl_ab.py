@@ -32,7 +32,8 @@ Q8 = {2048: (8, 2048, 2048, 4), 4096: (4, 4096, 4096, 4)}  # the defaults since 
 CONFIGS = {
     "call2": {"skip": LATE, "tiles": T4},
     "all": {"skip": set(), "tiles": T4},
-    "default": {"skip": {"moe_gate_up"}},  # = the defaults (PDL_SKIP, GEMV_TILES, DOWN_GEMV)
+    "default": {"skip": {"moe_gate_up"}, "down_gemv": False},  # = the defaults since call 7
+    "down_gemv": {"skip": {"moe_gate_up"}, "down_gemv": True},  # call 7: slower
     "no_experts": {"skip": EXPERTS, "tiles": T4},  # call 5's fastest
     "no_gate_up": {"skip": {"moe_gate_up"}, "tiles": T4},
     "no_down": {"skip": {"moe_down"}, "tiles": T4},
@@ -40,8 +41,7 @@ CONFIGS = {
     "t2": {"skip": EXPERTS, "tiles": {2048: (2, 2048, 2048, 2), 4096: (2, 4096, 4096, 2)}},
     "t8": {"skip": EXPERTS, "tiles": {2048: (8, 2048, 2048, 4), 4096: (8, 4096, 4096, 8)}},
     "q8": {"skip": EXPERTS, "tiles": Q8},
-    "no_down_gemv": {"skip": {"moe_gate_up"}, "down_gemv": False},  # call 6's fastest
-    "down_gemv_nopdl": {"skip": EXPERTS},  # the down GEMV without its early weight reads
+    "down_gemv_nopdl": {"skip": EXPERTS, "down_gemv": True},  # without its early weight reads
     "gemv_no_pdl": {"skip": ALL},
     "base": {"skip": ALL, "gemv": False, "down_gemv": False},
 }
@@ -51,7 +51,7 @@ def apply(cfg: dict) -> None:
     gemv.PDL_SKIP.clear()
     gemv.PDL_SKIP.update(cfg.get("skip", ()))
     gemv.GEMV_ENABLED[0] = cfg.get("gemv", True)
-    moe_kernels.DOWN_GEMV[0] = cfg.get("down_gemv", True)
+    moe_kernels.DOWN_GEMV[0] = cfg.get("down_gemv", False)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 

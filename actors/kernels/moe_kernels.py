@@ -22,9 +22,11 @@ EXPERT_TILES = {
 routed rows ("small") and beyond ("large"); the benchmark times candidates and may retune."""
 
 
-DOWN_GEMV = [True]
+DOWN_GEMV = [False]
 """One token: the down projection by `_moe_down_gemv` (weights in registers, loaded while the
-gate/up kernel still runs when PDL is on) instead of `_moe_down`."""
+gate/up kernel still runs when PDL is on) instead of `_moe_down`. Off: on the H200 it made
+Qwen3's batch-1 step 0.14 ms slower (round 11, call 7: device 3.08 vs 2.94 ms; 3.15 without its
+early reads), so the register-tile GEMV streams 25 MB worse than `_moe_down`'s pipelined tiles."""
 DOWN_GEMV_TILE = (16, 4)
 """(hidden rows a program, num_warps) of `_moe_down_gemv`."""
 
