@@ -182,6 +182,11 @@ class PackedInputs:
         return self.views(self.host.to(device, non_blocking=True))
 
 
+GRAPH_LIMIT = [64]
+"""Graphs a DecodeGraphs keeps (a one-element list: the device check sets 1 to exercise the
+eviction); past it every graph is dropped, with its pool."""
+
+
 class DecodeGraphs:
     """CUDA graphs of `model(tokens, positions, ..., paged=DecodeContext)`, one per (B, NB).
 
@@ -191,8 +196,11 @@ class DecodeGraphs:
     writes again); the routing counters are restored so the step is counted once.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: Any, *, use_triton: bool, limit: int = 64):
-        self.model, self.cache, self.use_triton, self.limit = model, cache, use_triton, limit
+    def __init__(
+        self, model: torch.nn.Module, cache: Any, *, use_triton: bool, limit: int | None = None
+    ):
+        self.model, self.cache, self.use_triton = model, cache, use_triton
+        self.limit = GRAPH_LIMIT[0] if limit is None else limit
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -210,7 +218,8 @@ class DecodeGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.limit:
-                self.graphs.clear()
+                self.graphs.clear()  # and a fresh pool: capturing into the dropped graphs' pool
+                self.pool = torch.cuda.graph_pool_handle()  # trips torch 2.11's allocator assert
             entry = self._capture(packed)
             self.graphs[key] = entry
         self.last = key
