@@ -459,6 +459,13 @@ class Replica:
             self.kv_layout, [(self._parts[r], d) for r, d in zip(ranks, data, strict=True)]
         )
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` becomes a copy of block `src` on every rank (each copies its own part;
+        nothing passes through the driver); `dst` is valid on the DP ranks where `src` was."""
+        refs = [actor.copy_kv_block.remote(src, dst) for actor in self.actors]
+        self._ray.get(refs, timeout=self.timeout_s)
+        self.placement.copied(src, dst)
+
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         """Fill one block on every rank from a whole-model block (each rank gets its part)."""
         from actors.replica_runner import part_slices

@@ -106,6 +106,10 @@ class KVPlacement:
         """Every DP rank now holds `block` (it was loaded from the tiers into all of them)."""
         self.holders[block] = frozenset(range(self.dp))
 
+    def copied(self, src: int, dst: int) -> None:
+        """Every rank copied `src` onto `dst`: `dst` is valid where `src` was."""
+        self.holders[dst] = self.holders[src]
+
 
 def part_slices(whole: KVLayout, part: KVLayout) -> tuple[slice, ...]:
     """Index of `part` (a rank's layers and KV heads) inside a whole-model block.

@@ -397,6 +397,10 @@ class ShardWorker:
         """Fill this rank's part of one block (`self.kv.layout.block_shape`)."""
         self._cache().write_block(block_id, data)
 
+    def copy_kv_block(self, src: int, dst: int) -> None:
+        """This rank's part of block `dst` becomes a copy of its part of block `src`."""
+        self._cache().copy_block(src, dst)
+
     def _cache(self) -> KVCache:
         if self.kv is None:
             raise RuntimeError(f"rank {self.rank}: allocate_kv has not been called")

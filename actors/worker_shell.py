@@ -98,6 +98,10 @@ def shard_worker_actor():
             with self._lock:
                 self.worker.write_kv_block(block_id, data)
 
+        def copy_kv_block(self, src: int, dst: int) -> None:
+            with self._lock:
+                self.worker.copy_kv_block(src, dst)
+
         @ray.method(concurrency_group="control")
         def abort(self) -> bool:
             return self.worker.abort() if self.worker is not None else False

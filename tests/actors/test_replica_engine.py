@@ -162,6 +162,34 @@ def test_write_block_fans_out_parts_and_reads_back(ckpts, actor_pool):
         engine.runner.shutdown()
 
 
+@pytest.mark.parametrize("layout", ["ep2", "ep2xpp2"])
+def test_prefix_tail_is_copied_on_the_ranks(ckpts, actor_pool, layout):
+    """A prompt sharing part of a cached block: every rank copies its own part of the block
+    (`Replica.copy_block`, nothing through the driver; the copy is valid where the source was),
+    and tokens and cached tokens are the in-process engine's."""
+    shared = prompt(29, 46)  # blocks of 8: three full, then 5 tokens of a fourth
+    waves = [{"f": (shared, greedy(4))}, {"s": (shared + prompt(6, 47), greedy(5))}]
+    want_engine = Engine.from_checkpoint(
+        ckpts["qwen3_moe"], cache_key_secret=SECRET, **{**ENGINE_KW, "block_size": 8}
+    )
+    want = [run(want_engine, w) for w in waves]
+    engine = replica_engine(ckpts, "qwen3_moe", layout, actor_pool, block_size=8)
+    copies = []
+    copy_block = engine.runner.copy_block
+    engine.runner.copy_block = lambda src, dst: (copies.append((src, dst)), copy_block(src, dst))
+    try:
+        got = [run(engine, w) for w in waves]
+        for g, w in zip(got, want, strict=True):
+            for rid in w:
+                assert tokens(g[rid]) == tokens(w[rid])
+                assert g[rid][-1].cached_tokens == w[rid][-1].cached_tokens
+        assert got[1]["s"][-1].cached_tokens >= 24 + 5 and len(copies) == 1
+        tail = engine.stats()["prefix_tail_tokens"]
+        assert tail == want_engine.stats()["prefix_tail_tokens"] >= 5
+    finally:
+        engine.runner.shutdown()
+
+
 def test_preemption_and_abort_over_replica(ckpts, actor_pool):
     reqs = {
         f"r{i}": (
