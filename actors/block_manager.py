@@ -31,7 +31,7 @@ from cluster.errors import InputError
 
 TAIL_MIN_TOKENS = 4
 """`take_tail` copies a cached block for at least this many shared leading tokens (a copy is a
-block of every layer; a remote replica's is a read and a write over Ray)."""
+block of every layer; on a Ray replica one call to each rank)."""
 
 
 class OutOfBlocks(RuntimeError):

@@ -84,9 +84,10 @@ def causal_mask(n: int, ctx: int, window: int | None, device) -> torch.Tensor:
     return mask
 
 
-CPU_FLOAT_MASK_ELEMENTS = 1 << 20
+CPU_FLOAT_MASK_ELEMENTS = 1 << 18
 """A CPU chunk over a cached prefix gets its mask as an additive float tensor (0 / -inf) when
-it has at most this many elements, built once per shape (`_cpu_chunk_mask`), not per layer."""
+it has at most this many elements (1 MB; the cache below holds 8 at most), built once per shape
+(`_cpu_chunk_mask`), not per layer."""
 
 
 @functools.lru_cache(maxsize=8)
