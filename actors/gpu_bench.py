@@ -36,7 +36,7 @@ from actors import gpu_checks as checks
 from actors import gpu_tune
 from actors.engine import Engine, SamplingParams
 from actors.gpu_bench_parts import log
-from actors.kernels import fused
+from actors.kernels import fused, moe_kernels
 from actors.kernels import gemv as gemv_mod
 from actors.kv_cache import KVCache, KVLayout
 from actors.layers import experts as experts_mod
@@ -371,8 +371,10 @@ def run(
     result["fused_kernels_check"] = fused_note
     log(f"fused kernels: {fused_note}")
     experts_ok, experts_note = checks.expert_check(device)
-    fused.EXPERTS_ENABLED[0] = fused.EXPERTS_ENABLED[0] and experts_ok and flags["fused"]
-    flags["fused_experts"] = fused.EXPERTS_ENABLED[0]
+    moe_kernels.EXPERTS_ENABLED[0] = (
+        moe_kernels.EXPERTS_ENABLED[0] and experts_ok and flags["fused"]
+    )
+    flags["fused_experts"] = moe_kernels.EXPERTS_ENABLED[0]
     result["expert_kernels_check"] = experts_note
     log(f"expert kernels: {experts_note}")
     try:

@@ -379,12 +379,12 @@ EXPERT_CANDIDATES = {
 
 def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048,
                  inter: int = 768, k: int = 8) -> tuple[bool, dict[str, Any]]:  # fmt: skip
-    """The fused expert kernels (`fused.moe_experts`) at the Qwen3 expert shapes, bf16: error
+    """The fused expert kernels (`moe_kernels.moe_experts`) at the Qwen3 expert shapes, bf16: error
     against a float32 reference at batch 1 and 32 (fresh routings, distinct experts per token),
     then each candidate tile timed (a CUDA graph of 20 calls over 4 rotating routings, median of
     5 replays) and
-    the fastest kept in `fused.EXPERT_TILES` per size class; grouped GEMMs timed beside them."""
-    from actors.kernels import fused
+    the fastest kept in `moe_kernels.EXPERT_TILES` per size class; grouped GEMMs timed beside them."""
+    from actors.kernels import fused, moe_kernels
     from actors.layers.experts import grouped_swiglu
 
     out: dict[str, Any] = {}
@@ -410,7 +410,7 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
         ok = True
         for t, cls in ((1, "small"), (32, "large")):
             x, src, _pos, offs = plan(t)
-            got = fused.moe_experts(x, src, offs, wgu, wd).float()
+            got = moe_kernels.moe_experts(x, src, offs, wgu, wd).float()
             xs = x[src].float()
             e_of = torch.searchsorted(
                 offs.long(), torch.arange(src.numel(), device=device), right=True
@@ -427,12 +427,12 @@ def expert_check(device: torch.device, *, experts: int = 128, hidden: int = 2048
                 return graph_us(fn, sets)
 
             def ours(s):
-                return fused.moe_experts(s[0], s[1], s[3], wgu, wd)
+                return moe_kernels.moe_experts(s[0], s[1], s[3], wgu, wd)
 
             out[f"grouped_mm_us_b{t}"] = round(
                 timed(lambda s: grouped_swiglu(s[0][s[1]], None, wgu, wd, offsets=s[3])), 1
             )
-            tiles = fused.EXPERT_TILES[cls]
+            tiles = moe_kernels.EXPERT_TILES[cls]
             for kernel in ("gate_up", "down"):
                 best = None
                 for cand in EXPERT_CANDIDATES[kernel]:

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import gpu_bench, gpu_bench_parts
-from actors.kernels import fused, gemv, moe_kernels
+from actors.kernels import gemv, moe_kernels
 from actors.kernels.decode_step import DecodeGraphs
 
 EXPERTS = {"moe_gate_up", "moe_down"}
@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    fused.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
-    fused.EXPERT_TILES["large"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 128, 4, 4))
+    moe_kernels.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
+    moe_kernels.EXPERT_TILES["large"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 128, 4, 4))
     gpu_bench.PROFILE_SHAPES = ()  # no torch.profiler passes inside the rows
     device = torch.device("cuda")
     cfg = gpu_bench_parts.full_configs()["qwen3-30b-a3b"]

@@ -20,20 +20,16 @@ little it does. Here (T tokens, H hidden, E experts, K experts per token, R = T 
 Kernels run on CUDA, or on the CPU under `TRITON_INTERPRET=1` (the tests); `FUSED_ENABLED[0]`
 switches them off (the benchmark times both). The decode kernels take part in Programmatic
 Dependent Launch on sm90 (`actors.kernels.gemv.gdc_enter`, `pdl_kwargs`). The expert kernels
-live in `actors.kernels.moe_kernels` (re-exported here).
+live in `actors.kernels.moe_kernels`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from actors.kernels import moe_kernels, triton_available, triton_interpreted
+from actors.kernels import triton_available, triton_interpreted
 
 FUSED_ENABLED = [True]
-# The expert kernels moved to moe_kernels; the same objects under their old names here.
-EXPERT_MAX_ROWS, EXPERT_SMALL_ROWS = moe_kernels.EXPERT_MAX_ROWS, moe_kernels.EXPERT_SMALL_ROWS
-EXPERT_TILES, EXPERTS_ENABLED = moe_kernels.EXPERT_TILES, moe_kernels.EXPERTS_ENABLED
-moe_experts, moe_experts_suit = moe_kernels.moe_experts, moe_kernels.moe_experts_suit
 PLAN_MAX_ROWS = 4096
 """The single-program dispatch plan serves up to this many (token, expert) rows (decode)."""
 PLAN_SORT = [True]

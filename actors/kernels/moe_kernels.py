@@ -1,5 +1,5 @@
-"""The routed SwiGLU experts of a decode batch in two Triton kernels (moved out of fused.py,
-which re-exports these names): `moe_experts(x, src, offsets, w_gate_up, w_down)`, one program per
+"""The routed SwiGLU experts of a decode batch in two Triton kernels (moved out of fused.py):
+`moe_experts(x, src, offsets, w_gate_up, w_down)`, one program per
 busy expert and column tile (each expert's weights read once, the rows gathered from x inside the
 kernel). Both kernels take part in Programmatic Dependent Launch on sm90 (`gemv.gdc_enter`)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from actors.kernels import triton_available
+from actors.kernels.fused import use_triton
 
 EXPERT_MAX_ROWS = 1024
 """`moe_experts` serves up to this many routed rows (decode batches); beyond, grouped GEMMs."""
@@ -158,11 +159,9 @@ def moe_experts_suit(x: torch.Tensor, rows: int, w_gate_up: torch.Tensor) -> boo
     """`moe_experts` serves this: Triton on, a decode-sized batch, contiguous stacked weights, and
     on CUDA 16-bit operands (a float32 `tl.dot` there would run in tf32, below float32's
     precision; the interpreter on the CPU computes in float32)."""
-    from actors.kernels import fused  # fused re-exports this module
-
     return (
         EXPERTS_ENABLED[0]
-        and fused.use_triton(x)
+        and use_triton(x)
         and 0 < rows <= EXPERT_MAX_ROWS
         and w_gate_up.is_contiguous()
         and x.dtype == w_gate_up.dtype

@@ -17,7 +17,7 @@ from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
-from actors.kernels import routing
+from actors.kernels import moe_kernels, routing
 from actors.layers import experts as experts_lib
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
@@ -203,8 +203,8 @@ class MoE(nn.Module):
         ex = self.experts
         if cpu:
             y_pairs = swiglu_into_pairs(x, src, order, counts, ex.w_gate_up, ex.w_down)
-        elif small and fused_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
-            y_sorted = fused_kernels.moe_experts(x, src, offsets, ex.w_gate_up, ex.w_down)
+        elif small and moe_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
+            y_sorted = moe_kernels.moe_experts(x, src, offsets, ex.w_gate_up, ex.w_down)
         else:
             y_sorted = ex(x.index_select(0, src), counts, offsets)  # = x[src], ~3x faster on CPU
         shared = self.shared_experts(x) if self.shared_experts is not None else None

@@ -8,7 +8,7 @@ from tests.actors.interpreted import needs_triton, run_interpreted
 
 KERNELS = """
 import torch, json
-from actors.kernels import fused
+from actors.kernels import fused, moe_kernels
 from actors.layers.rope import apply_rotary
 from actors.layers.router import softmax_topk
 from actors.layers.moe import expert_counts
@@ -95,7 +95,7 @@ for T, K, E, HD, I in ((1, 4, 12, 40, 24), (37, 4, 6, 48, 40)):
     ids = torch.randint(0, E - 1, (T, K)); ids[:, 0] = 0  # expert E-1 idle, expert 0 busy
     flat = ids.reshape(-1)
     src, pos, offs = fused.dispatch_plan(flat, K, E, torch.zeros(E, dtype=torch.int64))
-    y = fused.moe_experts(x, src, offs, wgu, wd)
+    y = moe_kernels.moe_experts(x, src, offs, wgu, wd)
     ref = grouped_swiglu(x[src], expert_counts(flat, E), wgu, wd)
     errs[f"experts{T}"] = float((y - ref).abs().max() / ref.abs().max())
 print(json.dumps(errs))
@@ -105,7 +105,7 @@ END_TO_END = """
 import json, sys, tempfile
 from pathlib import Path
 import torch
-from actors.kernels import fused
+from actors.kernels import fused, moe_kernels
 from actors.runner import LocalRunner
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.test_kernels_decode import _step
