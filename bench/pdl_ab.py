@@ -1,4 +1,4 @@
-"""A/B of the PDL and GEMV switches on one engine in one process (issue #8, round 11).
+"""A/B of the PDL, GEMV and fusion switches on one engine in one process (issue #8, rounds 11, 13).
 
 Builds the random Qwen3-30B-A3B of `actors.gpu_bench` once, then for each configuration (which
 kernels launch with PDL, whether the GEMV serves 1-token projections, its tiles) drops the
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import gpu_bench, gpu_bench_parts
-from actors.kernels import gemv, moe_kernels
+from actors.kernels import gemv, moe_kernels, paged_decode, router_plan
 from actors.kernels.decode_step import DecodeGraphs
 
 EXPERTS = {"moe_gate_up", "moe_down"}
@@ -44,6 +44,10 @@ CONFIGS = {
     "down_gemv_nopdl": {"skip": EXPERTS, "down_gemv": True},  # without its early weight reads
     "gemv_no_pdl": {"skip": ALL},
     "base": {"skip": ALL, "gemv": False, "down_gemv": False},
+    # round 13: the rotary/K-V write inside the attention's partial kernel, routing + plan in one
+    "r11": {"skip": {"moe_gate_up"}, "rope_in_partial": False, "router_plan": False},
+    "rope_only": {"skip": {"moe_gate_up"}, "router_plan": False},
+    "router_only": {"skip": {"moe_gate_up"}, "rope_in_partial": False},
 }
 
 
@@ -52,6 +56,8 @@ def apply(cfg: dict) -> None:
     gemv.PDL_SKIP.update(cfg.get("skip", ()))
     gemv.GEMV_ENABLED[0] = cfg.get("gemv", True)
     moe_kernels.DOWN_GEMV[0] = cfg.get("down_gemv", False)
+    paged_decode.ROPE_IN_PARTIAL[0] = cfg.get("rope_in_partial", True)
+    router_plan.ROUTER_PLAN[0] = cfg.get("router_plan", True)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 

@@ -104,6 +104,22 @@ class DecodeView:
             c.slots,
         )
 
+    def gqa_prologue(self, q, k, v, norms, eps: float, cos, sin, scale: float) -> torch.Tensor:
+        """`prologue` then `gqa`: q [B, H, D], k/v [B, KV, D] as projected -> [B, H, D]. Where
+        the Triton kernel serves, one launch: the partial kernel norms and rotates q itself and
+        the program holding the new token writes its K/V (`paged_decode.RopeWrite`)."""
+        c, i = self.context, self.index
+        kc, vc = c.cache.k[i], c.cache.v[i]
+        if c.use_triton and triton_suits(kc) and paged_decode.rope_write_suits(q, k, v, kc):
+            qw, kw = norms if norms is not None else (None, None)
+            pro = paged_decode.RopeWrite(
+                k, v, qw, kw, eps, cos, sin, c.cache.key_min[i], c.cache.key_max[i], c.slots
+            )
+            return paged_decode.gqa_decode_triton(
+                q, kc, vc, c.block_tables, c.context_lens, scale, pro=pro
+            )
+        return self.gqa(self.prologue(q, k, v, norms, eps, cos, sin), scale)
+
     def gqa(self, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Step 3 for GQA: q [B, H, D] -> [B, H, D]."""
         c = self.context

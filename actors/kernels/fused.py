@@ -156,20 +156,12 @@ if triton_available():
                  mask=(g < KV)[:, None])  # fmt: skip
 
     @triton.jit
-    def _router_logits(
-        x_ptr,
-        w_ptr,
-        out_ptr,
-        hid: tl.constexpr,
-        E,
-        E_BLOCK: tl.constexpr,
-        H_BLOCK: tl.constexpr,
-        GDC: tl.constexpr = False,
-    ):
-        """The first H_BLOCK columns of the weights are loaded before the PDL wait (weights
-        depend on no earlier kernel): their reads overlap the kernels before this one."""
-        t = tl.program_id(0).to(tl.int64)
-        e = tl.program_id(1) * E_BLOCK + tl.arange(0, E_BLOCK)
+    def _router_logits_part(x_ptr, w_ptr, out_ptr, t, pe, hid: tl.constexpr, E,
+                            E_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        """Logits of token t for experts [pe * E_BLOCK, ...). The first H_BLOCK columns of the
+        weights are loaded before the PDL wait (weights depend on no earlier kernel): their
+        reads overlap the kernels before this one."""
+        e = pe * E_BLOCK + tl.arange(0, E_BLOCK)
         em = e < E
         if GDC:
             gdc_launch_dependents()
@@ -191,13 +183,16 @@ if triton_available():
         tl.store(out_ptr + t * E + e, acc, mask=em)
 
     @triton.jit
-    def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, E, E_PAD: tl.constexpr, K: tl.constexpr,
-                      K_PAD: tl.constexpr, NORM: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
-        gdc_enter(GDC)
-        t = tl.program_id(0).to(tl.int64)
-        e = tl.arange(0, E_PAD)
-        em = e < E
-        x = tl.load(logits_ptr + t * E + e, mask=em, other=float("-inf"))
+    def _router_logits(x_ptr, w_ptr, out_ptr, hid: tl.constexpr, E, E_BLOCK: tl.constexpr,
+                       H_BLOCK: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
+        _router_logits_part(x_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64),
+                            tl.program_id(1), hid, E, E_BLOCK, H_BLOCK, GDC)  # fmt: skip
+
+    @triton.jit
+    def _topk_row(x, e, em, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                  NORM: tl.constexpr):  # fmt: skip
+        """One token's logits x [E_PAD] (-inf past E) -> (ids [K_PAD] int64, weights [K_PAD]):
+        softmax, the K best (lowest id among ties), renormalised when NORM."""
         p = tl.where(em, tl.exp(x - tl.max(x, 0)), 0.0)
         p = p / tl.sum(p, 0)
         cur = tl.where(em, p, -1.0)
@@ -212,6 +207,18 @@ if triton_available():
             cur = tl.where(e == idx, -2.0, cur)
         if NORM:
             vals = vals / tl.sum(vals, 0)
+        return ids, vals
+
+    @triton.jit
+    def _softmax_topk(logits_ptr, ids_ptr, wts_ptr, E, E_PAD: tl.constexpr, K: tl.constexpr,
+                      K_PAD: tl.constexpr, NORM: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
+        gdc_enter(GDC)
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, E_PAD)
+        em = e < E
+        x = tl.load(logits_ptr + t * E + e, mask=em, other=float("-inf"))
+        ids, vals = _topk_row(x, e, em, E_PAD, K, K_PAD, NORM)
+        kk = tl.arange(0, K_PAD)
         tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
         tl.store(wts_ptr + t * K + kk, vals, mask=kk < K)
 
@@ -245,15 +252,12 @@ if triton_available():
         tl.store(src_ptr + pos, (i // K).to(tl.int64), mask=im)
 
     @triton.jit
-    def _plan_sort(ids_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr, R: tl.constexpr, E,
-                   K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr,
-                   GDC: tl.constexpr = False):  # fmt: skip
-        """`_plan`'s outputs from one load of the ids and no loops: counts by a histogram, the
-        order by sorting the keys id * R_PAD + index (unique, so the order is the stable one)."""
-        gdc_enter(GDC)
+    def _plan_from_ids(idi, im, src_ptr, pos_ptr, offs_ptr, routed_ptr, E, K: tl.constexpr,
+                       E_PAD: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
+        """`_plan`'s outputs from the ids in registers (idi [R_PAD] int32, im: the real rows):
+        counts by a histogram, the order by sorting the keys id * R_PAD + index (unique, so the
+        order is the stable one)."""
         i = tl.arange(0, R_PAD)
-        im = i < R
-        idi = tl.load(ids_ptr + i, mask=im, other=0).to(tl.int32)
         counts = tl.histogram(idi, E_PAD, mask=im)
         e = tl.arange(0, E_PAD)
         em = e < E
@@ -265,6 +269,17 @@ if triton_available():
         # Sorted position i holds pair `row`: its token is row // K, its place in the order i.
         tl.store(src_ptr + i, (row // K).to(tl.int64), mask=im)
         tl.store(pos_ptr + row, i.to(tl.int64), mask=im)
+
+    @triton.jit
+    def _plan_sort(ids_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr, R: tl.constexpr, E,
+                   K: tl.constexpr, E_PAD: tl.constexpr, R_PAD: tl.constexpr,
+                   GDC: tl.constexpr = False):  # fmt: skip
+        """`_plan`'s outputs from one load of the ids and no loops (`_plan_from_ids`)."""
+        gdc_enter(GDC)
+        i = tl.arange(0, R_PAD)
+        im = i < R
+        idi = tl.load(ids_ptr + i, mask=im, other=0).to(tl.int32)
+        _plan_from_ids(idi, im, src_ptr, pos_ptr, offs_ptr, routed_ptr, E, K, E_PAD, R_PAD)
 
     @triton.jit
     def _combine(y_ptr, rest_ptr, split, pos_ptr, w_ptr, r_ptr, out_ptr, hid,

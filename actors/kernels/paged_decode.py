@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -117,7 +118,33 @@ if triton_available():
     import triton
     import triton.language as tl
 
+    from actors.kernels.fused import _norm_rope
     from actors.kernels.gemv import gdc_enter, pdl_kwargs
+
+    @triton.jit
+    def _rope_write_group(pk_ptr, pv_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, kmin_ptr,
+                          kmax_ptr, slots_ptr, b, g, eps, stride_kb, stride_vb,
+                          KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                          HAS_NORM: tl.constexpr):  # fmt: skip
+        """The new token of sequence b, KV head g: its key normed and rotated from the raw
+        projection, key and value written at its slot, the block's min/max key summary over its
+        BS rows (the new row from registers); then a barrier, so this program's loop reads
+        the row it wrote."""
+        k = _norm_rope(pk_ptr + g * D, kw_ptr, cos_ptr, sin_ptr, b, eps, stride_kb, 1, 1, D,
+                       HAS_NORM).to(kc_ptr.dtype.element_ty)  # fmt: skip
+        d = tl.arange(0, D)
+        slot = tl.load(slots_ptr + b)
+        blk = slot // BS
+        row = g * D + d
+        tl.store(kc_ptr + slot * KV * D + row[None, :], k)
+        v = tl.load(pv_ptr + b * stride_vb + g * D + d)
+        tl.store(vc_ptr + slot * KV * D + row, v.to(vc_ptr.dtype.element_ty))
+        t = tl.arange(0, BS)
+        keys = tl.load(kc_ptr + blk * BS * KV * D + t[:, None] * KV * D + row[None, :])
+        keys = tl.where((t == slot % BS)[:, None], k, keys)
+        tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0))
+        tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0))
+        tl.debug_barrier()
 
     @triton.jit
     def _gqa_partial(
@@ -127,10 +154,17 @@ if triton_available():
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
         BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
         GDC: tl.constexpr = False,
+        pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
+        kmin_ptr=None, kmax_ptr=None, slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
+        KV: tl.constexpr = 1, PRO: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
     ):  # fmt: skip
         """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
         step (spanning TILE / BS cache blocks, each row found through the block table), for the
-        REP query heads of KV head g. Scores in base 2 (qk_scale includes log2 e)."""
+        REP query heads of KV head g. Scores in base 2 (qk_scale includes log2 e).
+        PRO: q, k, v are the step's raw projections (rows of stride_qb); each program norms and
+        rotates its REP query heads itself, and the program whose split holds the new token
+        writes its K/V (`_rope_write_group`): the separate rotary/write kernel and its launch
+        are gone."""
         gdc_enter(GDC)
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -140,11 +174,20 @@ if triton_available():
         d = tl.arange(0, D)
         t = tl.arange(0, TILE)
         head = g * REP + r
-        q = tl.load(
-            q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
-            mask=(r < REP)[:, None],
-            other=0.0,
-        )
+        if PRO:
+            q = _norm_rope(q_ptr + g * REP * D, qw_ptr, cos_ptr, sin_ptr, b, eps, stride_qb,
+                           REP, REP_PAD, D, HAS_NORM).to(k_ptr.dtype.element_ty)  # fmt: skip
+            if (ctx - 1) // (PER_SPLIT * TILE) == s:
+                _rope_write_group(pk_ptr, pv_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
+                                  kmin_ptr, kmax_ptr, slots_ptr, b, g, eps, stride_pkb, stride_pvb,
+                                  KV, D, BS,
+                                  HAS_NORM)  # fmt: skip
+        else:
+            q = tl.load(
+                q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
+                mask=(r < REP)[:, None],
+                other=0.0,
+            )
         # A finite floor for the running max: fully masked steps then add exactly nothing.
         m = tl.full([REP_PAD], -1.0e30, tl.float32)
         l_sum = tl.zeros([REP_PAD], tl.float32)
@@ -325,6 +368,41 @@ def mla_decode_triton(
     return out
 
 
+ROPE_IN_PARTIAL = [True]
+"""CUDA decode steps: the q/k norm, rotary and K/V write run inside the attention's partial
+kernel (`RopeWrite`) instead of a kernel of their own (the benchmark times both)."""
+
+
+@dataclass(frozen=True)
+class RopeWrite:
+    """What `gqa_decode_triton(pro=...)` needs to start from the raw projections: k, v [B, KV, D]
+    (heads contiguous within each row), the per-head RMSNorm weights (or None), eps,
+    cos/sin [B, D/2], the block summaries [N, KV, D] and the new tokens' slots [B] int64."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key_min: torch.Tensor
+    key_max: torch.Tensor
+    slots: torch.Tensor
+
+
+def rope_write_suits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache) -> bool:
+    """q [B, H, D], k, v [B, KV, D] with each row's heads contiguous (the stacked projection's
+    column slices are used in place), a contiguous cache."""
+    d = q.shape[-1]
+    return (
+        ROPE_IN_PARTIAL[0]
+        and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k, v))
+        and k_cache.is_contiguous()
+        and k.dtype == v.dtype == q.dtype
+    )
+
+
 def gqa_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -335,10 +413,12 @@ def gqa_decode_triton(
     *,
     splits: int | None = None,
     tiles: tuple[int, int, int, int] | None = None,
+    pro: RopeWrite | None = None,
 ) -> torch.Tensor:
     """Flash-decoding over the paged cache (module docstring); same contract as the torch version.
     tiles: (TILE, programs per SM, warps, stages), default `DECODE_TILES` by batch; splits:
-    a fixed split count instead of the plan's."""
+    a fixed split count instead of the plan's. `pro`: q is the step's raw query projection and
+    the kernel itself norms and rotates it and writes the new K/V (`RopeWrite`, `rope_write_suits`)."""
     if not triton_available():
         raise RuntimeError("triton is not installed")
     b, h, d = q.shape
@@ -349,14 +429,26 @@ def gqa_decode_triton(
         tiles or DECODE_TILES["small" if b <= DECODE_SMALL_BATCH else "large"]
     )
     s, per, acc, ml = _partials(b, kv, width * bs, tile, per_sm, splits, b * h, d, q)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    extra = {}
+    if pro is not None:
+        has_norm = pro.q_weight is not None
+        extra = dict(
+            pk_ptr=pro.k, pv_ptr=pro.v, qw_ptr=pro.q_weight if has_norm else q,
+            kw_ptr=pro.k_weight if has_norm else q, cos_ptr=pro.cos.contiguous(),
+            sin_ptr=pro.sin.contiguous(), kmin_ptr=pro.key_min, kmax_ptr=pro.key_max,
+            slots_ptr=pro.slots, eps=pro.eps, stride_pkb=pro.k.stride(0), stride_pvb=pro.v.stride(0),
+            KV=kv, PRO=True, HAS_NORM=has_norm,
+        )  # fmt: skip
+    else:
+        q = q.contiguous()
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     _gqa_partial[(b, kv, s)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
-        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages, **pdl_kwargs(q, "gqa_partial"),
+        TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
+        **pdl_kwargs(q, "gqa_partial"), **extra,
     )  # fmt: skip
     _gqa_merge[(b * h,)](
         acc,

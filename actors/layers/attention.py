@@ -386,9 +386,8 @@ class GQAAttention(nn.Module):
             v = v.view(t, self.kv_heads, d)
         if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
-            q = paged.prologue(q, k, v, norms, self.arch.rms_norm_eps, cos, sin)
-            o = paged.gqa(q, self.arch.softmax_scale)
-            return self._out(o)
+            eps, scale = self.arch.rms_norm_eps, self.arch.softmax_scale
+            return self._out(paged.gqa_prologue(q, k, v, norms, eps, cos, sin, scale))
         if not stacked and fused_kernels.qk_rope_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             qw, kw = norms if norms is not None else (None, None)

@@ -17,7 +17,7 @@ from torch import nn
 
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
-from actors.kernels import moe_kernels, routing
+from actors.kernels import moe_kernels, router_plan, routing
 from actors.layers import experts as experts_lib
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
@@ -159,7 +159,14 @@ class MoE(nn.Module):
         # Step 1: route (small batches: fused softmax top-k, or DeepSeek's group-limited sigmoid).
         small = fused_kernels.use_triton(x) and t * k <= fused_kernels.PLAN_MAX_ROWS
         gate = self.gate
-        if small and gate.scoring == "softmax":
+        planned = None
+        if small and gate.scoring == "softmax" and router_plan.router_plan_suits(x, k):
+            planned = router_plan.router_plan(
+                x, gate.weight, k, self.routed_counts, norm_topk_prob=gate.norm_topk_prob
+            )
+        if planned is not None:  # routing and the plan in one kernel
+            logits, ids, weights, src, pos, offsets = planned
+        elif small and gate.scoring == "softmax":
             logits, ids, weights = fused_kernels.router_softmax_topk(
                 x, gate.weight, k, norm_topk_prob=gate.norm_topk_prob
             )
@@ -179,7 +186,9 @@ class MoE(nn.Module):
         # Step 2: counts, offsets, the sort (src: token of each sorted row) and its inverse.
         # (CPU without autograd: no inverse; the experts write their rows in pair order.)
         cpu = not small and x.device.type == "cpu" and not torch.is_grad_enabled()
-        if small:
+        if planned is not None:
+            counts = None
+        elif small:
             src, pos, offsets = fused_kernels.dispatch_plan(flat, k, e, self.routed_counts)
             counts = None
         elif cpu and flat.shape[0] <= experts_lib.PADDED_MAX_PAIRS:  # a decode step's: numpy

@@ -1,0 +1,110 @@
+"""Softmax routing and the dispatch plan of a few-token decode step in one kernel.
+
+`router_plan(x, weight, k, ...)` = `fused.router_softmax_topk` + `fused.dispatch_plan` (three
+kernels) as one launch: programs (t, j) compute token t's logits for experts [j * E_BLOCK, ...)
+as `_router_logits` does, then count themselves done on a counter in device memory (an acq_rel
+atomic, after a barrier so that every thread's stores come before it); the last program to arrive
+reads all the logits (bypassing L1: other SMs wrote them), takes each token's softmax top-k and
+builds the plan from the ids in its registers, then sets the counter back to zero for the next
+launch (a CUDA graph replays it as it is). At one token on the H200 each of the two launches
+saved is ~1.5-2.5 us of dependent latency a layer (round 13 of `bench/notes/gpu_attempts.md`).
+
+Same outputs as the three kernels: logits [T, E] float32, ids [T, k] int64, weights [T, k]
+float32, src [T*k], pos [T*k] int64, offsets [E] int32; `routed_counts` [E] gains the counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.kernels import fused
+from actors.kernels.gemv import pdl_kwargs
+
+ROUTER_PLAN = [True]
+"""Switch of the one-kernel routing + plan (the benchmark times both)."""
+ROUTER_PLAN_MAX_TOKENS = 4
+"""Tokens a step it serves (the last program does every token's top-k and the plan alone)."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+if fused.triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _router_plan(x_ptr, w_ptr, logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr,
+                     routed_ptr, count_ptr, T: tl.constexpr, hid: tl.constexpr, E,
+                     E_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+                     K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr,
+                     R_PAD: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        fused._router_logits_part(x_ptr, w_ptr, logits_ptr, tl.program_id(0).to(tl.int64),
+                                  tl.program_id(1), hid, E, E_BLOCK, H_BLOCK, GDC)  # fmt: skip
+        tl.debug_barrier()
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == programs - 1:
+            tl.debug_barrier()
+            e = tl.arange(0, E_PAD)
+            em = e < E
+            kk = tl.arange(0, K_PAD)
+            i = tl.arange(0, R_PAD)
+            idi = tl.zeros([R_PAD], tl.int32)
+            for t in tl.static_range(T):
+                x = tl.load(logits_ptr + t * E + e, mask=em, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+                ids, vals = fused._topk_row(x, e, em, E_PAD, K, K_PAD, NORM)
+                tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+                tl.store(wts_ptr + t * K + kk, vals, mask=kk < K)
+                for j in tl.static_range(K):
+                    idj = tl.sum(tl.where(kk == j, ids, 0), 0).to(tl.int32)
+                    idi = tl.where(i == t * K + j, idj, idi)
+            fused._plan_from_ids(idi, i < T * K, src_ptr, pos_ptr, offs_ptr, routed_ptr, E, K,
+                                 E_PAD, R_PAD)  # fmt: skip
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+
+
+def _counter(device: torch.device) -> torch.Tensor | None:
+    """The arrival counter of `device` (zero between launches); None when it would have to be
+    created inside a CUDA graph capture (the caller then takes the unfused kernels)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return c
+
+
+def router_plan_suits(x: torch.Tensor, k: int) -> bool:
+    """Triton on for x's device, at most ROUTER_PLAN_MAX_TOKENS tokens."""
+    return ROUTER_PLAN[0] and fused.use_triton(x) and 0 < x.shape[0] <= ROUTER_PLAN_MAX_TOKENS
+
+
+def router_plan(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    routed_counts: torch.Tensor,
+    *,
+    norm_topk_prob: bool,
+) -> tuple[torch.Tensor, ...] | None:
+    """x [T, H], weight [E, H] -> (logits, ids, weights, src, pos, offsets) as the three kernels
+    give them (module docstring), or None when no counter can be had (capture before any eager
+    step): then the caller runs them."""
+    counter = _counter(x.device)
+    if counter is None:
+        return None
+    (t, hid), e = x.shape, weight.shape[0]
+    dev = x.device
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    wts = torch.empty(t, k, dtype=torch.float32, device=dev)
+    src = torch.empty(t * k, dtype=torch.int64, device=dev)
+    pos = torch.empty(t * k, dtype=torch.int64, device=dev)
+    offsets = torch.empty(e, dtype=torch.int32, device=dev)
+    e_block, h_block, warps = fused.ROUTER_TILES["small"]
+    _router_plan[(t, triton.cdiv(e, e_block))](
+        x.contiguous(), weight.contiguous(), logits, ids, wts, src, pos, offsets, routed_counts,
+        counter, T=t, hid=hid, E=e, E_BLOCK=e_block, H_BLOCK=min(h_block, fused._pow2(hid)),
+        E_PAD=fused._pow2(e), K=k, K_PAD=fused._pow2(k), NORM=norm_topk_prob,
+        R_PAD=max(16, fused._pow2(t * k)), num_warps=warps, **pdl_kwargs(x, "router_plan"),
+    )  # fmt: skip
+    return logits, ids, wts, src, pos, offsets
