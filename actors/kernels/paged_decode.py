@@ -122,29 +122,22 @@ if triton_available():
     from actors.kernels.gemv import gdc_enter, pdl_kwargs
 
     @triton.jit
-    def _rope_write_group(pk_ptr, pv_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, kmin_ptr,
-                          kmax_ptr, slots_ptr, b, g, eps, stride_kb, stride_vb,
-                          KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                          HAS_NORM: tl.constexpr):  # fmt: skip
-        """The new token of sequence b, KV head g: its key normed and rotated from the raw
-        projection, key and value written at its slot, the block's min/max key summary over its
-        BS rows (the new row from registers); then a barrier, so this program's loop reads
-        the row it wrote."""
-        k = _norm_rope(pk_ptr + g * D, kw_ptr, cos_ptr, sin_ptr, b, eps, stride_kb, 1, 1, D,
-                       HAS_NORM).to(kc_ptr.dtype.element_ty)  # fmt: skip
+    def _write_new(kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, k, v, b, g,
+                   KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+        """The new token of sequence b, KV head g (k, v [1, D] in the cache's dtype): written at
+        its slot, and the block's min/max key summary over its BS rows (the new row from
+        registers, not re-read)."""
         d = tl.arange(0, D)
         slot = tl.load(slots_ptr + b)
         blk = slot // BS
         row = g * D + d
-        tl.store(kc_ptr + slot * KV * D + row[None, :], k)
-        v = tl.load(pv_ptr + b * stride_vb + g * D + d)
-        tl.store(vc_ptr + slot * KV * D + row, v.to(vc_ptr.dtype.element_ty))
         t = tl.arange(0, BS)
         keys = tl.load(kc_ptr + blk * BS * KV * D + t[:, None] * KV * D + row[None, :])
+        tl.store(kc_ptr + slot * KV * D + row[None, :], k)
+        tl.store(vc_ptr + slot * KV * D + row[None, :], v)
         keys = tl.where((t == slot % BS)[:, None], k, keys)
         tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0))
         tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0))
-        tl.debug_barrier()
 
     @triton.jit
     def _gqa_partial(
@@ -161,10 +154,10 @@ if triton_available():
         """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
         step (spanning TILE / BS cache blocks, each row found through the block table), for the
         REP query heads of KV head g. Scores in base 2 (qk_scale includes log2 e).
-        PRO: q, k, v are the step's raw projections (rows of stride_qb); each program norms and
-        rotates its REP query heads itself, and the program whose split holds the new token
-        writes its K/V (`_rope_write_group`): the separate rotary/write kernel and its launch
-        are gone."""
+        PRO: q, k, v are the step's raw projections; each program norms and rotates its REP
+        query heads and the new key itself and takes the new token's K/V row from registers;
+        an extra program per (b, g), s == S, writes that row and the block summary
+        (`_write_new`) off the others' path: the separate rotary/write kernel is gone."""
         gdc_enter(GDC)
         b = tl.program_id(0)
         g = tl.program_id(1)
@@ -175,13 +168,14 @@ if triton_available():
         t = tl.arange(0, TILE)
         head = g * REP + r
         if PRO:
+            k_new = _norm_rope(pk_ptr + g * D, kw_ptr, cos_ptr, sin_ptr, b, eps, stride_pkb, 1, 1,
+                               D, HAS_NORM).to(k_ptr.dtype.element_ty)  # fmt: skip
+            v_new = tl.load(pv_ptr + b * stride_pvb + g * D + d)[None, :].to(v_ptr.dtype.element_ty)
+            if s == S:
+                _write_new(k_ptr, v_ptr, kmin_ptr, kmax_ptr, slots_ptr, k_new, v_new, b, g, KV, D,
+                           BS)  # fmt: skip
             q = _norm_rope(q_ptr + g * REP * D, qw_ptr, cos_ptr, sin_ptr, b, eps, stride_qb,
                            REP, REP_PAD, D, HAS_NORM).to(k_ptr.dtype.element_ty)  # fmt: skip
-            if (ctx - 1) // (PER_SPLIT * TILE) == s:
-                _rope_write_group(pk_ptr, pv_ptr, kw_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
-                                  kmin_ptr, kmax_ptr, slots_ptr, b, g, eps, stride_pkb, stride_pvb,
-                                  KV, D, BS,
-                                  HAS_NORM)  # fmt: skip
         else:
             q = tl.load(
                 q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :],
@@ -206,6 +200,8 @@ if triton_available():
                 + d[None, :]
             )  # fmt: skip
             k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+            if PRO:  # the new row: being written by program S, taken from registers here
+                k = tl.where((pos == ctx - 1)[:, None], k_new, k)
             scores = tl.dot(q, tl.trans(k)) * qk_scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
@@ -213,10 +209,12 @@ if triton_available():
             alpha = tl.exp2(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+            if PRO:
+                v = tl.where((pos == ctx - 1)[:, None], v_new, v)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         row = (b * H + head) * S + s
-        keep = r < REP
+        keep = (r < REP) & (s < S)  # program S (PRO) wrote the new row, no partial
         tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None])
         tl.store(ml_ptr + row * 2, m, mask=keep)
         tl.store(ml_ptr + row * 2 + 1, l_sum, mask=keep)
@@ -442,7 +440,7 @@ def gqa_decode_triton(
     else:
         q = q.contiguous()
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
-    _gqa_partial[(b, kv, s)](
+    _gqa_partial[(b, kv, s + (pro is not None))](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale * LOG2E,

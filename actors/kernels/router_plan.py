@@ -18,10 +18,15 @@ from __future__ import annotations
 import torch
 
 from actors.kernels import fused
-from actors.kernels.gemv import pdl_kwargs
+from actors.kernels.gemv import gdc_enter, pdl_kwargs
 
 ROUTER_PLAN = [True]
-"""Switch of the one-kernel routing + plan (the benchmark times both)."""
+"""Switch of the fused routing + plan (the benchmark times both)."""
+ROUTER_PLAN_KERNELS = [1]
+"""1: one kernel, the last logits program doing the top-k and plan (arrival counter); 2: the
+router logits kernel, then one kernel for every token's top-k and the plan."""
+ROUTER_PLAN_WARPS = [1]
+"""num_warps of the top-k/plan program (one warp: its reductions need no shared memory)."""
 ROUTER_PLAN_MAX_TOKENS = 4
 """Tokens a step it serves (the last program does every token's top-k and the plan alone)."""
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -29,6 +34,28 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 if fused.triton_available():
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _topk_plan_body(logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr,
+                        T: tl.constexpr, E, E_PAD: tl.constexpr, K: tl.constexpr,
+                        K_PAD: tl.constexpr, NORM: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
+        """Every token's softmax top-k from the logits (read past L1: other SMs may have just
+        written them), then the dispatch plan from the ids in registers."""
+        e = tl.arange(0, E_PAD)
+        em = e < E
+        kk = tl.arange(0, K_PAD)
+        i = tl.arange(0, R_PAD)
+        idi = tl.zeros([R_PAD], tl.int32)
+        for t in tl.static_range(T):
+            x = tl.load(logits_ptr + t * E + e, mask=em, other=float("-inf"), cache_modifier=".cg")
+            ids, vals = fused._topk_row(x, e, em, E_PAD, K, K_PAD, NORM)
+            tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+            tl.store(wts_ptr + t * K + kk, vals, mask=kk < K)
+            for j in tl.static_range(K):
+                idj = tl.sum(tl.where(kk == j, ids, 0), 0).to(tl.int32)
+                idi = tl.where(i == t * K + j, idj, idi)
+        fused._plan_from_ids(idi, i < T * K, src_ptr, pos_ptr, offs_ptr, routed_ptr, E, K, E_PAD,
+                             R_PAD)  # fmt: skip
 
     @triton.jit
     def _router_plan(x_ptr, w_ptr, logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr,
@@ -43,23 +70,17 @@ if fused.triton_available():
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == programs - 1:
             tl.debug_barrier()
-            e = tl.arange(0, E_PAD)
-            em = e < E
-            kk = tl.arange(0, K_PAD)
-            i = tl.arange(0, R_PAD)
-            idi = tl.zeros([R_PAD], tl.int32)
-            for t in tl.static_range(T):
-                x = tl.load(logits_ptr + t * E + e, mask=em, other=float("-inf"),
-                            cache_modifier=".cg")  # fmt: skip
-                ids, vals = fused._topk_row(x, e, em, E_PAD, K, K_PAD, NORM)
-                tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
-                tl.store(wts_ptr + t * K + kk, vals, mask=kk < K)
-                for j in tl.static_range(K):
-                    idj = tl.sum(tl.where(kk == j, ids, 0), 0).to(tl.int32)
-                    idi = tl.where(i == t * K + j, idj, idi)
-            fused._plan_from_ids(idi, i < T * K, src_ptr, pos_ptr, offs_ptr, routed_ptr, E, K,
-                                 E_PAD, R_PAD)  # fmt: skip
+            _topk_plan_body(logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr,
+                            T, E, E_PAD, K, K_PAD, NORM, R_PAD)  # fmt: skip
             tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _topk_plan(logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr,
+                   T: tl.constexpr, E, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                   NORM: tl.constexpr, R_PAD: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        gdc_enter(GDC)
+        _topk_plan_body(logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr, T,
+                        E, E_PAD, K, K_PAD, NORM, R_PAD)  # fmt: skip
 
 
 def _counter(device: torch.device) -> torch.Tensor | None:
@@ -87,24 +108,38 @@ def router_plan(
     norm_topk_prob: bool,
 ) -> tuple[torch.Tensor, ...] | None:
     """x [T, H], weight [E, H] -> (logits, ids, weights, src, pos, offsets) as the three kernels
-    give them (module docstring), or None when no counter can be had (capture before any eager
-    step): then the caller runs them."""
-    counter = _counter(x.device)
-    if counter is None:
-        return None
+    give them (module docstring), or None when the one-kernel form has no counter yet (a capture
+    before any eager step): then the caller runs the three."""
     (t, hid), e = x.shape, weight.shape[0]
     dev = x.device
-    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
-    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
-    wts = torch.empty(t, k, dtype=torch.float32, device=dev)
     src = torch.empty(t * k, dtype=torch.int64, device=dev)
     pos = torch.empty(t * k, dtype=torch.int64, device=dev)
     offsets = torch.empty(e, dtype=torch.int32, device=dev)
-    e_block, h_block, warps = fused.ROUTER_TILES["small"]
+    common = dict(E_PAD=fused._pow2(e), K=k, K_PAD=fused._pow2(k), NORM=norm_topk_prob,
+                  R_PAD=max(16, fused._pow2(t * k)), num_warps=ROUTER_PLAN_WARPS[0])  # fmt: skip
+    if ROUTER_PLAN_KERNELS[0] == 2:
+        logits, ids, wts = fused.router_logits(x, weight, k)
+        _topk_plan[(1,)](
+            logits, ids, wts, src, pos, offsets, routed_counts, T=t, E=e, **common,
+            **pdl_kwargs(x, "topk_plan"),
+        )  # fmt: skip
+        return logits, ids, wts, src, pos, offsets
+    counter = _counter(dev)
+    if counter is None:
+        return None
+    logits = torch.empty(t, e, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    wts = torch.empty(t, k, dtype=torch.float32, device=dev)
+    e_block, h_block, _ = fused.ROUTER_TILES["small"]
     _router_plan[(t, triton.cdiv(e, e_block))](
         x.contiguous(), weight.contiguous(), logits, ids, wts, src, pos, offsets, routed_counts,
         counter, T=t, hid=hid, E=e, E_BLOCK=e_block, H_BLOCK=min(h_block, fused._pow2(hid)),
-        E_PAD=fused._pow2(e), K=k, K_PAD=fused._pow2(k), NORM=norm_topk_prob,
-        R_PAD=max(16, fused._pow2(t * k)), num_warps=warps, **pdl_kwargs(x, "router_plan"),
+        **common, **pdl_kwargs(x, "router_plan"),
+    )  # fmt: skip
+    return logits, ids, wts, src, pos, offsets
+    _router_plan[(t, triton.cdiv(e, e_block))](
+        x.contiguous(), weight.contiguous(), logits, ids, wts, src, pos, offsets, routed_counts,
+        counter, T=t, hid=hid, E=e, E_BLOCK=e_block, H_BLOCK=min(h_block, fused._pow2(hid)),
+        **common, num_warps=ROUTER_PLAN_WARPS[0], **pdl_kwargs(x, "router_plan"),
     )  # fmt: skip
     return logits, ids, wts, src, pos, offsets

@@ -72,7 +72,9 @@ torch.manual_seed(0)
 out = {}
 E, HID = 24, 40
 W = torch.randn(E, HID)
-for t, k, norm in ((1, 8, True), (3, 4, False), (4, 2, True)):
+for kernels, t, k, norm in ((1, 1, 8, True), (1, 3, 4, False), (1, 4, 2, True), (2, 1, 8, True),
+                            (2, 3, 4, False)):
+    router_plan.ROUTER_PLAN_KERNELS[0] = kernels
     x = torch.randn(t, HID)
     routed = torch.full((E,), 3, dtype=torch.int64)
     for rep in range(2):  # twice: the counter must be back at zero after a launch
@@ -81,7 +83,7 @@ for t, k, norm in ((1, 8, True), (3, 4, False), (4, 2, True)):
     routed_ref = torch.full((E,), 3, dtype=torch.int64)
     lg, ids, wt = fused.router_softmax_topk(x, W, k, norm_topk_prob=norm)
     src, pos, offs = fused.dispatch_plan(ids.reshape(-1), k, E, routed_ref)
-    tag = f"{t}x{k}"
+    tag = f"{kernels}:{t}x{k}"
     out["logits" + tag] = float((got[0] - lg).abs().max())
     out["wts" + tag] = float((got[2] - wt).abs().max())
     out["ints" + tag] = int(sum(int((a != b).sum()) for a, b in
