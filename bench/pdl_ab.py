@@ -48,8 +48,8 @@ CONFIGS = {
     "r11": {"skip": {"moe_gate_up"}, "rope_in_partial": False, "router_plan": False},
     "rope_only": {"skip": {"moe_gate_up"}, "router_plan": False},
     "router_only": {"skip": {"moe_gate_up"}, "rope_in_partial": False},
-    "router2": {"skip": {"moe_gate_up"}, "router_kernels": 2},  # logits, then top-k + plan
-    "router1_w4": {"skip": {"moe_gate_up"}, "router_warps": 4},
+    "router1": {"skip": {"moe_gate_up"}, "router_kernels": 1},  # one kernel, arrival counter
+    "router1_w4": {"skip": {"moe_gate_up"}, "router_kernels": 1, "router_warps": 4},
     "router2_w4": {"skip": {"moe_gate_up"}, "router_kernels": 2, "router_warps": 4},
 }
 
@@ -61,7 +61,7 @@ def apply(cfg: dict) -> None:
     moe_kernels.DOWN_GEMV[0] = cfg.get("down_gemv", False)
     paged_decode.ROPE_IN_PARTIAL[0] = cfg.get("rope_in_partial", True)
     router_plan.ROUTER_PLAN[0] = cfg.get("router_plan", True)
-    router_plan.ROUTER_PLAN_KERNELS[0] = cfg.get("router_kernels", 1)
+    router_plan.ROUTER_PLAN_KERNELS[0] = cfg.get("router_kernels", 2)
     router_plan.ROUTER_PLAN_WARPS[0] = cfg.get("router_warps", 1)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))

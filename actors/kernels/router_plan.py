@@ -1,13 +1,15 @@
-"""Softmax routing and the dispatch plan of a few-token decode step in one kernel.
+"""Softmax routing and the dispatch plan of a few-token decode step in fewer kernels.
 
 `router_plan(x, weight, k, ...)` = `fused.router_softmax_topk` + `fused.dispatch_plan` (three
-kernels) as one launch: programs (t, j) compute token t's logits for experts [j * E_BLOCK, ...)
-as `_router_logits` does, then count themselves done on a counter in device memory (an acq_rel
-atomic, after a barrier so that every thread's stores come before it); the last program to arrive
-reads all the logits (bypassing L1: other SMs wrote them), takes each token's softmax top-k and
-builds the plan from the ids in its registers, then sets the counter back to zero for the next
-launch (a CUDA graph replays it as it is). At one token on the H200 each of the two launches
-saved is ~1.5-2.5 us of dependent latency a layer (round 13 of `bench/notes/gpu_attempts.md`).
+kernels) in two or one:
+- `ROUTER_PLAN_KERNELS` = 2 (default): the logits kernel, then one program for every token's
+  top-k and the plan built from the ids in its registers.
+- 1: one launch. Programs (t, j) compute token t's logits for experts [j * E_BLOCK, ...), then
+  count themselves done on a counter in device memory (an acq_rel atomic after a barrier, so
+  every thread's stores come before it); the last to arrive reads the logits past L1 (other SMs
+  wrote them), does the top-k and plan, and zeroes the counter for the next launch (a CUDA
+  graph replays it as it is).
+Round 13 of `bench/notes/gpu_attempts.md` has the H200 timings of both.
 
 Same outputs as the three kernels: logits [T, E] float32, ids [T, k] int64, weights [T, k]
 float32, src [T*k], pos [T*k] int64, offsets [E] int32; `routed_counts` [E] gains the counts.
@@ -22,9 +24,12 @@ from actors.kernels.gemv import gdc_enter, pdl_kwargs
 
 ROUTER_PLAN = [True]
 """Switch of the fused routing + plan (the benchmark times both)."""
-ROUTER_PLAN_KERNELS = [1]
+ROUTER_PLAN_KERNELS = [2]
 """1: one kernel, the last logits program doing the top-k and plan (arrival counter); 2: the
-router logits kernel, then one kernel for every token's top-k and the plan."""
+router logits kernel, then one kernel for every token's top-k and the plan. On the H200 (round
+13, Qwen3 1 x 1K, one process): 2 was 0.02 ms a step faster than the three kernels, 1 about
+equal to them (its last program's serial top-k and plan after the arrival outweigh the launch
+saved), with 4 warps 0.07 ms slower."""
 ROUTER_PLAN_WARPS = [1]
 """num_warps of the top-k/plan program (one warp: its reductions need no shared memory)."""
 ROUTER_PLAN_MAX_TOKENS = 4
