@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import gpu_bench, gpu_bench_parts
 from actors.kernels import gemv, moe_kernels, paged_decode, router_plan
 from actors.kernels.decode_step import DecodeGraphs
+from actors.layers import attention
 
 EXPERTS = {"moe_gate_up", "moe_down"}
 LATE = {"router_logits", "softmax_topk", "plan_sort"} | EXPERTS
@@ -51,6 +52,10 @@ CONFIGS = {
     "router1": {"skip": {"moe_gate_up"}, "router_kernels": 1},  # one kernel, arrival counter
     "router1_w4": {"skip": {"moe_gate_up"}, "router_kernels": 1, "router_warps": 4},
     "router2_w4": {"skip": {"moe_gate_up"}, "router_kernels": 2, "router_warps": 4},
+    # prefill (--prefill N): silu * up in one pass, SDPA on the KV heads as they are
+    "prefill_r11": {"skip": {"moe_gate_up"}, "silu_mul": False, "gqa_prefill": False},
+    "silu_only": {"skip": {"moe_gate_up"}, "gqa_prefill": False},
+    "gqa_only": {"skip": {"moe_gate_up"}, "silu_mul": False},
 }
 
 
@@ -63,6 +68,8 @@ def apply(cfg: dict) -> None:
     router_plan.ROUTER_PLAN[0] = cfg.get("router_plan", True)
     router_plan.ROUTER_PLAN_KERNELS[0] = cfg.get("router_kernels", 2)
     router_plan.ROUTER_PLAN_WARPS[0] = cfg.get("router_warps", 1)
+    moe_kernels.SILU_MUL[0] = cfg.get("silu_mul", True)
+    attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 
@@ -73,6 +80,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of N tokens")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     moe_kernels.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
@@ -81,7 +89,7 @@ def main() -> None:
     device = torch.device("cuda")
     cfg = gpu_bench_parts.full_configs()["qwen3-30b-a3b"]
     flags = {"graphs": True, "triton": True, "async": True}
-    kv_tokens = max(b * (c + b + 64) for b, c in shapes) + 4096
+    kv_tokens = max([b * (c + b + 64) for b, c in shapes] + [args.prefill + 64]) + 4096
     bench = gpu_bench.EngineBench("qwen3-30b-a3b", cfg, device=device, dtype=torch.bfloat16,
                                   tiny=False, flags=flags, kv_tokens=kv_tokens)  # fmt: skip
     names = args.configs.split(",")
@@ -105,16 +113,25 @@ def main() -> None:
                     row["graph_error"] = getattr(runner, "graph_error", None)
                 out["rows"].append(row)
                 print(json.dumps(row), flush=True)
+            if args.prefill:
+                bench.engine.drain()
+                ms = bench.prefill(args.prefill, runs=3)
+                row = {"round": rnd, "config": name, "prefill": args.prefill, "ms": round(ms, 2)}
+                out["rows"].append(row)
+                print(json.dumps(row), flush=True)
     print("| config | shape | ms (each round) | device ms (each round) |")
     for name in names:
         for b, c in shapes:
             rs = [
                 r
                 for r in out["rows"]
-                if r["config"] == name and (r["batch"], r["context"]) == (b, c)
+                if r["config"] == name and (r.get("batch"), r.get("context")) == (b, c)
             ]
             print(f"| {name} | {b}x{c} | {' / '.join(str(r['ms']) for r in rs)} | "
                   f"{' / '.join(str(r['device_ms']) for r in rs)} |")  # fmt: skip
+        pre = [str(r["ms"]) for r in out["rows"] if r["config"] == name and "prefill" in r]
+        if pre:
+            print(f"| {name} | prefill {args.prefill} | {' / '.join(pre)} | - |")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

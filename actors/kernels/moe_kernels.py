@@ -30,6 +30,9 @@ Qwen3's batch-1 step 0.14 ms slower (round 11, call 7: device 3.08 vs 2.94 ms; 3
 early reads), so the register-tile GEMV streams 25 MB worse than `_moe_down`'s pipelined tiles."""
 DOWN_GEMV_TILE = (16, 4)
 """(hidden rows a program, num_warps) of `_moe_down_gemv`."""
+SILU_MUL = [True]
+"""The grouped-GEMM experts (prefill) take silu(gate) * up in one Triton pass (`silu_mul`)
+instead of two torch element-wise kernels (the benchmark times both)."""
 
 
 def _pow2(n: int) -> int:
@@ -41,6 +44,21 @@ if triton_available():
     import triton.language as tl
 
     from actors.kernels.gemv import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_kwargs
+
+    @triton.jit
+    def _silu_mul(gu_ptr, out_ptr, R, stride, INTER: tl.constexpr, I_PAD: tl.constexpr,
+                  RB: tl.constexpr):  # fmt: skip
+        """out[r] = silu(gu[r, :INTER]) * gu[r, INTER:] for RB rows, float32 inside, one rounding."""
+        r = tl.program_id(0).to(tl.int64) * RB + tl.arange(0, RB)
+        c = tl.arange(0, I_PAD)
+        m = (r < R)[:, None] & (c < INTER)[None, :]
+        row = gu_ptr + r[:, None] * stride + c[None, :]
+        g = tl.load(row, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(row + INTER, mask=m, other=0.0).to(tl.float32)
+        out = g * tl.sigmoid(g) * u
+        tl.store(
+            out_ptr + r[:, None] * INTER + c[None, :], out.to(out_ptr.dtype.element_ty), mask=m
+        )
 
     @triton.jit
     def _expert_slot(offs_ptr, p, E, E_PAD: tl.constexpr):
@@ -216,3 +234,20 @@ def moe_experts(
         BM=bm, BN=bn, BK=bk_d, num_warps=warps, num_stages=stages, **down_pdl,
     )  # fmt: skip
     return y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [R, 2I] (gate columns, then up; rows may be strided) -> silu(gate) * up [R, I]: one
+    read of gu and one write, where torch's silu then mul read and write the gate's size twice
+    more. Needs `use_triton(gu)`."""
+    r, two_i = gu.shape
+    inter = two_i // 2
+    out = torch.empty(r, inter, dtype=gu.dtype, device=gu.device)
+    if r == 0:
+        return out
+    i_pad = _pow2(inter)
+    rb = max(1, 4096 // i_pad)
+    _silu_mul[(triton.cdiv(r, rb),)](
+        gu, out, r, gu.stride(0), INTER=inter, I_PAD=i_pad, RB=rb, num_warps=4
+    )  # fmt: skip
+    return out

@@ -138,7 +138,10 @@ def paged_attend(
         and _same_dtype(written, paged)
     ):
         # Fresh prompts of one length (a benchmark batch, equal prefill chunks): one batched
-        # causal call instead of one per sequence (the host issued ~10 ops a sequence a layer).
+        # causal call instead of one per sequence (the host issued ~10 ops a sequence a layer);
+        # GQA's KV heads read as they are (no repeated copy of K and V).
+        if grouped and GQA_PREFILL[0]:
+            return _fresh_causal(q, *written, lens.pop(), scale, gqa=True)
         return _fresh_causal(q, *expand(*written), lens.pop(), scale)
     outs = []
     start = 0
@@ -162,6 +165,9 @@ def paged_attend(
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 
 
+GQA_PREFILL = [True]
+"""CUDA fresh prompts: SDPA reads GQA's KV heads as they are (`enable_gqa`) instead of a copy
+repeated to every query head (~0.15 ms a layer of Qwen3's 8K prefill on the H200)."""
 BATCHED_DECODE = [True]
 """Switch of the one-call decode attention on CPU (`_batched_decode`), for tests and benches."""
 BATCHED_DECODE_PADDING = 2.0

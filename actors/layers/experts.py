@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.kernels import moe_kernels
+from actors.kernels.fused import use_triton
 from actors.layers.share import Share, full
 
 
@@ -46,8 +48,12 @@ def grouped_swiglu(
             offsets = torch.cumsum(counts, 0).to(torch.int32)
         try:
             gu = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets)
-            gate, up = gu.chunk(2, -1)
-            return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)
+            if moe_kernels.SILU_MUL[0] and use_triton(gu) and gu.stride(1) == 1:
+                h = moe_kernels.silu_mul(gu)
+            else:
+                gate, up = gu.chunk(2, -1)
+                h = F.silu(gate) * up
+            return torch._grouped_mm(h, w_down.transpose(1, 2), offs=offsets)
         except RuntimeError as exc:  # an unsupported build or layout: use the padded path
             if torch.cuda.is_current_stream_capturing():
                 raise

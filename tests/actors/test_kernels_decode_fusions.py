@@ -143,3 +143,40 @@ def test_decode_steps_with_the_fusions_match_without():
     logit_err, cache_err, summary_err, same_counts = run_interpreted(DECODE_STEPS, timeout=280)
     assert logit_err < 1e-5 and cache_err < 1e-5 and summary_err < 1e-5, (logit_err, cache_err)
     assert same_counts
+
+
+SILU_MUL = """
+import json, torch
+import torch.nn.functional as F
+from actors.kernels import moe_kernels
+torch.manual_seed(0)
+out = {}
+for r, inter in ((1, 24), (37, 48), (5, 768)):
+    gu = torch.randn(r, 2 * inter + 6)[:, : 2 * inter]  # strided rows, as a view may come
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    out[f"{r}x{inter}"] = float((moe_kernels.silu_mul(gu) - ref).abs().max())
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_silu_mul_matches_torch():
+    got = run_interpreted(SILU_MUL)
+    assert max(got.values()) < 1e-5, got
+
+
+def test_gqa_prefill_reads_kv_heads_in_place_like_the_repeated_copy():
+    """`_fresh_causal(gqa=True)` on K/V with fewer heads equals the call on heads repeated to
+    every query head (what the CUDA prefill did before GQA_PREFILL)."""
+    import torch
+
+    from actors.layers.attention import _fresh_causal
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2 * 9, 8, 16, generator=gen)
+    k, v = torch.randn(2 * 9, 2, 16, generator=gen), torch.randn(2 * 9, 2, 16, generator=gen)
+    ref = _fresh_causal(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), 9, 0.25)
+    got = _fresh_causal(q, k, v, 9, 0.25, gqa=True)
+    assert torch.allclose(got, ref, atol=1e-5)
+    wrong = _fresh_causal(q, k.repeat(1, 4, 1), v.repeat(1, 4, 1), 9, 0.25)  # heads mismatched
+    assert not torch.allclose(wrong, ref, atol=1e-3)
