@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from actors.comm import local_transport
+from actors.comm.affinity import pin_rank
 from actors.comm.group import (
     CommAborted,
     CommError,
@@ -206,6 +207,7 @@ class ShardWorker:
             self.world = Group(axis="world", ranks=(0,), index=0, pg=None, aborted=self.aborted)
             groups = {axis: Group.single(axis.value) for axis in Axis}
         self.groups = groups
+        self.core = pin_rank(rank, [dims.coords(r).pp for r in range(dims.world)], self.world.hosts)
         self.stages_overlap = local_transport.core_per_rank(self.world.ranks_on_host)
         self.tp = TensorParallel(groups[Axis.TP])
         self.pp = PipelineParallel(groups[Axis.PP])
@@ -573,7 +575,8 @@ class ShardWorker:
         return self.in_step
 
     def health(self) -> dict[str, object]:
-        """Small status dict: rank, coordinates, steps done, in_step, broken reason, world id."""
+        """Small status dict: rank, coordinates, steps done, in_step, broken reason, world id,
+        the core it is pinned to (None: not pinned, actors/comm/affinity.py)."""
         return {
             "rank": self.rank,
             "pp": self.coord.pp,
@@ -583,6 +586,7 @@ class ShardWorker:
             "in_step": self.in_step,
             "broken": self.broken,
             "world_id": self.rendezvous.world_id if self.rendezvous else None,
+            "core": self.core,
         }
 
     def close(self) -> None:

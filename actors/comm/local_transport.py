@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from actors.comm.affinity import usable_cores
 from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
 
 HEADER = struct.Struct("<qq")
@@ -78,8 +79,7 @@ def enabled() -> bool:
 
 def core_per_rank(ranks_on_host: int) -> bool:
     """Whether the cores this process may use number at least the ranks on its host."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ranks_on_host <= (cores or 1)
+    return ranks_on_host <= len(usable_cores())  # (the cores from before a rank pinned itself)
 
 
 def spin_for(ranks_on_host: int) -> float:
