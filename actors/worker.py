@@ -207,7 +207,9 @@ class ShardWorker:
             self.world = Group(axis="world", ranks=(0,), index=0, pg=None, aborted=self.aborted)
             groups = {axis: Group.single(axis.value) for axis in Axis}
         self.groups = groups
-        self.core = pin_rank(rank, [dims.coords(r).pp for r in range(dims.world)], self.world.hosts)
+        stage_of = [dims.coords(r).pp for r in range(dims.world)]
+        locals_ = [g.local for g in groups.values() if g.local is not None]
+        self.core = pin_rank(rank, stage_of, self.world.hosts, spin=locals_)
         self.stages_overlap = local_transport.core_per_rank(self.world.ranks_on_host)
         self.tp = TensorParallel(groups[Axis.TP])
         self.pp = PipelineParallel(groups[Axis.PP])

@@ -7,6 +7,10 @@ i mod cores (ep2xpp2 on 2 cores: ranks 0 and 2 on the first core, 1 and 3 on the
 each core one computing rank at a time, and the two EP peers of a stage always run side by side
 instead of queueing behind each other on one core.
 
+Pinned so, with a core for every rank of the stage, the stage's exchanges spin
+(`local_transport.SPIN_S`) before they block, as on a host with a core per rank: the peer they
+wait for is running on the other core, not queued behind them.
+
 `MOE_PIN_RANKS`: "1" pins, "0" never, "auto" (the default) pins when this host has more ranks
 than usable cores. The other processes of the host (a Serve replica, its proxy) stay free to
 run on any core. Served ep2xpp2 at concurrency 4 on the 2-core box (bench/notes/served_round2.md):
@@ -41,15 +45,23 @@ def usable_cores() -> list[int]:
     return list(_CORES)
 
 
-def core_for(rank: int, stage_of: Sequence[int], hosts: Sequence[str], cores: Sequence[int]) -> int:
-    """The core of `rank`: its index among the ranks of its stage on its host, mod the cores.
-
-    `stage_of[r]`: pipeline stage of rank r; `hosts[r]`: its host id (ranks on one host share
-    it)."""
-    peers = [
+def stage_peers(rank: int, stage_of: Sequence[int], hosts: Sequence[str]) -> list[int]:
+    """The ranks of `rank`'s pipeline stage on its host (`stage_of[r]`: the stage of rank r;
+    `hosts[r]`: its host id), in rank order."""
+    return [
         r for r in range(len(stage_of)) if stage_of[r] == stage_of[rank] and hosts[r] == hosts[rank]
     ]
-    return cores[peers.index(rank) % len(cores)]
+
+
+def core_for(rank: int, stage_of: Sequence[int], hosts: Sequence[str], cores: Sequence[int]) -> int:
+    """The core of `rank`: its index among the ranks of its stage on its host, mod the cores."""
+    return cores[stage_peers(rank, stage_of, hosts).index(rank) % len(cores)]
+
+
+def stage_has_cores(rank: int, stage_of: Sequence[int], hosts: Sequence[str]) -> bool:
+    """Whether every rank of `rank`'s stage on its host got a core of its own when pinned (the
+    ranks that compute at once each have one, so their exchanges may spin)."""
+    return len(stage_peers(rank, stage_of, hosts)) <= len(usable_cores())
 
 
 def wanted(ranks_on_host: int, cores: Sequence[int]) -> bool:
@@ -69,9 +81,13 @@ def pin_process(cores: Sequence[int]) -> None:
             os.sched_setaffinity(int(tid), set(cores))
 
 
-def pin_rank(rank: int, stage_of: Sequence[int], hosts: Sequence[str]) -> int | None:
+def pin_rank(
+    rank: int, stage_of: Sequence[int], hosts: Sequence[str], spin: Sequence = ()
+) -> int | None:
     """Pin this process for `rank` when `wanted`; returns the core, or None (not pinned: a
-    process pinned by an earlier build gets all its usable cores back)."""
+    process pinned by an earlier build gets all its usable cores back). Pinned, with a core
+    for every rank of its stage on the host, the local transports in `spin` get
+    `local_transport.SPIN_S` (their peers of the running stage each have a core)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
     cores = usable_cores()
@@ -81,4 +97,9 @@ def pin_rank(rank: int, stage_of: Sequence[int], hosts: Sequence[str]) -> int | 
         return None
     core = core_for(rank, stage_of, hosts, cores)
     pin_process([core])
+    if stage_has_cores(rank, stage_of, hosts):
+        from actors.comm.local_transport import SPIN_S
+
+        for transport in spin:
+            transport.spin_s = SPIN_S
     return core

@@ -12,7 +12,7 @@ import pytest
 
 from actors.comm import affinity
 from actors.comm.group import Rendezvous
-from actors.comm.local_transport import core_per_rank
+from actors.comm.local_transport import SPIN_S, spin_for
 from actors.rank_runner import run_ranks
 from placement.parallel_dims import Layout, parse_layout
 from tests.actors.checkpoints import make_tiny_checkpoint
@@ -51,7 +51,7 @@ def test_modes(monkeypatch):
 PIN_SCRIPT = """
 import json, os, threading
 from actors.comm import affinity
-from actors.comm.local_transport import core_per_rank
+from actors.comm.local_transport import SPIN_S, core_per_rank, spin_for
 every = sorted(os.sched_getaffinity(0))
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
@@ -94,7 +94,13 @@ def _pinned_core(rank, world_size, rendezvous, layout, path):
 
     worker = ShardWorker(layout=layout, rank=rank, checkpoint_dir=path, rendezvous=rendezvous)
     try:
-        return {"core": worker.health()["core"], "cores": sorted(os.sched_getaffinity(0))}
+        from placement.parallel_dims import Axis
+
+        return {
+            "core": worker.health()["core"],
+            "cores": sorted(os.sched_getaffinity(0)),
+            "spin_s": worker.groups[Axis.EP].local.spin_s,
+        }
     finally:
         worker.close()
 
@@ -102,8 +108,9 @@ def _pinned_core(rank, world_size, rendezvous, layout, path):
 @pytest.mark.parametrize("pin", ["1", "0"])
 def test_shard_workers_of_ep2xpp2_pin_per_stage(tmp_path, monkeypatch, pin):
     """Four ShardWorker processes of one host: with MOE_PIN_RANKS=1 the EP peers of each stage
-    sit on different cores (when there are two) and the stages share them; with 0 nothing is
-    pinned."""
+    sit on different cores (when there are two) and the stages share them, and their EP
+    exchanges spin; with 0 nothing is pinned and the spin is the host's (none for 4 ranks on
+    fewer cores)."""
     monkeypatch.setenv("MOE_PIN_RANKS", pin)
     path = make_tiny_checkpoint("mixtral", tmp_path)
     layout = Layout.build(parse_layout("ep2xpp2"), num_layers=4, num_experts=4)
@@ -114,8 +121,10 @@ def test_shard_workers_of_ep2xpp2_pin_per_stage(tmp_path, monkeypatch, pin):
     if pin == "0":
         assert [g["core"] for g in got] == [None] * 4
         assert all(g["cores"] == every for g in got)
+        assert [g["spin_s"] for g in got] == [spin_for(4)] * 4
         return
     want = [every[i % len(every)] for i in (0, 1, 0, 1)]
     assert [g["core"] for g in got] == want
     assert [g["cores"] for g in got] == [[c] for c in want]
-    assert core_per_rank(1)
+    # an EP stage of two: its ranks spin before they block when each has a core
+    assert [g["spin_s"] for g in got] == [SPIN_S if len(every) >= 2 else spin_for(4)] * 4
