@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from actors.kernels import fused
-from actors.kernels.gemv import gdc_enter, pdl_kwargs
+from actors.kernels.gemv import pdl_kwargs
 
 ROUTER_PLAN = [True]
 """Switch of the fused routing + plan (the benchmark times both)."""
@@ -39,6 +39,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 if fused.triton_available():
     import triton
     import triton.language as tl
+
+    from actors.kernels.gemv import gdc_enter
 
     @triton.jit
     def _topk_plan_body(logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr,
