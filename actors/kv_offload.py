@@ -430,8 +430,11 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
             if want is None:
                 expect()
             rows = staging[a : a + ok]
-            good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
             mine = [r - a for r in hosted if a <= r < a + ok]
+            fused = getattr(scatter, "fused", None) if writes is None and not mine else None
+            if fused is not None:  # checks, verdicts and paged writes in 3 kernels (round 13)
+                return fused(a, rows, want[a : a + ok], verdict[a : a + ok])
+            good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
             if mine:
                 mask = torch.zeros(ok, dtype=torch.bool)
                 mask[mine] = True

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actors import kv_offload, kv_stage_kernel
+from actors import kv_load_kernel, kv_offload, kv_stage_kernel
 from actors.kv_cache import KVCache
 from actors.kv_store_puts import base_store
 from cache_service.block_key import BlockKey
@@ -160,6 +160,9 @@ def load_into(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[BlockK
         data = rows[:, HEADER_BYTES:].view(layout.dtype).view(k, *shape)
         kv.write_blocks(ids[a : a + k], data)
 
+    if kv_load_kernel.fused_load_on(device):
+        fused = kv_load_kernel.FusedLoad(kv, ids)
+        scatter.fused = fused if fused.usable() else None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with t._batch_lock:

@@ -46,6 +46,11 @@ R12 = {
     "r12": {"MOE_KV_R12": "1", "MOE_KV_FUSED": "1"},
 }
 """--r12-ab's variants: round 11, round 12 without its fused staging kernel, round 12."""
+R13 = {"r12load": {"MOE_KV_FUSED_LOAD": "0"}, "r13load": {"MOE_KV_FUSED_LOAD": "1"}}
+"""--r13-ab's variants: a load span checked and written by torch ops, or by kv_load_kernel."""
+AFTER_DECODE = ["bench/gpu_moe.py", "--models", "qwen3-30b-a3b", "--shapes", "1x1024,32x8192",
+                "--no-prefill", "--skip-hf"]  # fmt: skip
+"""The offload row where it was slowest (round 13): in the process after the decode rows."""
 GPU_MOE = ["bench/gpu_moe.py", "--models", "qwen3-30b-a3b", "--no-decode", "--no-prefill",
            "--skip-hf"]  # fmt: skip
 
@@ -65,7 +70,7 @@ def run(out: Path, name: str, variant: str, args: list[str], trace: bool, limit:
     limit = min(limit, left)
     env = dict(os.environ)
     if env_var == "MOE_KV_R12":
-        env.update(R12[variant])
+        env.update({**R12, **R13}[variant])
     elif variant in PAGED:
         env["MOE_KV_PAGED"] = PAGED[variant]
     else:
@@ -144,9 +149,23 @@ def main() -> int:
         metavar="N",
         help="round 11: N offload_profile pairs, MOE_KV_PAGED=0 vs 1 (only these)",
     )
+    p.add_argument("--r13-ab", type=int, default=0, metavar="N",
+                   help="round 13: N gpu_moe pairs (decode rows, then the offload row), "
+                   "MOE_KV_FUSED_LOAD=0 vs 1 (only these)")  # fmt: skip
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.r13_ab:
+        rows: dict = {}
+        for rep in range(args.r13_ab):
+            for v in R13:
+                name = f"{v}_{rep}"
+                run(out, name, v, [*AFTER_DECODE, "--out", str(out / f"off_{name}.json")], True,
+                    args.limit_s, args.budget_s, "MOE_KV_R12")  # fmt: skip
+                rows[name] = offload_row(out / f"off_{name}.json")
+        (out / "summary.json").write_text(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1))
+        return 0
     if args.r12_ab:
         return paged_ab(out, args, R12, "MOE_KV_R12", args.r12_ab)
     if args.paged_ab:
