@@ -54,7 +54,11 @@ def stage_peers(rank: int, stage_of: Sequence[int], hosts: Sequence[str]) -> lis
 
 
 def core_for(rank: int, stage_of: Sequence[int], hosts: Sequence[str], cores: Sequence[int]) -> int:
-    """The core of `rank`: its index among the ranks of its stage on its host, mod the cores."""
+    """The core of `rank`: its index among the ranks of its stage on its host, mod the cores;
+    where the host has a core per rank (stages that may overlap), its index on the host."""
+    on_host = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
+    if len(on_host) <= len(cores):
+        return cores[on_host.index(rank)]
     return cores[stage_peers(rank, stage_of, hosts).index(rank) % len(cores)]
 
 

@@ -34,6 +34,10 @@ def test_each_stage_spreads_over_the_cores():
     assert [affinity.core_for(r, [0, 0, 1, 1], two_hosts, [0, 1]) for r in range(4)] == [0, 1] * 2
     # pp4 on one host: every rank is the first of its stage
     assert [affinity.core_for(r, [0, 1, 2, 3], one_host, [0, 1]) for r in range(4)] == [0] * 4
+    # a core per rank on the host (stages may overlap): one core each
+    assert [affinity.core_for(r, [0, 1], ["h"] * 2, [0, 1]) for r in range(2)] == [0, 1]
+    four = [affinity.core_for(r, ep2xpp2, one_host, [0, 1, 2, 3]) for r in range(4)]
+    assert four == list(range(4))
 
 
 def test_modes(monkeypatch):
@@ -71,7 +75,7 @@ print(json.dumps({"every": every, "core": core, "threads": threads, "after": see
 
 def test_pin_rank_moves_every_thread_and_a_later_build_unpins():
     """In a fresh process: rank 3 of ep2xpp2 (MOE_PIN_RANKS=1) goes to the second usable core
-    (mod their count) with every thread, one started before and one after; the cores counted
+    (mod their count; the fourth where there are four) with every thread, one started before and one after; the cores counted
     for overlap stay the ones from before; a later build that does not pin gets them back."""
     env = {**os.environ, "MOE_PIN_RANKS": "1"}
     done = subprocess.run(
@@ -80,7 +84,7 @@ def test_pin_rank_moves_every_thread_and_a_later_build_unpins():
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     every = got["every"]
-    want = every[1 % len(every)]
+    want = every[3] if len(every) >= 4 else every[1 % len(every)]  # a core per rank, or by stage
     assert got["core"] == want
     assert len(got["threads"]) >= 2
     assert all(cores == [want] for cores in got["threads"].values())
@@ -123,7 +127,7 @@ def test_shard_workers_of_ep2xpp2_pin_per_stage(tmp_path, monkeypatch, pin):
         assert all(g["cores"] == every for g in got)
         assert [g["spin_s"] for g in got] == [spin_for(4)] * 4
         return
-    want = [every[i % len(every)] for i in (0, 1, 0, 1)]
+    want = every[:4] if len(every) >= 4 else [every[i % len(every)] for i in (0, 1, 0, 1)]
     assert [g["core"] for g in got] == want
     assert [g["cores"] for g in got] == [[c] for c in want]
     # an EP stage of two: its ranks spin before they block when each has a core
