@@ -111,21 +111,21 @@ DECODE_STEPS = """
 import json, tempfile
 from pathlib import Path
 import torch
-from actors.kernels import paged_decode, router_plan
+from actors.kernels import fused, paged_decode, router_plan
 from actors.runner import LocalRunner
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.test_kernels_decode import _step
 path = make_tiny_checkpoint("qwen3_moe", Path(tempfile.mkdtemp()) / "ckpt", num_hidden_layers=2)
 res = {}
-for on in (True, False):
-    paged_decode.ROPE_IN_PARTIAL[0] = router_plan.ROUTER_PLAN[0] = on
-    r = LocalRunner.from_checkpoint(path); r.fast_decode = True; r.triton_attention = True
+for on in (True, False):  # the fused Triton path, then plain torch (no interpreter: quicker)
+    fused.FUSED_ENABLED[0] = on
+    r = LocalRunner.from_checkpoint(path); r.fast_decode = True; r.triton_attention = on
     r.allocate_kv(12, 16)  # the Triton attention takes blocks of 16 and more
     tables = [[3, 7, 1], [2, 5, 8]]
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (14, 5)]
     rows = [r.forward(_step(seqs, [14, 5], tables, 16))]
-    for _ in range(4):  # the first sequence crosses into its second block
+    for _ in range(3):  # the first sequence crosses into its second block (14 -> 17)
         for s in seqs:
             s.append(int(torch.randint(0, 96, (1,), generator=gen)))
         rows.append(r.forward(_step(seqs, [1, 1], tables, 16)))
@@ -138,8 +138,9 @@ print(json.dumps([float((a[0] - b[0]).abs().max() / b[0].abs().max()), float((a[
 
 @needs_triton
 def test_decode_steps_with_the_fusions_match_without():
-    """The tiny Qwen3-MoE's decode steps (Triton attention, as on CUDA) with both fusions on and
-    off: the same logits, cache rows, block summaries and routing counts."""
+    """The tiny Qwen3-MoE's decode steps through the Triton kernels as on CUDA (attention with
+    the rotary and K/V write inside, routing + plan fused) against plain torch: the same logits,
+    cache rows, block summaries and routing counts."""
     logit_err, cache_err, summary_err, same_counts = run_interpreted(DECODE_STEPS, timeout=280)
     assert logit_err < 1e-5 and cache_err < 1e-5 and summary_err < 1e-5, (logit_err, cache_err)
     assert same_counts
