@@ -164,7 +164,7 @@ class MoE(nn.Module):
             planned = router_plan.router_plan(
                 x, gate.weight, k, self.routed_counts, norm_topk_prob=gate.norm_topk_prob
             )
-        if planned is not None:  # routing and the plan in one kernel
+        if planned is not None:  # routing and the plan in two kernels (or one: router_plan)
             logits, ids, weights, src, pos, offsets = planned
         elif small and gate.scoring == "softmax":
             logits, ids, weights = fused_kernels.router_softmax_topk(
