@@ -49,9 +49,7 @@ CONFIGS = {
     "r11": {"skip": {"moe_gate_up"}, "rope_in_partial": False, "router_plan": False},
     "rope_only": {"skip": {"moe_gate_up"}, "router_plan": False},
     "router_only": {"skip": {"moe_gate_up"}, "rope_in_partial": False},
-    "router1": {"skip": {"moe_gate_up"}, "router_kernels": 1},  # one kernel, arrival counter
-    "router1_w4": {"skip": {"moe_gate_up"}, "router_kernels": 1, "router_warps": 4},
-    "router2_w4": {"skip": {"moe_gate_up"}, "router_kernels": 2, "router_warps": 4},
+    "router_w4": {"skip": {"moe_gate_up"}, "router_warps": 4},
     # prefill (--prefill N): silu * up in one pass, SDPA on the KV heads as they are
     "prefill_r11": {"skip": {"moe_gate_up"}, "silu_mul": False, "gqa_prefill": False},
     "silu_only": {"skip": {"moe_gate_up"}, "gqa_prefill": False},
@@ -66,7 +64,6 @@ def apply(cfg: dict) -> None:
     moe_kernels.DOWN_GEMV[0] = cfg.get("down_gemv", False)
     paged_decode.ROPE_IN_PARTIAL[0] = cfg.get("rope_in_partial", True)
     router_plan.ROUTER_PLAN[0] = cfg.get("router_plan", True)
-    router_plan.ROUTER_PLAN_KERNELS[0] = cfg.get("router_kernels", 2)
     router_plan.ROUTER_PLAN_WARPS[0] = cfg.get("router_warps", 1)
     moe_kernels.SILU_MUL[0] = cfg.get("silu_mul", True)
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)

@@ -156,12 +156,20 @@ if triton_available():
                  mask=(g < KV)[:, None])  # fmt: skip
 
     @triton.jit
-    def _router_logits_part(x_ptr, w_ptr, out_ptr, t, pe, hid: tl.constexpr, E,
-                            E_BLOCK: tl.constexpr, H_BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        """Logits of token t for experts [pe * E_BLOCK, ...). The first H_BLOCK columns of the
-        weights are loaded before the PDL wait (weights depend on no earlier kernel): their
-        reads overlap the kernels before this one."""
-        e = pe * E_BLOCK + tl.arange(0, E_BLOCK)
+    def _router_logits(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        hid: tl.constexpr,
+        E,
+        E_BLOCK: tl.constexpr,
+        H_BLOCK: tl.constexpr,
+        GDC: tl.constexpr = False,
+    ):
+        """The first H_BLOCK columns of the weights are loaded before the PDL wait (weights
+        depend on no earlier kernel): their reads overlap the kernels before this one."""
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * E_BLOCK + tl.arange(0, E_BLOCK)
         em = e < E
         if GDC:
             gdc_launch_dependents()
@@ -181,12 +189,6 @@ if triton_available():
             ).to(tl.float32)
             acc += tl.sum(w * x[None, :], 1)
         tl.store(out_ptr + t * E + e, acc, mask=em)
-
-    @triton.jit
-    def _router_logits(x_ptr, w_ptr, out_ptr, hid: tl.constexpr, E, E_BLOCK: tl.constexpr,
-                       H_BLOCK: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
-        _router_logits_part(x_ptr, w_ptr, out_ptr, tl.program_id(0).to(tl.int64),
-                            tl.program_id(1), hid, E, E_BLOCK, H_BLOCK, GDC)  # fmt: skip
 
     @triton.jit
     def _topk_row(x, e, em, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,

@@ -159,13 +159,11 @@ class MoE(nn.Module):
         # Step 1: route (small batches: fused softmax top-k, or DeepSeek's group-limited sigmoid).
         small = fused_kernels.use_triton(x) and t * k <= fused_kernels.PLAN_MAX_ROWS
         gate = self.gate
-        planned = None
-        if small and gate.scoring == "softmax" and router_plan.router_plan_suits(x, k):
-            planned = router_plan.router_plan(
+        planned = small and gate.scoring == "softmax" and router_plan.router_plan_suits(x, k)
+        if planned:  # routing and the plan in two kernels
+            logits, ids, weights, src, pos, offsets = router_plan.router_plan(
                 x, gate.weight, k, self.routed_counts, norm_topk_prob=gate.norm_topk_prob
             )
-        if planned is not None:  # routing and the plan in two kernels (or one: router_plan)
-            logits, ids, weights, src, pos, offsets = planned
         elif small and gate.scoring == "softmax":
             logits, ids, weights = fused_kernels.router_softmax_topk(
                 x, gate.weight, k, norm_topk_prob=gate.norm_topk_prob
@@ -186,7 +184,7 @@ class MoE(nn.Module):
         # Step 2: counts, offsets, the sort (src: token of each sorted row) and its inverse.
         # (CPU without autograd: no inverse; the experts write their rows in pair order.)
         cpu = not small and x.device.type == "cpu" and not torch.is_grad_enabled()
-        if planned is not None:
+        if planned:
             counts = None
         elif small:
             src, pos, offsets = fused_kernels.dispatch_plan(flat, k, e, self.routed_counts)

@@ -72,25 +72,22 @@ torch.manual_seed(0)
 out = {}
 E, HID = 24, 40
 W = torch.randn(E, HID)
-for kernels, t, k, norm in ((1, 1, 8, True), (1, 3, 4, False), (1, 4, 2, True), (2, 1, 8, True),
-                            (2, 3, 4, False)):
-    router_plan.ROUTER_PLAN_KERNELS[0] = kernels
+for t, k, norm in ((1, 8, True), (3, 4, False), (4, 2, True)):
     x = torch.randn(t, HID)
     routed = torch.full((E,), 3, dtype=torch.int64)
-    for rep in range(2):  # twice: the counter must be back at zero after a launch
+    for rep in range(2):  # twice: the counts add up
         torch.full((t * E,), float("nan"))  # what the allocator hands out next is not logits
         got = router_plan.router_plan(x, W, k, routed, norm_topk_prob=norm)
     routed_ref = torch.full((E,), 3, dtype=torch.int64)
     lg, ids, wt = fused.router_softmax_topk(x, W, k, norm_topk_prob=norm)
     src, pos, offs = fused.dispatch_plan(ids.reshape(-1), k, E, routed_ref)
-    tag = f"{kernels}:{t}x{k}"
+    tag = f"{t}x{k}"
     out["logits" + tag] = float((got[0] - lg).abs().max())
     out["wts" + tag] = float((got[2] - wt).abs().max())
     out["ints" + tag] = int(sum(int((a != b).sum()) for a, b in
                                 zip((got[1], got[3], got[4], got[5]), (ids, src, pos, offs))))
     # counted twice (two launches), from the same start
     out["routed" + tag] = int(((routed - 3) != 2 * (routed_ref - 3)).sum())
-    out["counter" + tag] = int(router_plan._COUNTERS[x.device].item())
 out["suits5"] = router_plan.router_plan_suits(torch.randn(5, HID), 2)
 print(json.dumps(out))
 """
@@ -101,7 +98,7 @@ def test_router_plan_matches_the_three_kernels():
     got = run_interpreted(ROUTER_PLAN, timeout=280)
     assert got.pop("suits5") is False, got
     for name, err in got.items():
-        if name.startswith(("ints", "routed", "counter")):
+        if name.startswith(("ints", "routed")):
             assert err == 0, (name, got)
         else:
             assert err < 1e-5, (name, got)
