@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -32,8 +33,6 @@ from deploy import vllm_side_by_side as sbs
 
 def batch(vocab: int, i: int, prompts: int, length: int) -> list[list[int]]:
     """Pair i's prompts (the same for both engines; every pair its own)."""
-    import random
-
     rng = random.Random(1000 + i)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(prompts)]
 
@@ -68,25 +67,12 @@ def run(model: Path, *, pairs: int, engines: tuple[str, str] = ("ours", "vllm"),
         prompts: int = sbs.OFFLINE_PROMPTS, length: int = sbs.OFFLINE_LEN,
         out_tokens: int = sbs.OFFLINE_OUT) -> dict[str, Any]:  # fmt: skip
     """Both workers started, then `pairs` batches each, alternating which engine goes first."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("OMP_NUM_THREADS", None)
+    env = sbs.child_env()
     labels = labels_of(engines)
     procs = []
     try:
         for engine in engines:
-            python = sys.executable
-            if engine == "vllm":
-                from deploy.vllm_env import find_python
-
-                found = find_python()
-                if found is None:
-                    from cluster.errors import EnvironmentMissing
-
-                    raise EnvironmentMissing(
-                        "the vLLM venv is not built: python -m deploy.vllm_env ensure"
-                    )
-                python = str(found)
+            python = sbs.engine_python(engine)
             argv = [python, "-m", "deploy.vllm_offline_ab", "--worker", engine,
                     "--model", str(model), "--prompts", str(prompts), "--len", str(length),
                     "--out-tokens", str(out_tokens)]  # fmt: skip

@@ -168,23 +168,34 @@ def measure(engine: str, model: Path, t_start: float) -> dict[str, Any]:
     }
 
 
-def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, Any]:
-    """`measure` in a fresh process; `threads`: its OMP_NUM_THREADS (None: the engine's own)."""
+def child_env(threads: int | None = None) -> dict[str, str]:
+    """An engine process's environment: vLLM's engine in-process, `threads` its
+    OMP_NUM_THREADS (None: the engine's own)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("OMP_NUM_THREADS", None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
-    python = sys.executable
-    if engine == "vllm":
-        from deploy.vllm_env import find_python
+    return env
 
-        found = find_python()
-        if found is None:
-            from cluster.errors import EnvironmentMissing
 
-            raise EnvironmentMissing("the vLLM venv is not built: python -m deploy.vllm_env ensure")
-        python = str(found)
+def engine_python(engine: str) -> str:
+    """The Python an engine runs under: the vLLM venv's for vLLM, this one for ours."""
+    if engine != "vllm":
+        return sys.executable
+    from deploy.vllm_env import find_python
+
+    found = find_python()
+    if found is None:
+        from cluster.errors import EnvironmentMissing
+
+        raise EnvironmentMissing("the vLLM venv is not built: python -m deploy.vllm_env ensure")
+    return str(found)
+
+
+def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, Any]:
+    """`measure` in a fresh process; `threads`: its OMP_NUM_THREADS (None: the engine's own)."""
+    env, python = child_env(threads), engine_python(engine)
     load = os.getloadavg()[0]
     from deploy.vllm_served_side_by_side import child_json
 
