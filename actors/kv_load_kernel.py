@@ -103,6 +103,13 @@ if triton is not None:
         tl.store(verdict + r, ok)
 
 
+def write_rows(kv, ids: Sequence[int], rows: torch.Tensor) -> None:
+    """Encoded rows [k, width] (their payloads) into paged blocks `ids` (summaries refreshed)."""
+    layout = kv.layout
+    data = rows[:, HEADER_BYTES:].view(layout.dtype).view(rows.shape[0], *layout.block_shape)
+    kv.write_blocks(ids, data)
+
+
 class FusedLoad:
     """A load's span checks and paged writes for `kv` blocks `ids` (see the module docstring).
     Call: (a, rows [k, width] uint8 landed, want [k, >= HEADER_WORDS * 8] uint8 expected header
@@ -149,9 +156,7 @@ class FusedLoad:
     def _torch(self, a: int, rows: torch.Tensor, want: torch.Tensor, verdict: torch.Tensor):
         head = HEADER_WORDS * 8
         verdict.copy_(verify_rows(rows) & (rows[:, :head] == want[:, :head]).all(dim=1))
-        k, layout = rows.shape[0], self.kv.layout
-        data = rows[:, HEADER_BYTES:].view(layout.dtype).view(k, *layout.block_shape)
-        self.kv.write_blocks(self.ids[a : a + k], data)
+        write_rows(self.kv, self.ids[a : a + rows.shape[0]], rows)
 
     def _fused(self, a: int, rows: torch.Tensor, want: torch.Tensor, verdict: torch.Tensor):
         k = rows.shape[0]

@@ -24,7 +24,7 @@ from actors import kv_load_kernel, kv_offload, kv_stage_kernel
 from actors.kv_cache import KVCache
 from actors.kv_store_puts import base_store
 from cache_service.block_key import BlockKey
-from cache_service.codec import HEADER_BYTES, HEADER_WORDS
+from cache_service.codec import HEADER_WORDS
 from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
@@ -156,9 +156,7 @@ def load_into(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[BlockK
 
     def scatter(a: int, rows: torch.Tensor) -> None:
         """Rows a .. a + len(rows) (landed, verification queued) into their paged blocks."""
-        k = rows.shape[0]
-        data = rows[:, HEADER_BYTES:].view(layout.dtype).view(k, *shape)
-        kv.write_blocks(ids[a : a + k], data)
+        kv_load_kernel.write_rows(kv, ids[a : a + rows.shape[0]], rows)
 
     if kv_load_kernel.fused_load_on(device):
         fused = kv_load_kernel.FusedLoad(kv, ids)
