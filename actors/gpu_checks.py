@@ -120,13 +120,14 @@ def async_check(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dic
         free, _ = _async_run(overlap=False, prompts=prompts[1:2], stop=[], **kw)
         alone = {"prompts": prompts[1:2], "stop": [free["r0"][9]]}
         same, fed, tokens = True, 0, 0
-        for case, kept in ((lockstep, 64), (alone, 64), (lockstep, 1)):
+        limit = decode_step.GRAPH_LIMIT[0]
+        for case, kept in ((lockstep, limit), (alone, limit), (lockstep, 1)):
             decode_step.GRAPH_LIMIT[0] = kept  # 1: a graph per step at most (drop, recapture)
             try:
                 sequential, _ = _async_run(overlap=False, **case, **kw)
                 overlapped, n = _async_run(overlap=True, **case, **kw)
             finally:
-                decode_step.GRAPH_LIMIT[0] = 64
+                decode_step.GRAPH_LIMIT[0] = limit
             same, fed = same and sequential == overlapped, fed + n
             tokens += sum(len(v) for v in sequential.values())
         out[name] = {"same_tokens": same, "overlapped_steps": fed, "tokens": tokens}
