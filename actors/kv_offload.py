@@ -97,8 +97,7 @@ VERIFY_AFTER_BYTES = 3 << 23
 """A load verifies the spans before one of at least ~24 MiB (or the last) once its copies are
 queued: smaller spans' copies are shorter than the ~30 launches of a verification (x2 host)."""
 SMALL_LOAD_BYTES = 1 << 26
-"""A load of at most ~64 MiB is one span: one fetch, one verification launch group (small blocks
-are bound by per-call costs, not by the copy)."""
+"""A load of at most ~64 MiB is one span: one fetch, one verification launch group."""
 
 
 def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
@@ -121,8 +120,10 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     # the last copies (`_store_pieces`), the collector back on at the end.
     with _collector_off(_holds_gc(_on_cuda(src))) as hold:
         lease = arena.take(width, n) if arena is not None else None
+        marks.mark("leased")
         try:
             pieces = _pieces(t, n, width, lease, pinned=cuda, fresh=adopt)
+            marks.mark("pieces")
             out = _store_pieces(t, keys, src, blocks.dtype, shape, pieces, lease, adopt, mix,
                                 marks, paged, idle_gc=hold)  # fmt: skip
         finally:

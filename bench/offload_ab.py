@@ -114,6 +114,7 @@ def trace_rows(path: Path) -> dict:
         keys = ["all", "before_first_copy", "copies", "after_copies_on_device",
                 "host_after_device", "gc_collections", "gc_ms", "launched_ms", "puts_done_ms",
                 "closed_ms"]  # fmt: skip
+        keys += ["leased_ms", "pieces_ms", "queued0_ms", "landed0_ms"]  # the store's start
         keys += [f"{w}{i}_ms" for i in batches[-4:] for w in ("seen", "put")]
         pieces = sorted(int(k[6:-3]) for k in mine[0] if k.startswith("landed"))
         keys += [f"landed{c}_ms" for c in pieces[-4:]]
