@@ -86,22 +86,30 @@ class DecoderLayer(nn.Module):
         """`defer` (Triton path, no capture): return (h, ff) unsummed; a tuple x is such a pair
         from the layer before, summed by this layer's input-norm kernel (one kernel, not two)."""
         kv = paged.layer(self.index) if paged is not None else None
-        if isinstance(x, tuple):
-            pre = self.input_layernorm
-            x, normed_in = fused.rms_norm(x[1], pre.weight, pre.eps, residual=x[0])
+        pre, post, norm_in = self.input_layernorm, self.post_attention_layernorm, None
+        if not isinstance(x, tuple):
+            normed_in = pre(x)
+        elif isinstance(self.self_attn, GQAAttention) and self.self_attn.takes_norm(x[1], kv):
+            # the q/k/v GEMV sums, norms, and writes the sum (one kernel less)
+            norm_in = (x[0], pre.weight, pre.eps, torch.empty_like(x[0]))
+            normed_in, x = x[1], norm_in[3]
         else:
-            normed_in = self.input_layernorm(x)
-        attn = self.self_attn(normed_in, cos, sin, seq_lens, kv)
-        post = self.post_attention_layernorm
-        if fused.use_triton(x):
+            x, normed_in = fused.rms_norm(x[1], pre.weight, pre.eps, residual=x[0])
+        if norm_in is None:
+            attn = self.self_attn(normed_in, cos, sin, seq_lens, kv)
+        else:
+            attn = self.self_attn(normed_in, cos, sin, seq_lens, kv, norm=norm_in)
+        moe, ff = isinstance(self.mlp, MoE), None
+        if moe and self.mlp.takes_norm(attn):  # the router's logits kernel sums and norms
+            h = torch.empty_like(x)
+            ff = self.mlp(attn, capture, f"{self.name}.mlp", norm=(x, post.weight, post.eps, h))
+        elif fused.use_triton(x):
             h, normed = fused.rms_norm(x, post.weight, post.eps, residual=attn)
         else:
             h = x + attn
             normed = post(h)
-        if isinstance(self.mlp, MoE):
-            ff = self.mlp(normed, capture, f"{self.name}.mlp")
-        else:
-            ff = self.mlp(normed)
+        if ff is None:
+            ff = self.mlp(normed, capture, f"{self.name}.mlp") if moe else self.mlp(normed)
         if defer and capture is None and ff.shape == h.shape and ff.dtype == h.dtype:
             return h, ff
         out = h + ff

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import gpu_bench, gpu_bench_parts
-from actors.kernels import gemv, moe_kernels, paged_decode, router_plan
+from actors.kernels import fused, gemv, moe_kernels, paged_decode, router_plan
 from actors.kernels.decode_step import DecodeGraphs
 from actors.layers import attention
 
@@ -54,6 +54,10 @@ CONFIGS = {
     "prefill_r11": {"skip": {"moe_gate_up"}, "silu_mul": False, "gqa_prefill": False},
     "silu_only": {"skip": {"moe_gate_up"}, "gqa_prefill": False},
     "gqa_only": {"skip": {"moe_gate_up"}, "silu_mul": False},
+    # round 14: the input norm inside the q/k/v GEMV, the post-attention norm inside the router
+    "r13": {"skip": {"moe_gate_up"}, "norm_in_qkv": False, "norm_in_router": False},
+    "qkv_norm_only": {"skip": {"moe_gate_up"}, "norm_in_router": False},
+    "router_norm_only": {"skip": {"moe_gate_up"}, "norm_in_qkv": False},
 }
 
 
@@ -67,6 +71,8 @@ def apply(cfg: dict) -> None:
     router_plan.ROUTER_PLAN_WARPS[0] = cfg.get("router_warps", 1)
     moe_kernels.SILU_MUL[0] = cfg.get("silu_mul", True)
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
+    attention.NORM_IN_QKV[0] = cfg.get("norm_in_qkv", True)
+    fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 

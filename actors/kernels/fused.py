@@ -40,6 +40,9 @@ ROUTER_TILES = {"small": (2, 2048, 4), "mid": (2, 2048, 4), "large": (2, 2048, 4
 4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens, round 7:
 a whole 2048-wide row of two experts per program); the benchmark times candidates and may
 retune."""
+NORM_IN_ROUTER = [True]
+"""A decode step's post-attention RMSNorm (and residual add) inside the router logits kernel
+where the MoE takes it (`norm_in_router`; the benchmark times both)."""
 SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
 one warp they need no shared memory). One warp was fastest of 1/2/4/8 on the H200 (round 7:
@@ -165,9 +168,17 @@ if triton_available():
         E_BLOCK: tl.constexpr,
         H_BLOCK: tl.constexpr,
         GDC: tl.constexpr = False,
+        r_ptr=None,
+        nw_ptr=None,
+        h_ptr=None,
+        y_ptr=None,
+        eps=0.0,
+        NORM: tl.constexpr = False,
     ):
         """The first H_BLOCK columns of the weights are loaded before the PDL wait (weights
-        depend on no earlier kernel): their reads overlap the kernels before this one."""
+        depend on no earlier kernel): their reads overlap the kernels before this one. NORM
+        (H_BLOCK >= hid): each program norms its row x + r as `_rms` does (same roundings) and
+        uses that; the programs of expert block 0 write the sum to h and the normed row to y."""
         t = tl.program_id(0).to(tl.int64)
         e = tl.program_id(1) * E_BLOCK + tl.arange(0, E_BLOCK)
         em = e < E
@@ -176,9 +187,21 @@ if triton_available():
         hb = tl.arange(0, H_BLOCK)
         w0 = tl.load(w_ptr + e[:, None] * hid + hb[None, :], mask=em[:, None] & (hb < hid)[None, :],
                      other=0.0)  # fmt: skip
+        if NORM:
+            nw = tl.load(nw_ptr + hb, mask=hb < hid, other=0.0).to(tl.float32)
         if GDC:
             gdc_wait()
         x0 = tl.load(x_ptr + t * hid + hb, mask=hb < hid, other=0.0).to(tl.float32)
+        if NORM:
+            row = t * hid + hb
+            hs = x0 + tl.load(r_ptr + row, mask=hb < hid, other=0.0).to(tl.float32)
+            hs = hs.to(h_ptr.dtype.element_ty)
+            x0 = hs.to(tl.float32)
+            ys = (x0 * tl.rsqrt(tl.sum(x0 * x0, 0) / hid + eps) * nw).to(y_ptr.dtype.element_ty)
+            if tl.program_id(1) == 0:
+                tl.store(h_ptr + row, hs, mask=hb < hid)
+                tl.store(y_ptr + row, ys, mask=hb < hid)
+            x0 = ys.to(tl.float32)
         acc = tl.sum(w0.to(tl.float32) * x0[None, :], 1)
         for h0 in range(H_BLOCK, hid, H_BLOCK):
             hh = h0 + tl.arange(0, H_BLOCK)
@@ -426,18 +449,44 @@ def router_softmax_topk(
     return logits, ids, wts
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """x [T, H], weight [E, H] -> logits [T, E] float32, and empty ids/weights [T, k] for a top-k."""
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, k: int, norm: tuple | None = None
+) -> tuple[torch.Tensor, ...]:
+    """x [T, H], weight [E, H] -> logits [T, E] float32, and empty ids/weights [T, k] for a top-k.
+    norm = (residual, norm weight, eps, h, y) (each [T, H] but the weight; `norm_in_router`
+    says when it serves): the logits of y = rms_norm(x + residual), h and y written
+    (`rms_norm` and the logits in one kernel)."""
     (t, hid), e = x.shape, weight.shape[0]
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     # Few tokens: few experts per program, so the router weights spread over many programs.
-    e_block, h_block, warps = ROUTER_TILES["small" if t <= 4 else "mid" if t <= 16 else "large"]
+    e_block, h_block, warps = ROUTER_TILES[_router_size(t)]
+    r, nw, eps, h, y = norm if norm is not None else (None, None, 0.0, None, None)
+    if norm is not None and _pow2(hid) > h_block:
+        raise ValueError(
+            f"router_logits: the fused norm needs a row in one tile ({hid} > {h_block})"
+        )
     _router_logits[(t, triton.cdiv(e, e_block))](
         x.contiguous(), weight.contiguous(), logits, hid, e, E_BLOCK=e_block,
         H_BLOCK=min(h_block, _pow2(hid)), num_warps=warps, **pdl_kwargs(x, "router_logits"),
+        **({} if norm is None else {"r_ptr": r.contiguous(), "nw_ptr": nw, "h_ptr": h,
+                                    "y_ptr": y, "eps": eps, "NORM": True}),
     )  # fmt: skip
     ids, wts = torch.empty(t, k, dtype=torch.int64, device=x.device), logits.new_empty(t, k)
     return logits, ids, wts
+
+
+def _router_size(t: int) -> str:
+    return "small" if t <= 4 else "mid" if t <= 16 else "large"
+
+
+def norm_in_router(x: torch.Tensor) -> bool:
+    """Whether `router_logits(norm=...)` serves x [T, H]: NORM_IN_ROUTER on, Triton on x's
+    device, the row in one weight tile."""
+    return (
+        NORM_IN_ROUTER[0]
+        and use_triton(x)
+        and _pow2(x.shape[-1]) <= ROUTER_TILES[_router_size(x.shape[0])][1]
+    )
 
 
 def dispatch_plan(

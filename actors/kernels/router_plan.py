@@ -68,15 +68,17 @@ def router_plan(
     routed_counts: torch.Tensor,
     *,
     norm_topk_prob: bool,
+    norm: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """x [T, H], weight [E, H] -> (logits, ids, weights, src, pos, offsets) as the three kernels
-    give them (module docstring)."""
+    give them (module docstring). norm: `fused.router_logits`'s (the logits of the normed x +
+    residual)."""
     t, e = x.shape[0], weight.shape[0]
     dev = x.device
     src = torch.empty(t * k, dtype=torch.int64, device=dev)
     pos = torch.empty(t * k, dtype=torch.int64, device=dev)
     offsets = torch.empty(e, dtype=torch.int32, device=dev)
-    logits, ids, wts = fused.router_logits(x, weight, k)
+    logits, ids, wts = fused.router_logits(x, weight, k, norm)
     _topk_plan[(1,)](
         logits, ids, wts, src, pos, offsets, routed_counts, T=t, E=e, E_PAD=fused._pow2(e), K=k,
         K_PAD=fused._pow2(k), NORM=norm_topk_prob, R_PAD=max(16, fused._pow2(t * k)),

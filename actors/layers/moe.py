@@ -109,9 +109,35 @@ class MoE(nn.Module):
         self.register_buffer("global_to_local", to_local, persistent=False)
         self.register_buffer("routed_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
 
+    def takes_norm(self, x: torch.Tensor) -> bool:
+        """Whether `forward(norm=...)` serves x [T, H]: world size 1, softmax routing and its
+        plan in two kernels (`router_plan`), the logits kernel able to norm the row itself."""
+        t, k = x.shape[0], self.arch.top_k
+        return (
+            isinstance(self.ep, LocalDispatch)
+            and self.gate.scoring == "softmax"
+            and t * k <= fused_kernels.PLAN_MAX_ROWS
+            and router_plan.router_plan_suits(x, k)
+            and fused_kernels.norm_in_router(x)
+        )
+
     def forward(
-        self, x: torch.Tensor, capture: dict[str, torch.Tensor] | None = None, name: str = ""
+        self,
+        x: torch.Tensor,
+        capture: dict[str, torch.Tensor] | None = None,
+        name: str = "",
+        norm: tuple | None = None,
     ) -> torch.Tensor:
+        """norm (where `takes_norm`): (residual, norm weight, eps, h): x is the attention's
+        output; the router's logits kernel sums and norms it, writes the sum to h, and the
+        normed rows are what the experts take."""
+        if norm is not None:
+            y = torch.empty_like(x)
+            routed = router_plan.router_plan(x, self.gate.weight, self.arch.top_k,
+                                             self.routed_counts,
+                                             norm_topk_prob=self.gate.norm_topk_prob,
+                                             norm=(*norm, y))  # fmt: skip
+            return self._forward_local(y, capture, name, routed)
         if isinstance(self.ep, LocalDispatch):
             return self._forward_local(x, capture, name)
         # Step 1: route and count.
@@ -149,7 +175,9 @@ class MoE(nn.Module):
                 capture[f"{name}.shared_experts"] = shared
         return out
 
-    def _forward_local(self, x: torch.Tensor, capture: dict | None, name: str) -> torch.Tensor:
+    def _forward_local(
+        self, x: torch.Tensor, capture: dict | None, name: str, routed: tuple | None = None
+    ) -> torch.Tensor:
         """World size 1: sort the (token, k) pairs once, and combine through the inverse
         permutation (a gather and a weighted sum per token: no scatter, no atomics). On the
         CPU (no autograd) the experts scatter their rows back to (token, k) order themselves,
@@ -160,7 +188,10 @@ class MoE(nn.Module):
         small = fused_kernels.use_triton(x) and t * k <= fused_kernels.PLAN_MAX_ROWS
         gate = self.gate
         planned = small and gate.scoring == "softmax" and router_plan.router_plan_suits(x, k)
-        if planned:  # routing and the plan in two kernels
+        if routed is not None:  # routed by `forward` (the norm in the logits kernel)
+            planned = True
+            logits, ids, weights, src, pos, offsets = routed
+        elif planned:  # routing and the plan in two kernels
             logits, ids, weights, src, pos, offsets = router_plan.router_plan(
                 x, gate.weight, k, self.routed_counts, norm_topk_prob=gate.norm_topk_prob
             )
