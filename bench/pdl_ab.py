@@ -55,9 +55,10 @@ CONFIGS = {
     "silu_only": {"skip": {"moe_gate_up"}, "gqa_prefill": False},
     "gqa_only": {"skip": {"moe_gate_up"}, "silu_mul": False},
     # round 14: the input norm inside the q/k/v GEMV, the post-attention norm inside the router
-    "r13": {"skip": {"moe_gate_up"}, "norm_in_qkv": False, "norm_in_router": False},
-    "qkv_norm_only": {"skip": {"moe_gate_up"}, "norm_in_router": False},
-    "router_norm_only": {"skip": {"moe_gate_up"}, "norm_in_qkv": False},
+    "r13": {"skip": {"moe_gate_up"}, "norm_in_router": False},
+    "qkv_norm_only": {"skip": {"moe_gate_up"}, "norm_in_qkv": True, "norm_in_router": False},
+    "router_norm_only": {"skip": {"moe_gate_up"}},  # = the defaults since round 14
+    "both_norms": {"skip": {"moe_gate_up"}, "norm_in_qkv": True},
 }
 
 
@@ -71,7 +72,7 @@ def apply(cfg: dict) -> None:
     router_plan.ROUTER_PLAN_WARPS[0] = cfg.get("router_warps", 1)
     moe_kernels.SILU_MUL[0] = cfg.get("silu_mul", True)
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
-    attention.NORM_IN_QKV[0] = cfg.get("norm_in_qkv", True)
+    attention.NORM_IN_QKV[0] = cfg.get("norm_in_qkv", False)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))

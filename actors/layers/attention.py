@@ -341,9 +341,11 @@ def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 FUSE_QKV = [True]
 """Switch of the stacked q/k/v projection on CUDA decode steps (GQAAttention._qkv)."""
-NORM_IN_QKV = [True]
+NORM_IN_QKV = [False]
 """One-token CUDA decode steps: the layer's input RMSNorm (and residual add) inside the q/k/v
-GEMV (`GQAAttention.takes_norm`; the benchmark times both)."""
+GEMV (`GQAAttention.takes_norm`). Off: on the H200 it made Qwen3's step slower (round 14,
+`bench/pdl_ab.py`, one process: 1 x 1K 2.81 -> 2.87 ms, 1 x 8K 3.25 -> 3.35; each of the GEMV's
+640 programs, ~5 waves, norms the row after its dependency wait, where one norm kernel ran)."""
 CPU_STACKED_QKV_TOKENS = [256]
 """CPU steps of at most this many tokens take GQAAttention._cpu_prologue (0: none)."""
 
