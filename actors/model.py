@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,14 +37,6 @@ if TYPE_CHECKING:
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 Capture = dict[str, torch.Tensor] | None
-
-
-class Normed(NamedTuple):
-    """A layer's output on the Triton path when its combine kernel also applied the next
-    layer's input norm: h (the residual stream) and y = input_layernorm(h)."""
-
-    h: torch.Tensor
-    y: torch.Tensor
 
 
 class DecoderLayer(nn.Module):
@@ -90,17 +82,12 @@ class DecoderLayer(nn.Module):
         paged: PagedContext | None = None,
         *,
         defer: bool = False,
-        next_norm: RMSNorm | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`defer` (Triton path, no capture): return (h, ff) unsummed; a tuple x is such a pair
-        from the layer before, summed by this layer's input-norm kernel (one kernel, not two).
-        With `next_norm` (the next layer's input norm) an MoE layer whose combine kernel can
-        apply it returns `Normed` (the sum and its norm) instead; a `Normed` x is used as is."""
+        from the layer before, summed by this layer's input-norm kernel (one kernel, not two)."""
         kv = paged.layer(self.index) if paged is not None else None
         pre, post, norm_in = self.input_layernorm, self.post_attention_layernorm, None
-        if isinstance(x, Normed):
-            x, normed_in = x
-        elif not isinstance(x, tuple):
+        if not isinstance(x, tuple):
             normed_in = pre(x)
         elif isinstance(self.self_attn, GQAAttention) and self.self_attn.takes_norm(x[1], kv):
             # the q/k/v GEMV sums, norms, and writes the sum (one kernel less)
@@ -112,25 +99,17 @@ class DecoderLayer(nn.Module):
             attn = self.self_attn(normed_in, cos, sin, seq_lens, kv)
         else:
             attn = self.self_attn(normed_in, cos, sin, seq_lens, kv, norm=norm_in)
-        moe, ff, name = isinstance(self.mlp, MoE), None, f"{self.name}.mlp"
-        fold = moe and defer and capture is None and next_norm is not None
-        fold = fold and self.mlp.takes_norm_out(attn)
-
-        def out_norm(h: torch.Tensor) -> dict:  # the combine adds and norms for the next layer
-            return {"norm_out": (h, next_norm.weight, next_norm.eps)} if fold else {}
-
+        moe, ff = isinstance(self.mlp, MoE), None
         if moe and self.mlp.takes_norm(attn):  # the router's logits kernel sums and norms
             h = torch.empty_like(x)
-            ff = self.mlp(attn, capture, name, norm=(x, post.weight, post.eps, h), **out_norm(h))
+            ff = self.mlp(attn, capture, f"{self.name}.mlp", norm=(x, post.weight, post.eps, h))
         elif fused.use_triton(x):
             h, normed = fused.rms_norm(x, post.weight, post.eps, residual=attn)
         else:
             h = x + attn
             normed = post(h)
         if ff is None:
-            ff = self.mlp(normed, capture, name, **out_norm(h)) if moe else self.mlp(normed)
-        if isinstance(ff, tuple):
-            return Normed(*ff)
+            ff = self.mlp(normed, capture, f"{self.name}.mlp") if moe else self.mlp(normed)
         if defer and capture is None and ff.shape == h.shape and ff.dtype == h.dtype:
             return h, ff
         out = h + ff
@@ -253,10 +232,8 @@ class StageModel(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         # CUDA Triton path: each layer's residual add runs inside the next layer's input norm.
         defer = capture is None and fused.use_triton(x)
-        layers = list(self.layers.values())
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1].input_layernorm if defer and i + 1 < len(layers) else None
-            x = layer(x, cos, sin, seq_lens, capture, paged, defer=defer, next_norm=nxt)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, seq_lens, capture, paged, defer=defer)
         if isinstance(x, tuple):
             x = x[0] + x[1]
         if not self.last:

@@ -25,8 +25,6 @@ live in `actors.kernels.moe_kernels`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from actors.kernels import triton_available, triton_interpreted
@@ -42,11 +40,6 @@ ROUTER_TILES = {"small": (2, 2048, 4), "mid": (2, 2048, 4), "large": (2, 2048, 4
 4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens, round 7:
 a whole 2048-wide row of two experts per program); the benchmark times candidates and may
 retune."""
-COMBINE_NORM = [os.environ.get("MOE_COMBINE_NORM", "1") != "0"]
-"""The MoE's combine kernel also adds the residual and applies the next layer's input norm
-(`DecoderLayer(next_norm=...)`; MOE_COMBINE_NORM=0 turns it off; the benchmark times both)."""
-COMBINE_NORM_MAX = 8192
-"""Widest row the combine + norm kernel takes (one program a row)."""
 NORM_IN_ROUTER = [True]
 """A decode step's post-attention RMSNorm (and residual add) inside the router logits kernel
 where the MoE takes it (`norm_in_router`). On the H200 (round 14, `bench/pdl_ab.py`, one
@@ -317,10 +310,7 @@ if triton_available():
     @triton.jit
     def _combine(y_ptr, rest_ptr, split, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
                  K: tl.constexpr, HAS_RES: tl.constexpr, HAS_REST: tl.constexpr,
-                 BLOCK: tl.constexpr, GDC: tl.constexpr, hr_ptr=None, nw_ptr=None, h_ptr=None,
-                 eps=0.0, NORM: tl.constexpr = False):  # fmt: skip
-        """NORM (BLOCK >= hid): the sum, rounded, plus the row hr, rounded, to h; its RMSNorm
-        times nw to out (the next layer's input norm, as `_rms` rounds it)."""
+                 BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
         gdc_enter(GDC)
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -335,15 +325,6 @@ if triton_available():
             if HAS_REST:  # rows from `split` on live in the second source (one branch per row)
                 row = tl.where(p < split, row, rest_ptr + (p - split) * hid)
             acc += w * tl.load(row + c, mask=m, other=0.0).to(tl.float32)
-        if NORM:
-            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-            hs = (acc + tl.load(hr_ptr + t * hid + c, mask=m, other=0.0).to(tl.float32)).to(
-                h_ptr.dtype.element_ty
-            )
-            tl.store(h_ptr + t * hid + c, hs, mask=m)
-            acc = hs.to(tl.float32)
-            acc = acc * tl.rsqrt(tl.sum(acc * acc, 0) / hid + eps)
-            acc = acc * tl.load(nw_ptr + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * hid + c, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -543,38 +524,27 @@ def combine(
     residual: torch.Tensor | None = None,
     *,
     y_rest: torch.Tensor | None = None,
-    norm: tuple | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype:
     residual[t] + sum_k weights[t, k] * rows[pos[t, k]].
 
     rows = y_sorted, or with `y_rest` [R', H] the rows of y_sorted followed by those of y_rest
     (row R + i is y_rest[i]) without building that concatenation: the EP combine reads the rows
-    that came back from other ranks and the rows that never left this rank in place.
-    norm = (h [T, H], weight [H], eps) (Triton, H <= COMBINE_NORM_MAX): returns
-    `rms_norm(out, weight, eps, residual=h)` = (out + h, its norm) from the same kernel."""
+    that came back from other ranks and the rows that never left this rank in place."""
     t, k = pos.shape
     hid = y_sorted.shape[1]
     if not use_triton(y_sorted):
         rows = y_sorted if y_rest is None else torch.cat([y_sorted, y_rest])
         ys = rows.index_select(0, pos.reshape(-1)).view(t, k, hid)
         out = torch.einsum("tk,tkh->th", weights.to(ys.dtype), ys)
-        out = out if residual is None else out + residual
-        return out if norm is None else rms_norm(out, norm[1], norm[2], residual=norm[0])
+        return out if residual is None else out + residual
     out = torch.empty(t, hid, dtype=y_sorted.dtype, device=y_sorted.device)
-    block = min(1024, _pow2(hid)) if norm is None else _pow2(hid)
+    block = min(1024, _pow2(hid))
     res = residual.contiguous() if residual is not None else out
     rest = y_rest.contiguous() if y_rest is not None else y_sorted
-    extra: dict = {}
-    if norm is not None:
-        if block > COMBINE_NORM_MAX:
-            raise ValueError(f"combine: the fused norm takes rows of <= {COMBINE_NORM_MAX}")
-        h = torch.empty_like(out)
-        extra = {"hr_ptr": norm[0].contiguous(), "nw_ptr": norm[1], "h_ptr": h, "eps": norm[2],
-                 "NORM": True, "num_warps": 8 if block >= 4096 else 4}  # fmt: skip
     _combine[(t, triton.cdiv(hid, block))](
         y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
         res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
-        BLOCK=block, **pdl_kwargs(out, "combine"), **extra,
+        BLOCK=block, **pdl_kwargs(out, "combine"),
     )  # fmt: skip
-    return out if norm is None else (h, out)
+    return out

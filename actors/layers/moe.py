@@ -121,38 +121,25 @@ class MoE(nn.Module):
             and fused_kernels.norm_in_router(x)
         )
 
-    def takes_norm_out(self, x: torch.Tensor) -> bool:
-        """Whether `forward(norm_out=...)` serves x: world size 1 on the Triton path (the
-        combine kernel), rows of at most COMBINE_NORM_MAX."""
-        return (
-            fused_kernels.COMBINE_NORM[0]
-            and isinstance(self.ep, LocalDispatch)
-            and fused_kernels.use_triton(x)
-            and (x.is_cuda or x.shape[0] * self.arch.top_k <= fused_kernels.PLAN_MAX_ROWS)
-            and x.shape[-1] <= fused_kernels.COMBINE_NORM_MAX
-        )
-
     def forward(
         self,
         x: torch.Tensor,
         capture: dict[str, torch.Tensor] | None = None,
         name: str = "",
         norm: tuple | None = None,
-        norm_out: tuple | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         """norm (where `takes_norm`): (residual, norm weight, eps, h): x is the attention's
         output; the router's logits kernel sums and norms it, writes the sum to h, and the
-        normed rows are what the experts take. norm_out (where `takes_norm_out`, no capture):
-        (h, the next norm's weight, eps): returns (out + h, its norm) from the combine kernel."""
+        normed rows are what the experts take."""
         if norm is not None:
             y = torch.empty_like(x)
             routed = router_plan.router_plan(x, self.gate.weight, self.arch.top_k,
                                              self.routed_counts,
                                              norm_topk_prob=self.gate.norm_topk_prob,
                                              norm=(*norm, y))  # fmt: skip
-            return self._forward_local(y, capture, name, routed, norm_out)
+            return self._forward_local(y, capture, name, routed)
         if isinstance(self.ep, LocalDispatch):
-            return self._forward_local(x, capture, name, None, norm_out)
+            return self._forward_local(x, capture, name)
         # Step 1: route and count.
         logits, ids, weights = self.gate(x)
         self.routed_counts += expert_counts(ids.reshape(-1), self.arch.num_experts)
@@ -189,13 +176,8 @@ class MoE(nn.Module):
         return out
 
     def _forward_local(
-        self,
-        x: torch.Tensor,
-        capture: dict | None,
-        name: str,
-        routed: tuple | None = None,
-        norm_out: tuple | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, capture: dict | None, name: str, routed: tuple | None = None
+    ) -> torch.Tensor:
         """World size 1: sort the (token, k) pairs once, and combine through the inverse
         permutation (a gather and a weighted sum per token: no scatter, no atomics). On the
         CPU (no autograd) the experts scatter their rows back to (token, k) order themselves,
@@ -272,10 +254,6 @@ class MoE(nn.Module):
                 return out if residual is None else out + residual
             return fused_kernels.combine(y_sorted, pos.view(t, k), weights, residual=residual)
 
-        if norm_out is not None and not cpu and y_sorted.dtype == x.dtype:
-            return fused_kernels.combine(
-                y_sorted, pos.view(t, k), weights, residual=shared, norm=norm_out
-            )
         if capture is None:
             return combine(shared).to(x.dtype)
         routed = combine().to(x.dtype)
