@@ -168,7 +168,7 @@ def test_replicas_rise_under_load_and_fall_after(ray_session, tmp_path_factory):
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
     url = f"http://127.0.0.1:{port}{PREFIX}/v1/completions"
     body = json.dumps(
-        {"model": "moe-scale", "prompt": "load", "max_tokens": 120, "ignore_eos": True}
+        {"model": "moe-scale", "prompt": "load", "max_tokens": 40, "ignore_eos": True}
     ).encode()
     stop = threading.Event()
 
