@@ -335,7 +335,7 @@ def test_metrics_endpoint_serves_replica_figures(server):
         if not missing:
             break
         assert time.monotonic() < deadline, (missing, text[:2000])
-        time.sleep(2)
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
