@@ -230,7 +230,8 @@ class StageModel(nn.Module):
         else:
             x = inputs
         cos, sin = self.rotary(positions, x.dtype)
-        # CUDA Triton path: each layer's residual add runs inside the next layer's input norm.
+        # Triton path (CUDA, or the interpreter in tests): each layer's residual add runs inside
+        # the next layer's input norm.
         defer = capture is None and fused.use_triton(x)
         for layer in self.layers.values():
             x = layer(x, cos, sin, seq_lens, capture, paged, defer=defer)
