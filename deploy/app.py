@@ -30,6 +30,7 @@ from deploy.config import (
     INGRESS_DEPLOYMENT,
     INGRESS_MAX_ONGOING,
     ROLE_OF_DEPLOYMENT,
+    SHUTDOWN_POLL_S,
     model_deployments,
     parse_serve_config,
 )
@@ -458,6 +459,7 @@ def build_app(
         name=INGRESS_DEPLOYMENT,
         num_replicas=1,
         max_ongoing_requests=INGRESS_MAX_ONGOING,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         ray_actor_options={"num_cpus": 0.1},
     )
     limits = {"max_body_bytes": max_body_bytes, "max_streams_per_client": max_streams_per_client}

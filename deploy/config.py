@@ -47,6 +47,10 @@ ROUTER_IMPORT_PATHS = {
 }
 """Serve request routers by `routing.policy` (power_of_two is Serve's default router)."""
 INGRESS_MAX_ONGOING = 1024
+SHUTDOWN_POLL_S = 0.5
+"""How often a replica being stopped checks for requests still running (Serve's
+graceful_shutdown_wait_loop_s, default 2 s: every stop, scale-down or redeploy waited at least
+that long; requests in flight still get Serve's graceful_shutdown_timeout_s)."""
 DEMO_MODEL = "demo"
 """`model.path: demo` means the tiny demo checkpoint made (or reused) under ~/.cache."""
 
@@ -442,6 +446,7 @@ def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
                 "name": MODEL_DEPLOYMENT,
                 "autoscaling_config": autoscaling_config(cfg),
                 "max_ongoing_requests": cfg.engine.max_ongoing_requests,
+                "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
                 "ray_actor_options": options,
                 **routing,
             }
@@ -457,6 +462,7 @@ def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
                 "name": name,
                 "num_replicas": pool.replicas,
                 "max_ongoing_requests": cfg.engine.max_ongoing_requests,
+                "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
                 "ray_actor_options": options,
                 **routing,
             }
@@ -485,6 +491,7 @@ def to_serve_config(cfg: ServeConfig) -> dict[str, Any]:
                         "name": INGRESS_DEPLOYMENT,
                         "num_replicas": 1,
                         "max_ongoing_requests": INGRESS_MAX_ONGOING,
+                        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
                     },
                     *model_deployments(cfg),
                 ],

@@ -180,3 +180,27 @@ def test_disaggregated_example_yields_two_pools_with_their_router():
     plain = model_deployments(parse_serve_config(_base()))
     assert [d["name"] for d in plain] == [MODEL_DEPLOYMENT]
     assert "request_router_config" not in plain[0]
+
+
+@pytest.mark.parametrize("sections", [{}, {"disaggregation": {"enabled": True}}])
+def test_every_deployment_checks_often_for_running_requests_when_stopped(sections):
+    """A replica being stopped polls for requests still running every SHUTDOWN_POLL_S, not
+    Serve's 2 s (each stop, scale-down and redeploy waited that long): in the Serve config
+    (Helm, `serve deploy`) and in the application `build_app` binds (`serve run`)."""
+    from deploy.app import build_app
+    from deploy.config import SHUTDOWN_POLL_S
+
+    assert SHUTDOWN_POLL_S < 2
+    if sections:  # the prefill/decode pools need a shared tier
+        sections["cache"] = {"tiers": [{"url": "host://", "bytes": "16M"}]}
+    cfg = parse_serve_config(_base(**sections))
+    deployments = to_serve_config(cfg)["applications"][0]["deployments"]
+    assert len(deployments) == (3 if sections else 2)
+    for d in deployments:
+        assert d["graceful_shutdown_wait_loop_s"] == SHUTDOWN_POLL_S, d["name"]
+    ingress = build_app(_base(**sections))._bound_deployment
+    bound = [ingress, *(a._bound_deployment for a in (*ingress.init_args, *ingress.init_kwargs.values())
+                        if hasattr(a, "_bound_deployment"))]  # fmt: skip
+    assert len(bound) == len(deployments)
+    for d in bound:
+        assert d._deployment_config.graceful_shutdown_wait_loop_s == SHUTDOWN_POLL_S, d.name

@@ -27,7 +27,9 @@ ModelServer.
 {{- $_ := set $scaling "policy" (dict "policy_function" "deploy.autoscaling:EngineSignalPolicy" "policy_kwargs" $kwargs) -}}
 {{- end -}}
 {{- $maxOngoing := default 64 $engine.max_ongoing_requests -}}
-{{- $ingress := dict "name" "OpenAIIngress" "num_replicas" 1 "max_ongoing_requests" 1024 -}}
+{{- /* deploy/config.py SHUTDOWN_POLL_S: a stopped replica checks for running requests this often */ -}}
+{{- $poll := 0.5 -}}
+{{- $ingress := dict "name" "OpenAIIngress" "num_replicas" 1 "max_ongoing_requests" 1024 "graceful_shutdown_wait_loop_s" $poll -}}
 {{- $deployments := list $ingress -}}
 {{- $router := include "moe.requestRouter" . | fromYaml -}}
 {{- $dis := default (dict) $s.disaggregation -}}
@@ -39,14 +41,14 @@ ModelServer.
 {{- if $pool.resources -}}
 {{- $_ := set $options "resources" $pool.resources -}}
 {{- end -}}
-{{- $d := dict "name" $name "num_replicas" (default 1 $pool.replicas) "max_ongoing_requests" $maxOngoing "ray_actor_options" $options -}}
+{{- $d := dict "name" $name "num_replicas" (default 1 $pool.replicas) "max_ongoing_requests" $maxOngoing "graceful_shutdown_wait_loop_s" $poll "ray_actor_options" $options -}}
 {{- if $router -}}
 {{- $_ := set $d "request_router_config" $router -}}
 {{- end -}}
 {{- $deployments = append $deployments $d -}}
 {{- end -}}
 {{- else -}}
-{{- $model := dict "name" "ModelServer" "autoscaling_config" $scaling "max_ongoing_requests" $maxOngoing "ray_actor_options" (dict "num_cpus" (kindIs "invalid" $engine.num_cpus | ternary 1.0 $engine.num_cpus)) -}}
+{{- $model := dict "name" "ModelServer" "autoscaling_config" $scaling "max_ongoing_requests" $maxOngoing "graceful_shutdown_wait_loop_s" $poll "ray_actor_options" (dict "num_cpus" (kindIs "invalid" $engine.num_cpus | ternary 1.0 $engine.num_cpus)) -}}
 {{- if $router -}}
 {{- $_ := set $model "request_router_config" $router -}}
 {{- end -}}
