@@ -86,19 +86,12 @@ class DecoderLayer(nn.Module):
         """`defer` (Triton path, no capture): return (h, ff) unsummed; a tuple x is such a pair
         from the layer before, summed by this layer's input-norm kernel (one kernel, not two)."""
         kv = paged.layer(self.index) if paged is not None else None
-        pre, post, norm_in = self.input_layernorm, self.post_attention_layernorm, None
-        if not isinstance(x, tuple):
-            normed_in = pre(x)
-        elif isinstance(self.self_attn, GQAAttention) and self.self_attn.takes_norm(x[1], kv):
-            # the q/k/v GEMV sums, norms, and writes the sum (one kernel less)
-            norm_in = (x[0], pre.weight, pre.eps, torch.empty_like(x[0]))
-            normed_in, x = x[1], norm_in[3]
-        else:
+        pre, post = self.input_layernorm, self.post_attention_layernorm
+        if isinstance(x, tuple):
             x, normed_in = fused.rms_norm(x[1], pre.weight, pre.eps, residual=x[0])
-        if norm_in is None:
-            attn = self.self_attn(normed_in, cos, sin, seq_lens, kv)
         else:
-            attn = self.self_attn(normed_in, cos, sin, seq_lens, kv, norm=norm_in)
+            normed_in = pre(x)
+        attn = self.self_attn(normed_in, cos, sin, seq_lens, kv)
         moe, ff = isinstance(self.mlp, MoE), None
         if moe and self.mlp.takes_norm(attn):  # the router's logits kernel sums and norms
             h = torch.empty_like(x)

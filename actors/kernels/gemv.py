@@ -85,14 +85,10 @@ if triton_available():
             gdc_wait()
 
     @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, x_stride, y_stride, r_ptr, nw_ptr, h_ptr, eps,
-              M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-              KP: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-              GDC: tl.constexpr):  # fmt: skip
-        """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for BN columns n, float32 accumulation.
-        NORM (one row, KP == K): x is first replaced by rms_norm(x + r) * nw as `fused._rms`
-        rounds it (the sum rounded to x's dtype, the normed row too); program 0 writes the sum
-        to h."""
+    def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, x_stride, y_stride, M: tl.constexpr,
+              M_PAD: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
+              BK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for BN columns n, float32 accumulation."""
         if GDC:
             gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -100,21 +96,12 @@ if triton_available():
         rows = w_ptr + n.to(tl.int64)[:, None] * K
         kp = tl.arange(0, KP)
         w = tl.load(rows + kp[None, :], mask=nm[:, None], other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + kp).to(tl.float32)
         if GDC:
             gdc_wait()
         mi = tl.arange(0, M_PAD)
         acc = tl.zeros([M_PAD, BN], tl.float32)
         for m in tl.static_range(M):
             xm = tl.load(x_ptr + m * x_stride + kp).to(tl.float32)
-            if NORM:
-                hs = (xm + tl.load(r_ptr + kp).to(tl.float32)).to(h_ptr.dtype.element_ty)
-                if tl.program_id(0) == 0:
-                    tl.store(h_ptr + kp, hs)
-                xm = hs.to(tl.float32)
-                inv = tl.rsqrt(tl.sum(xm * xm, 0) / K + eps)
-                xm = (xm * inv * nw).to(x_ptr.dtype.element_ty).to(tl.float32)
             part = tl.sum(w.to(tl.float32) * xm[None, :], 1)
             acc += tl.where(mi[:, None] == m, part[None, :], 0.0)
         kb = tl.arange(0, BK)
@@ -155,25 +142,19 @@ def gemv(
     *,
     tile: tuple[int, int, int, int] | None = None,
     pdl: bool | None = None,
-    norm: tuple | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (rows may be strided, columns contiguous), w [N, K] -> y [M, N] in x's dtype.
-    norm = (residual [1, K], norm weight [K], eps, h [1, K]), one row: y = rms_norm(x +
-    residual) @ w^T, the sum written to h (`fused.rms_norm` and this GEMV in one kernel)."""
+    """x [M, K] (rows may be strided, columns contiguous), w [N, K] -> y [M, N] in x's dtype."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     bn, kp, bk, warps = tile or GEMV_TILES.get(k) or default_tile(k, n)
-    if norm is not None and (m != 1 or kp != k):
-        raise ValueError(f"gemv: the fused norm takes one row whose K fits one tile (m={m})")
-    r, nw, eps, h = norm if norm is not None else (x, w, 0.0, x)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gdc = pdl_on(x, "gemv") if pdl is None else (pdl and x.is_cuda)
     extra = {"launch_pdl": True} if gdc else {}
     _gemv[(triton.cdiv(n, bn),)](
-        x, w, bias if bias is not None else w, y, n, x.stride(0), y.stride(0), r.contiguous(),
-        nw, h, eps, M=m, M_PAD=max(2, 1 << (m - 1).bit_length()), K=k, BN=bn, KP=kp, BK=bk,
-        HAS_BIAS=bias is not None, NORM=norm is not None, GDC=gdc, num_warps=warps, **extra,
+        x, w, bias if bias is not None else w, y, n, x.stride(0), y.stride(0), M=m,
+        M_PAD=max(2, 1 << (m - 1).bit_length()), K=k, BN=bn, KP=kp, BK=bk,
+        HAS_BIAS=bias is not None, GDC=gdc, num_warps=warps, **extra,
     )  # fmt: skip
     return y

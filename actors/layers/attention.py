@@ -341,11 +341,6 @@ def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 FUSE_QKV = [True]
 """Switch of the stacked q/k/v projection on CUDA decode steps (GQAAttention._qkv)."""
-NORM_IN_QKV = [False]
-"""One-token CUDA decode steps: the layer's input RMSNorm (and residual add) inside the q/k/v
-GEMV (`GQAAttention.takes_norm`). Off: on the H200 it made Qwen3's step slower (round 14,
-`bench/pdl_ab.py`, one process: 1 x 1K 2.81 -> 2.87 ms, 1 x 8K 3.25 -> 3.35; each of the GEMV's
-640 programs, ~5 waves, norms the row after its dependency wait, where one norm kernel ran)."""
 CPU_STACKED_QKV_TOKENS = [256]
 """CPU steps of at most this many tokens take GQAAttention._cpu_prologue (0: none)."""
 
@@ -386,16 +381,13 @@ class GQAAttention(nn.Module):
         sin: torch.Tensor,
         seq_lens: Sequence[int],
         paged: LayerKV | DecodeView | None = None,
-        norm: tuple | None = None,
     ) -> torch.Tensor:
-        """norm (where `takes_norm`): (residual, norm weight, eps, h): x is the layer input's
-        unsummed half; the q/k/v GEMV sums and norms it and writes the sum to h."""
         t, d = x.shape[0], self.arch.head_dim
         stacked = self._cpu_stacked_suits(x, paged)  # q and k come normed and rotated
         if stacked:
             q, k, v = self._cpu_prologue(x, cos, sin)
         else:
-            q, k, v = self._qkv(x, decode=isinstance(paged, DecodeView), norm=norm)
+            q, k, v = self._qkv(x, decode=isinstance(paged, DecodeView))
             q, k = q.view(t, self.heads, d), k.view(t, self.kv_heads, d)
             v = v.view(t, self.kv_heads, d)
         if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
@@ -464,37 +456,18 @@ class GQAAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin, interleave=False)
         return qk[:, :h], qk[:, h:], y[:, (h + hk) * d :].view(t, hk, d)
 
-    def takes_norm(self, x: torch.Tensor, paged: LayerKV | DecodeView | None) -> bool:
-        """Whether `forward(norm=...)` serves x: one token of a CUDA decode step whose stacked
-        q/k/v weight is built and suits the GEMV."""
-        cached = self.__dict__.get("_qkv_cache")
-        return (
-            NORM_IN_QKV[0]
-            and FUSE_QKV[0]
-            and isinstance(paged, DecodeView)
-            and x.is_cuda
-            and cached is not None
-            and gemv_kernels.gemv_suits(x, cached[1])
-        )
-
-    def _qkv(
-        self, x: torch.Tensor, *, decode: bool, norm: tuple | None = None
-    ) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, x: torch.Tensor, *, decode: bool) -> tuple[torch.Tensor, ...]:
         """The q, k, v projections of x [T, H]. CUDA decode steps (a few tokens, where each small
         GEMM is bound by its launch and latency, not its bytes) use one GEMM over the three
         weights stacked: a copy made outside graph capture, rebuilt when a weight changes
         (storage or in-place version), costing (q + 2 kv heads) x head_dim x H extra weights.
         One token: the Triton GEMV, whose weight reads start before the kernels ahead of it end
-        (PDL on sm90, `actors.kernels.gemv`); `norm` (`forward`) goes into that GEMV."""
+        (PDL on sm90, `actors.kernels.gemv`)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        key = tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
-        cached = self.__dict__.get("_qkv_cache")
-        if norm is not None and (cached is None or cached[0] != key):  # a weight changed
-            h, x = fused_kernels.rms_norm(x, norm[1], norm[2], residual=norm[0])
-            norm[3].copy_(h)
-            norm = None
         if not (decode and x.is_cuda and FUSE_QKV[0] and x.shape[0] <= 64):
             return tuple(p(x) for p in projs)
+        key = tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
+        cached = self.__dict__.get("_qkv_cache")
         if cached is None or cached[0] != key:
             if torch.cuda.is_current_stream_capturing():
                 return tuple(p(x) for p in projs)
@@ -503,7 +476,7 @@ class GQAAttention(nn.Module):
                 b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
             cached = self.__dict__["_qkv_cache"] = (key, w, b)
         if gemv_kernels.gemv_suits(x, cached[1]):
-            y = gemv_kernels.gemv(x, cached[1], cached[2], norm=norm)
+            y = gemv_kernels.gemv(x, cached[1], cached[2])
         else:
             y = torch.nn.functional.linear(x, cached[1], cached[2])
         nq, nk = self.q_proj.out_features, self.k_proj.out_features
