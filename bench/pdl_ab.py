@@ -59,6 +59,17 @@ CONFIGS = {
     "r13": {"skip": {"moe_gate_up"}, "norm_in_router": False},
     # round 14, call 3 (the next layer's input norm inside the MoE combine, since removed: 1 x
     # 1K 2.77-2.78 -> 2.81-2.83 ms, 32 x 1K 15.52-15.62 -> 15.68-15.75; no gain at 1 x 8K)
+    # round 15, call 2 (device ms, 1 x 1K / 1 x 8K / 32 x 1K): GEMVs of 16 rows a program (one
+    # wave for q/k/v: 320 programs) slower at batch 1: g16 2.76 / 3.21-3.23 / 15.40-15.43,
+    # g16w4 2.75-2.76 / 3.27 / 15.41-15.50, the default 2.70-2.71 / 3.15-3.16 / 15.44-15.49
+    "g16": {
+        "skip": {"moe_gate_up"},
+        "tiles": {2048: (16, 2048, 2048, 8), 4096: (8, 4096, 4096, 8)},
+    },
+    "g16w4": {
+        "skip": {"moe_gate_up"},
+        "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
+    },
 }
 
 
