@@ -263,6 +263,32 @@ class StageModel(nn.Module):
             out.append(full(head, (a.vocab_size, a.hidden_size), "lm_head.weight"))
         return out
 
+    def column_major_weights(self) -> None:
+        """Store the decode step's GEMM weights column-major, for a CPU model: o_proj, the
+        routed experts (each expert's matrices), the dense or shared MLPs and an untied
+        lm_head keep their shapes and values, but `F.linear(x, w)` / `bmm(x, w.transpose)`
+        then hand MKL a plain (not transposed) right operand, ~20-35% faster at a decode
+        step's 16-64 rows on one thread and equal from ~1K rows (bit for bit the same products
+        on this box's MKL). MLA's weights stay as they are (its `kv_b_proj.weight.view`)."""
+        params = []
+        for layer in self.layers.values():
+            if isinstance(layer.self_attn, GQAAttention):
+                params.append(layer.self_attn.o_proj.weight)
+            mlp = layer.mlp
+            mlps = [mlp] if isinstance(mlp, MLP) else [mlp.shared_experts]
+            for m in mlps:
+                if m is not None:
+                    params += [m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+            if isinstance(mlp, MoE):
+                params += [mlp.experts.w_gate_up, mlp.experts.w_down]
+        if self.lm_head is not None and (
+            self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight
+        ):
+            params.append(self.lm_head.weight)
+        for p in params:
+            if p.device.type == "cpu" and p.dim() >= 2:
+                p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+
     def routing_counts(self) -> dict[int, torch.Tensor]:
         """Layer index -> [num_experts] int64 tokens routed to each expert since the last reset."""
         return {

@@ -28,6 +28,7 @@ under its own layer-group key.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from actors.arch import ArchConfig
+from actors.kernels import fused
 from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
 from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks
 from actors.model import StageModel
@@ -172,6 +174,8 @@ class LocalRunner:
 
         arch_layers = _num_layers(model_dir)
         model, _ = load_stage_model(model_dir, layer_range=(0, arch_layers), device=device)
+        if torch.device(device).type == "cpu" and COLUMN_MAJOR[0] and _plain_cpu():
+            model.column_major_weights()  # not for Triton (interpreted): its kernels want rows
         return cls(model, device=device)
 
     @property
@@ -347,6 +351,15 @@ class LocalRunner:
         self.kv.copy_block(src, dst)
         if self.mirror is not None:
             self.mirror.drop()
+
+
+COLUMN_MAJOR = [os.environ.get("MOE_CPU_COLUMN_MAJOR", "1") == "1"]
+"""Switch of `StageModel.column_major_weights` in `LocalRunner.from_checkpoint` (tests, A/B)."""
+
+
+def _plain_cpu() -> bool:
+    """Whether CPU tensors run plain torch here (not Triton kernels under its interpreter)."""
+    return not fused.use_triton(torch.empty(0))
 
 
 MIRROR_MAX_BYTES = 256 << 20

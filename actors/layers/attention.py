@@ -444,6 +444,8 @@ class GQAAttention(nn.Module):
         cached = self.__dict__.get("_cpu_stack")
         if cached is None or cached[0] != key:
             w = torch.cat([p.weight for p in projs])
+            if self.o_proj.weight.stride(0) == 1:  # column-major, as the model stores o_proj
+                w = w.t().contiguous().t()  # (StageModel.column_major_weights)
             b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
             wn = None
             if norms:

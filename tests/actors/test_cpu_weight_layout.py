@@ -1,0 +1,84 @@
+"""A CPU engine setting of issue 13: it must give the values of the code it replaces and really
+be in effect.
+
+- `LocalRunner.from_checkpoint` on the CPU stores the decode GEMMs' weights column-major
+  (`StageModel.column_major_weights`: o_proj, experts, MLPs, lm_head; the stacked q/k/v copy
+  follows), so MKL gets a plain right operand; not under Triton's interpreter, whose kernels
+  read the weights' rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from actors import runner as runner_module
+from actors.engine import Engine, SamplingParams
+from actors.runner import LocalRunner
+from tests.actors.checkpoints import make_tiny_checkpoint
+from tests.actors.test_engine import prompt
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def ckpt(request, tmp_path_factory):
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _generate(ckpt) -> tuple[dict, Engine]:
+    """Five greedy requests with logprobs (prefill chunks, mixed and pure decode steps)."""
+    engine = Engine.from_checkpoint(
+        ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+        batch_invariant=False,
+    )  # fmt: skip
+    for i, (n, out) in enumerate(((9, 12), (11, 7), (12, 10), (10, 3), (6, 9))):
+        engine.add_request(f"r{i}", prompt(n, 60 + i), SamplingParams(
+            max_tokens=out, ignore_eos=True, logprobs=2))  # fmt: skip
+    outs: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(
+                (o.new_token_ids, o.logprobs[0].logprob, o.logprobs[0].top)
+            )
+    return outs, engine
+
+
+def _switched(name: str, on: bool, fn):
+    saved = getattr(runner_module, name)[0]
+    getattr(runner_module, name)[0] = on
+    try:
+        return fn()
+    finally:
+        getattr(runner_module, name)[0] = saved
+
+
+def _row_major(model) -> dict[str, bool]:
+    return {n: p.is_contiguous() for n, p in model.named_parameters() if p.dim() >= 2}
+
+
+def test_column_major_weights_are_taken_and_give_the_same_tokens(ckpt):
+    plain, plain_engine = _switched("COLUMN_MAJOR", False, lambda: _generate(ckpt))
+    columns, engine = _generate(ckpt)
+    model = engine.runner.model
+    assert all(_row_major(plain_engine.runner.model).values())
+    layout = _row_major(model)
+    moved = {n for n, rows in layout.items() if not rows}
+    assert any(n.endswith("experts.w_gate_up") for n in moved)
+    assert any(n.endswith("experts.w_down") for n in moved)
+    assert "lm_head.weight" in moved or model.arch.tie_word_embeddings
+    assert not any("kv_b_proj" in n or "embed_tokens" in n for n in moved)
+    if any(n.endswith("o_proj.weight") for n in moved):  # GQA: the stacked q/k/v copy too
+        stacks = [
+            layer.self_attn.__dict__["_cpu_stack"][1] for layer in model.layers.values()
+        ]  # fmt: skip
+        assert stacks and all(w.stride(0) == 1 for w in stacks)
+    for seq, steps in plain.items():  # the same products: tokens and logprobs alike
+        got = columns[seq]
+        assert [s[0] for s in got] == [s[0] for s in steps]
+        for (_, lp, top), (_, lp0, top0) in zip(got, steps, strict=True):
+            assert lp == pytest.approx(lp0, rel=1e-5, abs=1e-6)
+            assert [t for t, _ in top] == [t for t, _ in top0]
+
+
+def test_column_major_not_under_triton(ckpt, monkeypatch):
+    monkeypatch.setattr(runner_module.fused, "use_triton", lambda x: True)
+    runner = LocalRunner.from_checkpoint(ckpt)
+    assert all(_row_major(runner.model).values())
