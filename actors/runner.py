@@ -202,13 +202,26 @@ class LocalRunner:
     def forward(self, step: StepInput, *, all_rows: bool = False) -> torch.Tensor:
         """Logits of the last new token of each sampled sequence [len(sample_seqs), V] float32;
         with `all_rows`, of every new token [T, V] (teacher forcing in tests)."""
-        return self._logits(step, all_rows=all_rows).float().cpu()
+        logits = self._logits(step, all_rows=all_rows).float().cpu()
+        return logits.clone() if logits.is_inference() else logits  # a plain tensor
 
     def _logits(
         self, step: StepInput, *, all_rows: bool = False, tokens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """forward's logits, left on the device in the model's dtype; `tokens` (a fast decode
-        step's): its input ids on the device, in place of step.token_ids."""
+        step's): its input ids on the device, in place of step.token_ids.
+
+        On the CPU the step runs in `torch.inference_mode` (no version counters or view
+        tracking on the step's tensors: ~1-2 us less per op, ~500 ops a decode step; the same
+        values). The tensors it keeps (the decode mirror, the stacked q/k/v weights) are then
+        inference tensors, only ever changed in place inside a step."""
+        plain = self.device.type == "cpu" and INFERENCE_MODE[0] and _plain_cpu()
+        with torch.inference_mode(plain):
+            return self._step_logits(step, all_rows=all_rows, tokens=tokens)
+
+    def _step_logits(
+        self, step: StepInput, *, all_rows: bool = False, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.kv is None:
             raise RuntimeError("allocate_kv has not been called")
         if not all_rows and self._decodes_fast(step):
@@ -353,6 +366,8 @@ class LocalRunner:
             self.mirror.drop()
 
 
+INFERENCE_MODE = [os.environ.get("MOE_CPU_INFERENCE_MODE", "1") == "1"]
+"""Switch of the CPU steps' inference mode (`LocalRunner._logits`; tests, A/B)."""
 COLUMN_MAJOR = [os.environ.get("MOE_CPU_COLUMN_MAJOR", "1") == "1"]
 """Switch of `StageModel.column_major_weights` in `LocalRunner.from_checkpoint` (tests, A/B)."""
 

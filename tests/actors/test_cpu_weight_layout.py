@@ -1,10 +1,12 @@
-"""A CPU engine setting of issue 13: it must give the values of the code it replaces and really
-be in effect.
+"""Two CPU engine settings of issue 13 (bench/notes/cpu_engine_speed.md, round 5): they must give
+the values of the code they replace and really be in effect.
 
 - `LocalRunner.from_checkpoint` on the CPU stores the decode GEMMs' weights column-major
   (`StageModel.column_major_weights`: o_proj, experts, MLPs, lm_head; the stacked q/k/v copy
   follows), so MKL gets a plain right operand; not under Triton's interpreter, whose kernels
-  read the weights' rows.
+  read the weights' rows;
+- a CPU step runs in `torch.inference_mode` (`LocalRunner._logits`); `forward` still returns a
+  plain tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from actors.engine import Engine, SamplingParams
 from actors.runner import LocalRunner
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.test_engine import prompt
+from tests.actors.test_kernels_decode import _step
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
@@ -82,3 +85,23 @@ def test_column_major_not_under_triton(ckpt, monkeypatch):
     monkeypatch.setattr(runner_module.fused, "use_triton", lambda x: True)
     runner = LocalRunner.from_checkpoint(ckpt)
     assert all(_row_major(runner.model).values())
+
+
+def test_cpu_steps_run_in_inference_mode_with_the_same_values(ckpt):
+    plain, _ = _switched("INFERENCE_MODE", False, lambda: _generate(ckpt))
+    inferred, engine = _generate(ckpt)
+    assert inferred == plain
+    # the decode mirror (kept across steps, extended in place) was made inside the mode
+    runner = engine.runner
+    runner.allocate_kv(64, 4)
+    seqs, tables = [prompt(6, 1), prompt(5, 2)], [[3, 7], [2, 5]]
+    runner.execute(_step(seqs, [6, 5], tables, 4))
+    for s in seqs:
+        s.append(7)
+    runner.execute(_step(seqs, [1, 1], tables, 4))
+    assert runner.mirror.k and all(k.is_inference() for k in runner.mirror.k.values())
+    for s in seqs:
+        s.append(9)
+    logits = runner.forward(_step(seqs, [1, 1], tables, 4))  # extends the mirror again
+    assert not logits.is_inference()
+    logits.add_(1.0)  # a plain tensor: callers may change it in place
