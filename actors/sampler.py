@@ -78,7 +78,11 @@ class RowSampling:
 
     @classmethod
     def of(cls, params: SamplingParams, *, seed: int, step: int) -> RowSampling:
-        return cls(
+        """The row of `params` (already validated) at `step`. The engine builds one per sampled
+        sequence per step, so its fields go straight into the instance's __dict__: a frozen
+        dataclass's __init__ sets each through object.__setattr__ (1.4 vs ~0.5 us here)."""
+        row = object.__new__(cls)
+        row.__dict__.update(
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
@@ -86,6 +90,7 @@ class RowSampling:
             step=step,
             logprobs=params.logprobs,
         )
+        return row
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,6 +158,8 @@ def sample(
     """logits [B, V] (one row per sampled sequence) -> (token ids [B], logprobs per row or None)."""
     if logits.shape[0] != len(rows):
         raise InputError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+    if len(rows) > 1 and all(row.temperature == 0 and row.logprobs is None for row in rows):
+        return torch.argmax(logits, dim=-1).tolist(), [None] * len(rows)  # as the loop below
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
     greedy = None
