@@ -223,18 +223,13 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     (`mix64`, ~9 kernels a piece; round 12, paged: kv_stage_kernel's one kernel per stacked
     tensor, staging too) are added there, so the rows land whole blocks and a batch's put waits
     for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks stream after the
-    first round, `_payload_sums`, and Step 4 adds them). Step 2: each piece's
-    payloads (and headers) go into a ring of STAGING_SLOTS device buffers on a staging stream;
-    the copy stream runs only the device->host copies, back to back: piece c is staged once the
-    copy of piece c - STAGING_SLOTS left its slot. None waits for the payloads' sums (that idled
-    the copies ~1.5 ms a store: round 8). Round 12 (a shaped plan, `piece_bounds`): each piece's
-    copy is queued right after its own staging (round 11 staged pieces 1-4 before queuing copy
-    1: the half piece 0's copy ended ~0.7-1.2 ms before copy 1 could start). Per piece: the
-    staging ops and an event on the staging stream, a wait, the copy and an event on the copy
-    stream; the views are made once per store, the current stream switched twice per round. `paged`
-    (kv_paged.PagedBlocks): each piece's payloads are gathered from the paged cache
-    straight into its staging rows (one copy of K and one of V), not copied from `src`.
-    """
+    first round, `_payload_sums`, added in Step 4). Step 2: each piece's payloads (and headers)
+    go into a ring of STAGING_SLOTS device buffers on a staging stream; the copy stream runs only
+    the device->host copies, back to back: piece c is staged once the copy of piece c -
+    STAGING_SLOTS left its slot. None waits for the payloads' sums (round 8). Round 12 (a shaped
+    plan, `piece_bounds`): each piece's copy is queued right after its own staging. `paged`
+    (kv_paged.PagedBlocks): each piece's payloads are gathered from the paged cache straight
+    into its staging rows. Host marks (round 15): ring, heads, staged0, staged1."""
     device, width, np_ = src.device, row_bytes(src.shape[1]), len(pieces)
     stream, staging_stream = t._side_stream(device), t._side_stream(device, 2)
     current = torch.cuda.current_stream(device)
@@ -254,9 +249,12 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     gaps = staging_w[:, :, :gap].unbind(0)
     parts = None if paged else src.view(wide).split(sizes)
     heads: Any = ()
+    marks.mark("ring")
 
     def upload() -> Any:  # every block's header (`_headers`), on the device, split per piece
-        return _headers(t, keys, dtype, shape).to(device, non_blocking=True).split(sizes)
+        out = _headers(t, keys, dtype, shape).to(device, non_blocking=True).split(sizes)
+        marks.mark("heads")
+        return out
 
     landed: list[Any] = []
     if r12_on() and piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)):
@@ -286,6 +284,8 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                     if on_device:  # the payloads' sums into the checksum fields, here
                         gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
                 t._event(device, 1 + np_ + c, staging_stream)  # staged
+                if c < 2:
+                    marks.mark(f"staged{c}")
             torch.cuda.set_stream(stream)
             for c in range(c0, c1):
                 slot, k = c % slots, sizes[c]
