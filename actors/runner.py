@@ -406,6 +406,9 @@ class DecodeMirror:
         self.served: set[int] = set()
         self.extend = False
         self._pending: tuple = ((), ())
+        self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """This step's new K and V of each layer, as the layer wrote them (MirroredContext)."""
 
     def begin(self, step: StepInput) -> bool:
         """Whether `step` runs over the mirror (a pure decode step of 2+ sequences); sets
@@ -424,7 +427,7 @@ class DecodeMirror:
         )
         if not self.extend:
             self.k, self.v = {}, {}
-        self.served = set()
+        self.served, self.written = set(), {}
         self._pending = (tables, lens)
         return True
 
@@ -436,7 +439,16 @@ class DecodeMirror:
             self.drop()
 
     def drop(self) -> None:
-        self.tables, self.lens, self.k, self.v = None, (), {}, {}
+        self.tables, self.lens, self.k, self.v, self.written = None, (), {}, {}, {}
+
+    def _extend_rows(self, lens: tuple[int, ...]) -> torch.Tensor:
+        """[B] int64: the row (sequence i, its len - 1) of a kept tensor's [B x capacity, ...]
+        view that this step's token of each sequence goes to; once a step (the step's `lens`
+        tuple), not once a layer."""
+        if self._rows is None or self._rows[0] is not lens:
+            at = torch.arange(len(lens)) * self.capacity + torch.as_tensor(lens) - 1
+            self._rows = (lens, at)
+        return self._rows[1]
 
     @property
     def capacity(self) -> int:
@@ -450,13 +462,15 @@ class DecodeMirror:
         b, longest = len(lens), max(lens)
         tensors = (cache.k[layer], cache.v.get(layer))
         if self.extend and layer in self.k:
-            # Step 1: last step's tensors plus this step's token of each sequence (slot len - 1)
-            cap = self.capacity
-            at = torch.arange(b) * cap + torch.as_tensor(lens) - 1
-            for buf, src in zip((self.k[layer], self.v[layer]), tensors, strict=True):
+            # Step 1: last step's tensors plus this step's token of each sequence (slot len - 1):
+            # what the layer just wrote to the cache (else read back from it)
+            cap, at = self.capacity, self._extend_rows(lens)
+            written = self.written.get(layer, (None, None))
+            for buf, src, new in zip((self.k[layer], self.v[layer]), tensors, written, strict=True):
                 if buf is not None:
-                    new = src.view(-1, *src.shape[2:]).index_select(0, ctx.slot_mapping)
-                    buf.view(b * cap, -1).index_copy_(0, at, new.view(b, -1))
+                    if new is None:
+                        new = src.view(-1, *src.shape[2:]).index_select(0, ctx.slot_mapping)
+                    buf.view(b * cap, -1).index_copy_(0, at, new.reshape(b, -1).to(buf.dtype))
         else:
             # Step 2: gather afresh, with room for MIRROR_HEADROOM more tokens
             bs = cache.layout.block_size
@@ -480,6 +494,10 @@ class MirroredContext(PagedContext):
     """A pure CPU decode step's `PagedContext` whose batched gathers come from a DecodeMirror."""
 
     mirror: DecodeMirror
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        super().write(layer, k, v)
+        self.mirror.written[layer] = (k, v)  # the mirror appends them without reading back
 
     def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.mirror.gather(self, layer)

@@ -3,7 +3,9 @@
 - `RowSampling.of` fills the frozen row's fields directly (no per-field object.__setattr__);
 - `sample` of all-greedy rows without logprobs is one argmax for the batch, no per-row loop
   (the same tokens: the shortcut is not observable beyond them);
-- `filled_blocks` of a host slot mapping works on its numpy view.
+- `filled_blocks` of a host slot mapping works on its numpy view;
+- the decode mirror appends the K/V each layer just wrote (`MirroredContext.write`), not read
+  back from the paged cache, at rows computed once a step.
 """
 
 from __future__ import annotations
@@ -55,3 +57,43 @@ def test_filled_blocks_of_host_slots_equal_the_tensor_formula(block_size):
     full = slots[(slots % block_size) == block_size - 1] // block_size
     assert filled_blocks(slots, block_size) == sorted(set(full.tolist()))
     assert filled_blocks(slots[:0], block_size) == []
+
+
+def _mirror_step_selects(ckpt, *, write_through: bool, monkeypatch) -> tuple[int, torch.Tensor]:
+    """aten::index_select calls of one extending decode step of 3 sequences, and its logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from actors import runner as runner_module
+    from actors.kv_cache import PagedContext
+    from actors.runner import LocalRunner
+    from tests.actors.test_engine import prompt
+    from tests.actors.test_kernels_decode import _step
+
+    if not write_through:
+        monkeypatch.setattr(runner_module.MirroredContext, "write", PagedContext.write)
+    runner = LocalRunner.from_checkpoint(ckpt)
+    runner.allocate_kv(32, 4)
+    seqs, tables = [prompt(6, 1), prompt(5, 2), prompt(7, 3)], [[3, 7, 12], [2, 5, 13], [9, 11, 14]]
+    runner.execute(_step(seqs, [6, 5, 7], tables, 4))
+    for token in (7, 8):  # the first decode step gathers the mirror, the second extends it
+        for s in seqs:
+            s.append(token)
+        if token == 8:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                logits = runner.forward(_step(seqs, [1, 1, 1], tables, 4))
+        else:
+            runner.forward(_step(seqs, [1, 1, 1], tables, 4))
+    assert runner.mirror.extend
+    assert set(runner.mirror.written) == (set(runner.kv.k) if write_through else set())
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::index_select")
+    return calls, logits
+
+
+def test_decode_mirror_appends_the_kv_each_layer_wrote(tmp_path, monkeypatch):
+    from tests.actors.checkpoints import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", num_hidden_layers=2)
+    through, logits = _mirror_step_selects(ckpt, write_through=True, monkeypatch=monkeypatch)
+    read_back, plain = _mirror_step_selects(ckpt, write_through=False, monkeypatch=monkeypatch)
+    assert read_back - through == 2 * 2  # K and V of each of the 2 layers not read back
+    assert torch.equal(logits, plain)
