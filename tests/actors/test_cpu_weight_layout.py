@@ -1,5 +1,5 @@
-"""Two CPU engine settings of issue 13 (bench/notes/cpu_engine_speed.md, round 5): they must give
-the values of the code they replace and really be in effect.
+"""Two CPU engine settings of issue 13: they must give the values of the code they replace and
+really be in effect.
 
 - `LocalRunner.from_checkpoint` on the CPU stores the decode GEMMs' weights column-major
   (`StageModel.column_major_weights`: o_proj, experts, MLPs, lm_head; the stacked q/k/v copy
