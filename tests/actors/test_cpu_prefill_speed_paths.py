@@ -188,17 +188,23 @@ def _generate(ckpt, *, mirror_bytes: int, extended: list | None = None) -> dict:
     saved = runner_module.MIRROR_MAX_BYTES
     runner_module.MIRROR_MAX_BYTES = mirror_bytes
     try:
-        for i, (n, out) in enumerate(((9, 12), (11, 7), (12, 10), (10, 3), (6, 9))):
-            engine.add_request(f"r{i}", prompt(n, 60 + i), SamplingParams(
-                max_tokens=out, ignore_eos=True, logprobs=2))  # fmt: skip
-        outs: dict = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                outs.setdefault(o.request_id, []).append(
-                    (o.new_token_ids, o.logprobs[0].logprob, o.logprobs[0].top)
-                )
+        return run_five(engine)
     finally:
         runner_module.MIRROR_MAX_BYTES = saved
+
+
+def run_five(engine: Engine) -> dict:
+    """Five greedy requests with logprobs on `engine` (lengths differ: the batch shrinks as
+    they finish, one joins late): request id -> [(new tokens, logprob, top logprobs)] a step."""
+    for i, (n, out) in enumerate(((9, 12), (11, 7), (12, 10), (10, 3), (6, 9))):
+        engine.add_request(f"r{i}", prompt(n, 60 + i), SamplingParams(
+            max_tokens=out, ignore_eos=True, logprobs=2))  # fmt: skip
+    outs: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(
+                (o.new_token_ids, o.logprobs[0].logprob, o.logprobs[0].top)
+            )
     return outs
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 
 from actors import runner as runner_module
-from actors.engine import Engine, SamplingParams
+from actors.engine import Engine
 from actors.runner import LocalRunner
 from tests.actors.checkpoints import make_tiny_checkpoint
+from tests.actors.test_cpu_prefill_speed_paths import run_five
 from tests.actors.test_engine import prompt
 from tests.actors.test_kernels_decode import _step
 
@@ -32,16 +33,7 @@ def _generate(ckpt) -> tuple[dict, Engine]:
         ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
         batch_invariant=False,
     )  # fmt: skip
-    for i, (n, out) in enumerate(((9, 12), (11, 7), (12, 10), (10, 3), (6, 9))):
-        engine.add_request(f"r{i}", prompt(n, 60 + i), SamplingParams(
-            max_tokens=out, ignore_eos=True, logprobs=2))  # fmt: skip
-    outs: dict = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(
-                (o.new_token_ids, o.logprobs[0].logprob, o.logprobs[0].top)
-            )
-    return outs, engine
+    return run_five(engine), engine
 
 
 def _switched(name: str, on: bool, fn):
