@@ -25,6 +25,7 @@ from actors.kernels import fused, gemv, moe_kernels, paged_decode, router_plan
 from actors.kernels.decode_step import DecodeGraphs
 from actors.layers import attention
 
+DECODE_SMALL = paged_decode.DECODE_TILES["small"]
 EXPERTS = {"moe_gate_up", "moe_down"}
 LATE = {"router_logits", "softmax_topk", "plan_sort"} | EXPERTS
 ALL = LATE | {"rms", "qk_rope_write", "combine", "gqa_partial", "gqa_merge", "gemv"}
@@ -82,6 +83,19 @@ CONFIGS = {
         "tiles": {2048: (8, 1024, 1024, 8), 4096: (4, 2048, 2048, 8)},
     },
     "w8": {"skip": {"moe_gate_up"}, "tiles": {2048: (8, 2048, 2048, 8), 4096: (4, 4096, 4096, 8)}},
+    # round 15, call 13: the batch-1 decode attention with fewer splits (1 program a
+    # multiprocessor: 33 splits per KV head at 1K instead of 66) and longer tiles
+    "att_1sm": {"skip": {"moe_gate_up"}, "decode_small": (16, 1, 4, 3)},
+    "att_32x1": {"skip": {"moe_gate_up"}, "decode_small": (32, 1, 4, 3)},
+    "att_32x2": {"skip": {"moe_gate_up"}, "decode_small": (32, 2, 4, 3)},
+    "att_32x4": {"skip": {"moe_gate_up"}, "decode_small": (32, 4, 4, 3)},  # gpu_moe's pick
+    "att_16x2": {"skip": {"moe_gate_up"}, "decode_small": (16, 2, 4, 3)},  # round 6-14's
+    "att_32x8": {"skip": {"moe_gate_up"}, "decode_small": (32, 8, 4, 3)},
+    "att_64x4": {"skip": {"moe_gate_up"}, "decode_small": (64, 4, 4, 3)},
+    "att_32x4w8": {"skip": {"moe_gate_up"}, "decode_small": (32, 4, 8, 3)},
+    "att_32x4s4": {"skip": {"moe_gate_up"}, "decode_small": (32, 4, 4, 4)},
+    "att_16x8": {"skip": {"moe_gate_up"}, "decode_small": (16, 8, 4, 2)},
+    "att_16x4": {"skip": {"moe_gate_up"}, "decode_small": (16, 4, 4, 2)},
     "g16w4": {
         "skip": {"moe_gate_up"},
         "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
@@ -100,6 +114,7 @@ def apply(cfg: dict) -> None:
     moe_kernels.SILU_MUL[0] = cfg.get("silu_mul", True)
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
+    paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 

@@ -89,10 +89,13 @@ def mla_decode_torch(
     return torch.matmul(torch.softmax(scores, dim=-1), c[..., :rank]).to(q_lat.dtype)
 
 
-DECODE_TILES = {"small": (16, 2, 4, 3), "large": (64, 4, 4, 3)}
+DECODE_TILES = {"small": (64, 4, 4, 3), "large": (64, 4, 4, 3)}
 """(TILE tokens read per loop step, programs per SM aimed at, num_warps, num_stages) of the
 partial kernel, for batches up to DECODE_SMALL_BATCH ("small") and beyond ("large"); the
-benchmark times candidates on the device (`gpu_checks.triton_check`) and may retune."""
+benchmark times candidates on the device (`gpu_checks.triton_check`) and may retune. "small"
+was round 6's (16, 2, 4, 3) until round 15 timed Qwen3's batch-1 step with each in one process
+(H200, device ms at 1K / 8K): (16, 2, 4, 3) 2.70-2.71 / 3.12, (32, 4, 4, 3) 2.66-2.69 /
+2.89-2.90, (64, 4, 4, 3) 2.67-2.68 / 2.85-2.86."""
 DECODE_SMALL_BATCH = 4
 
 
