@@ -29,6 +29,8 @@ under its own layer-group key.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,7 @@ class LocalRunner:
         """Decode block tables are padded to a multiple of this many blocks (one graph each)."""
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
+        self.tuner = ThreadTuner() if not cuda and ADAPT_THREADS[0] and _plain_cpu() else None
 
     @classmethod
     def from_checkpoint(
@@ -217,7 +220,11 @@ class LocalRunner:
         inference tensors, only ever changed in place inside a step."""
         plain = self.device.type == "cpu" and INFERENCE_MODE[0] and _plain_cpu()
         with torch.inference_mode(plain):
-            return self._step_logits(step, all_rows=all_rows, tokens=tokens)
+            if self.tuner is None or all_rows or not self.tuner.start(step):
+                return self._step_logits(step, all_rows=all_rows, tokens=tokens)
+            logits = self._step_logits(step, tokens=tokens)  # on the CPU: done when it returns
+            self.tuner.stop(len(step.query_lens))
+            return logits
 
     def _step_logits(
         self, step: StepInput, *, all_rows: bool = False, tokens: torch.Tensor | None = None
@@ -370,6 +377,59 @@ INFERENCE_MODE = [os.environ.get("MOE_CPU_INFERENCE_MODE", "1") == "1"]
 """Switch of the CPU steps' inference mode (`LocalRunner._logits`; tests, A/B)."""
 COLUMN_MAJOR = [os.environ.get("MOE_CPU_COLUMN_MAJOR", "1") == "1"]
 """Switch of `StageModel.column_major_weights` in `LocalRunner.from_checkpoint` (tests, A/B)."""
+ADAPT_THREADS = [os.environ.get("MOE_CPU_ADAPT_THREADS", "1") == "1"]
+"""Switch of a CPU runner's `ThreadTuner` (tests, A/B)."""
+
+
+class ThreadTuner:
+    """A CPU runner's torch thread count from its timed decode steps: with N > 1 set, now and then
+    `trial` steps run at the other count (1 or N), kept if its median time a token is `margin` x
+    lower; a prefill runs at the kept one. On shared cores N threads wait for a descheduled peer
+    (one of 2 busy: decode 2.7x slower at 2 than at 1), on quiet ones N are faster. A losing
+    trial doubles the gap to the next (`first` to `longest` steps). Same tokens."""
+
+    trial, first, longest, margin = 5, 8, 256, 0.9
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock, self.base, self.cur, self.t0 = clock, 0, 0, 0.0
+        self.gap = self.left = self.first  # steps between trials, left before the next
+        self.ref: list[float] = []  # per-token times of the latest steps at `cur`
+        self.tried: list[float] | None = None  # of this trial's steps (None: no trial now)
+
+    def start(self, step: StepInput) -> bool:
+        """Before `step`; whether it is timed (a decode step: one token a sequence)."""
+        if max(step.query_lens) > 1 and self.tried is not None:  # a prefill at `cur`, no trial
+            self.tried = None
+            torch.set_num_threads(self.cur)
+        if max(step.query_lens) > 1 or (step.per_sequence and len(step.query_lens) > 1):
+            return False
+        want = self.cur if self.tried is None else self.base + 1 - self.cur
+        if torch.get_num_threads() != want or not self.base:  # first step, or set from outside
+            self.base = self.cur = torch.get_num_threads()
+            self.gap, self.left, self.ref, self.tried = self.first, self.first, [], None
+        self.t0 = self.clock()
+        return True
+
+    def stop(self, tokens: int) -> None:
+        per = (self.clock() - self.t0) / max(tokens, 1)
+        if self.base < 2:
+            return
+        if self.tried is None:
+            self.ref = [*self.ref[1 - self.trial :], per]
+            self.left -= 1
+            if self.left <= 0 and len(self.ref) == self.trial:
+                self.tried = []
+                torch.set_num_threads(self.base + 1 - self.cur)
+            return
+        self.tried.append(per)
+        if len(self.tried) < self.trial:
+            return
+        if statistics.median(self.tried) < self.margin * statistics.median(self.ref):
+            self.cur, self.gap = self.base + 1 - self.cur, self.first
+        else:
+            self.gap = min(2 * self.gap, self.longest)
+        torch.set_num_threads(self.cur)
+        self.left, self.ref, self.tried = self.gap, [], None
 
 
 def _plain_cpu() -> bool:
