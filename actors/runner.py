@@ -157,7 +157,8 @@ class LocalRunner:
         """Decode block tables are padded to a multiple of this many blocks (one graph each)."""
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
-        self.tuner = ThreadTuner() if not cuda and ADAPT_THREADS[0] and _plain_cpu() else None
+        self.plain_cpu = not cuda and _plain_cpu()  # not Triton's interpreter: see _logits
+        self.tuner = ThreadTuner() if self.plain_cpu and ADAPT_THREADS[0] else None
 
     @classmethod
     def from_checkpoint(
@@ -214,12 +215,11 @@ class LocalRunner:
         """forward's logits, left on the device in the model's dtype; `tokens` (a fast decode
         step's): its input ids on the device, in place of step.token_ids.
 
-        On the CPU the step runs in `torch.inference_mode` (no version counters or view
-        tracking on the step's tensors: ~1-2 us less per op, ~500 ops a decode step; the same
-        values). The tensors it keeps (the decode mirror, the stacked q/k/v weights) are then
+        On the CPU (`plain_cpu`) the step runs in `torch.inference_mode` (no version counters or
+        view tracking on the step's tensors: ~1-2 us less per op, ~500 ops a decode step; the
+        same values). The tensors it keeps (the decode mirror, the stacked q/k/v weights) are then
         inference tensors, only ever changed in place inside a step."""
-        plain = self.device.type == "cpu" and INFERENCE_MODE[0] and _plain_cpu()
-        with torch.inference_mode(plain):
+        with torch.inference_mode(self.plain_cpu and INFERENCE_MODE[0]):
             if self.tuner is None or all_rows or not self.tuner.start(step):
                 return self._step_logits(step, all_rows=all_rows, tokens=tokens)
             logits = self._step_logits(step, tokens=tokens)  # on the CPU: done when it returns
@@ -398,10 +398,10 @@ class ThreadTuner:
 
     def start(self, step: StepInput) -> bool:
         """Before `step`; whether it is timed (a decode step: one token a sequence)."""
-        if max(step.query_lens) > 1 and self.tried is not None:  # a prefill at `cur`, no trial
+        if (prefill := max(step.query_lens) > 1) and self.tried is not None:  # at `cur`, no trial
             self.tried = None
             torch.set_num_threads(self.cur)
-        if max(step.query_lens) > 1 or (step.per_sequence and len(step.query_lens) > 1):
+        if prefill or (step.per_sequence and len(step.query_lens) > 1):
             return False
         want = self.cur if self.tried is None else self.base + 1 - self.cur
         if torch.get_num_threads() != want or not self.base:  # first step, or set from outside
