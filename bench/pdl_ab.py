@@ -96,6 +96,13 @@ CONFIGS = {
     "att_32x4s4": {"skip": {"moe_gate_up"}, "decode_small": (32, 4, 4, 4)},
     "att_16x8": {"skip": {"moe_gate_up"}, "decode_small": (16, 8, 4, 2)},
     "att_16x4": {"skip": {"moe_gate_up"}, "decode_small": (16, 4, 4, 2)},
+    # round 16: the next kernel's weights hinted into the L2 by the programs of an earlier one
+    # (o_proj's by the q/k/v GEMV, each expert's down weights by its gate/up programs)
+    "pf_oproj": {"skip": {"moe_gate_up"}, "pf": {"o_proj": True}},
+    "pf_down": {"skip": {"moe_gate_up"}, "pf": {"down": True}},
+    "pf_both": {"skip": {"moe_gate_up"}, "pf": {"o_proj": True, "down": True}},
+    "pf_oproj_last": {"skip": {"moe_gate_up"}, "pf": {"o_proj": "last"}},
+    "pf_down_last": {"skip": {"moe_gate_up"}, "pf": {"down": "last"}},
     "g16w4": {
         "skip": {"moe_gate_up"},
         "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
@@ -115,6 +122,7 @@ def apply(cfg: dict) -> None:
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
+    gemv.L2_PREFETCH.update({"o_proj": False, "down": False, **cfg.get("pf", {})})
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 

@@ -478,7 +478,9 @@ class GQAAttention(nn.Module):
                 b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
             cached = self.__dict__["_qkv_cache"] = (key, w, b)
         if gemv_kernels.gemv_suits(x, cached[1]):
-            y = gemv_kernels.gemv(x, cached[1], cached[2])
+            w_o = self.o_proj.weight  # hinted into the L2 when L2_PREFETCH["o_proj"]
+            pf = w_o if gemv_kernels.L2_PREFETCH["o_proj"] and w_o.is_contiguous() else None
+            y = gemv_kernels.gemv(x, cached[1], cached[2], prefetch=pf)
         else:
             y = torch.nn.functional.linear(x, cached[1], cached[2])
         nq, nk = self.q_proj.out_features, self.k_proj.out_features
