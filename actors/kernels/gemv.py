@@ -42,10 +42,18 @@ in the step: Qwen3's 2048 -> 5120 with 8 rows a program 0.015 ms a step faster t
 other K: `default_tile`."""
 
 
-L2_PREFETCH: dict[str, bool | str] = {"o_proj": False, "down": False}
+L2_PREFETCH: dict[str, bool | str] = {
+    "o_proj": False,
+    "o_proj_att": False,
+    "down": False,
+    "gate_up": False,
+}
 """Bytes of a later kernel hinted into the L2 by the programs of an earlier one (round 16):
 "o_proj": the q/k/v GEMV's programs, before their dependency wait, each prefetch a share of the
 layer's o_proj weights (which the attention between would otherwise leave HBM idle for);
+"o_proj_att": the attention's partial programs do it, after their wait; "gate_up": the top-k
+program, the experts chosen, hints their gate/up weights in a few bulk prefetches
+(`cp.async.bulk.prefetch.L2`) before the gate/up kernel launches;
 "down": each gate/up expert program, done with its tile, prefetches a share of its expert's
 down weights, so the down kernel starts on lines already in (or on their way to) the L2. A hint
 only (`prefetch.global.L2`): the data read never changes. Off until timed on the H200."""
@@ -138,6 +146,20 @@ if triton_available():
                 _hint(addr, "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
             else:
                 tl.atomic_add(rec_ptr + line, 1, mask=m)
+
+    @triton.jit
+    def bulk_l2_prefetch(addr, size, rec_ptr, rec_idx, MODE: tl.constexpr):
+        """Hint `size` bytes at each `addr` into the L2 with one bulk prefetch each
+        (`cp.async.bulk.prefetch.L2`, sm90: 16-byte aligned, a multiple of 16 bytes; size 0:
+        nothing), MODE 1 or 3; MODE 2 adds size to rec_ptr[rec_idx] instead (tests)."""
+        if MODE == 1 or MODE == 3:
+            tl.inline_asm_elementwise(
+                "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        elif MODE == 2:
+            tl.atomic_add(rec_ptr + rec_idx, size, mask=size > 0)
 
     @triton.jit
     def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, x_stride, y_stride, pf_ptr, pf_bytes, rec_ptr,

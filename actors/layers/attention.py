@@ -393,7 +393,10 @@ class GQAAttention(nn.Module):
         if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             eps, scale = self.arch.rms_norm_eps, self.arch.softmax_scale
-            return self._out(paged.gqa_prologue(q, k, v, norms, eps, cos, sin, scale))
+            w_o = self.o_proj.weight  # hinted into the L2 when L2_PREFETCH["o_proj_att"]
+            pf = w_o if gemv_kernels.L2_PREFETCH["o_proj_att"] and w_o.is_contiguous() else None
+            o = paged.gqa_prologue(q, k, v, norms, eps, cos, sin, scale, prefetch=pf)
+            return self._out(o)
         if not stacked and fused_kernels.qk_rope_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             qw, kw = norms if norms is not None else (None, None)

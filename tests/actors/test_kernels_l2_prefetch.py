@@ -42,8 +42,46 @@ for t, kk, e, hd, inter in ((1, 4, 12, 40, 24), (5, 2, 6, 40, 24)):
     ref = grouped_swiglu(x[src], expert_counts(flat, e), wgu, wd)
     out["experts"].append({"counts": rec.view(e, 30).tolist(), "busy": sorted(set(flat.tolist())),
                            "err": float((y - ref).abs().max() / ref.abs().max())})
-g.L2_PREFETCH.update(o_proj=True, down=True)
-out["cpu_mode"] = [g.prefetch_mode(torch.zeros(1), key) for key in ("o_proj", "down")]
+# the attention's partial programs (B x KV x (S + 1) of them) hint o_proj's lines, the result
+# as without the hint
+from actors.kernels import paged_decode, router_plan
+B, H, KV, D, BS, N = 2, 8, 2, 16, 8, 12
+stacked = torch.randn(B, (H + 2 * KV) * D)
+q = stacked[:, : H * D].view(B, H, D)
+k = stacked[:, H * D : (H + KV) * D].view(B, KV, D)
+v = stacked[:, (H + KV) * D :].view(B, KV, D)
+tables = torch.tensor([[4, 1, 7, 0], [2, 3, 5, 6]], dtype=torch.int32)
+lens = torch.tensor([3, 2 * BS + 5], dtype=torch.int32)
+slots = torch.stack([tables[b, (lens[b] - 1) // BS].long() * BS + (lens[b] - 1) % BS for b in range(B)])
+cos, sin = torch.randn(B, D // 2), torch.randn(B, D // 2)
+kc0, vc0 = torch.randn(N, BS, KV, D), torch.randn(N, BS, KV, D)
+o_w = torch.randn(40, 130)  # 20800 bytes: 163 lines, the last one partial
+outs = []
+for hinted in (False, True):
+    kc, vc = kc0.clone(), vc0.clone()
+    rec = torch.zeros(163 + 4, dtype=torch.int32)
+    pro = paged_decode.RopeWrite(k, v, None, None, 1e-6, cos, sin, torch.zeros(N, KV, D),
+                                 torch.zeros(N, KV, D), slots, prefetch=o_w if hinted else None,
+                                 record=rec if hinted else None)
+    outs.append(paged_decode.gqa_decode_triton(q, kc, vc, tables, lens, 0.25, splits=3,
+                                               tiles=(8, 2, 4, 1), pro=pro))
+out["att"] = {"counts": rec.tolist(), "same": bool(torch.equal(outs[0], outs[1]))}
+# the top-k program hints each chosen expert's gate/up bytes in PF_CHUNKS bulk prefetches
+E, HID, I = 12, 32, 16  # each expert's gate/up: 2 x 16 x 32 float32 = 4096 bytes
+W, wgu = torch.randn(E, HID), torch.randn(E, 2 * I, HID)
+out["topk"] = []
+for t, kk in ((1, 4), (3, 2)):
+    x = torch.randn(t, HID)
+    rec = torch.zeros(E * router_plan.PF_CHUNKS, dtype=torch.int64)
+    got = router_plan.router_plan(x, W, kk, torch.zeros(E, dtype=torch.int64),
+                                  norm_topk_prob=True, prefetch=wgu, record=rec)
+    plain = router_plan.router_plan(x, W, kk, torch.zeros(E, dtype=torch.int64),
+                                    norm_topk_prob=True)
+    out["topk"].append({"bytes": rec.view(E, -1).tolist(), "ids": got[1].tolist(),
+                        "same": all(torch.equal(a, b) for a, b in zip(got, plain))})
+g.L2_PREFETCH.update(o_proj=True, down=True, o_proj_att=True, gate_up=True)
+keys = ("o_proj", "down", "o_proj_att", "gate_up")
+out["cpu_mode"] = [g.prefetch_mode(torch.zeros(1), key) for key in keys]
 print(json.dumps(out))
 """
 
@@ -72,9 +110,29 @@ def test_expert_programs_hint_their_experts_down_weights_once(res):
 
 
 @needs_triton
+def test_attention_programs_hint_the_output_projection_once(res):
+    att = res["att"]
+    assert att["counts"] == [1] * 163 + [0] * 4, att["counts"]
+    assert att["same"]
+
+
+@needs_triton
+def test_topk_program_hints_the_chosen_experts_gate_up_weights(res):
+    for case in res["topk"]:
+        hits = [0] * 12
+        for row in case["ids"]:
+            for ex in row:
+                hits[ex] += 1
+        # 4096 bytes an expert in 8 bulk prefetches of 512, once per (token, expert) pair
+        want = [[512 * n] * 8 for n in hits]
+        assert case["bytes"] == want, case
+        assert case["same"]
+
+
+@needs_triton
 def test_the_cpu_never_runs_the_ptx_hint(res):
     # switched on, a CPU tensor still gets mode 0 (the interpreter cannot run inline PTX)
-    assert res["cpu_mode"] == [0, 0]
+    assert res["cpu_mode"] == [0, 0, 0, 0]
 
 
 def test_prefetch_lines_covers_each_share():
