@@ -96,19 +96,6 @@ CONFIGS = {
     "att_32x4s4": {"skip": {"moe_gate_up"}, "decode_small": (32, 4, 4, 4)},
     "att_16x8": {"skip": {"moe_gate_up"}, "decode_small": (16, 8, 4, 2)},
     "att_16x4": {"skip": {"moe_gate_up"}, "decode_small": (16, 4, 4, 2)},
-    # round 16: the next kernel's weights hinted into the L2 by the programs of an earlier one
-    # (o_proj's by the q/k/v GEMV, each expert's down weights by its gate/up programs)
-    "pf_oproj": {"skip": {"moe_gate_up"}, "pf": {"o_proj": True}},
-    "pf_down": {"skip": {"moe_gate_up"}, "pf": {"down": True}},
-    "pf_both": {"skip": {"moe_gate_up"}, "pf": {"o_proj": True, "down": True}},
-    "pf_oproj_last": {"skip": {"moe_gate_up"}, "pf": {"o_proj": "last"}},
-    "pf_down_last": {"skip": {"moe_gate_up"}, "pf": {"down": "last"}},
-    # round 16, call 2: o_proj hinted by the attention's programs after their wait; the chosen
-    # experts' gate/up weights by the top-k program in bulk prefetches (8 or 32 a expert)
-    "pf_att": {"skip": {"moe_gate_up"}, "pf": {"o_proj_att": True}},
-    "pf_gu": {"skip": {"moe_gate_up"}, "pf": {"gate_up": True}},
-    "pf_gu32": {"skip": {"moe_gate_up"}, "pf": {"gate_up": True}, "pf_chunks": 32},
-    "pf_gu_att": {"skip": {"moe_gate_up"}, "pf": {"gate_up": True, "o_proj_att": True}},
     "g16w4": {
         "skip": {"moe_gate_up"},
         "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
@@ -128,8 +115,6 @@ def apply(cfg: dict) -> None:
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
-    gemv.L2_PREFETCH.update({key: False for key in gemv.L2_PREFETCH} | cfg.get("pf", {}))
-    router_plan.PF_CHUNKS = cfg.get("pf_chunks", 8)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 

@@ -104,20 +104,16 @@ class DecodeView:
             c.slots,
         )
 
-    def gqa_prologue(
-        self, q, k, v, norms, eps: float, cos, sin, scale: float, prefetch=None
-    ) -> torch.Tensor:
+    def gqa_prologue(self, q, k, v, norms, eps: float, cos, sin, scale: float) -> torch.Tensor:
         """`prologue` then `gqa`: q [B, H, D], k/v [B, KV, D] as projected -> [B, H, D]. Where
         the Triton kernel serves, one launch: the partial kernel norms and rotates q itself and
-        the program holding the new token writes its K/V (`paged_decode.RopeWrite`); its
-        programs may hint `prefetch` (the o_proj weights) into the L2."""
+        the program holding the new token writes its K/V (`paged_decode.RopeWrite`)."""
         c, i = self.context, self.index
         kc, vc = c.cache.k[i], c.cache.v[i]
         if c.use_triton and triton_suits(kc) and paged_decode.rope_write_suits(q, k, v, kc):
             qw, kw = norms if norms is not None else (None, None)
-            summary = (c.cache.key_min[i], c.cache.key_max[i])
             pro = paged_decode.RopeWrite(
-                k, v, qw, kw, eps, cos, sin, *summary, c.slots, prefetch=prefetch
+                k, v, qw, kw, eps, cos, sin, c.cache.key_min[i], c.cache.key_max[i], c.slots
             )
             return paged_decode.gqa_decode_triton(
                 q, kc, vc, c.block_tables, c.context_lens, scale, pro=pro

@@ -42,45 +42,6 @@ in the step: Qwen3's 2048 -> 5120 with 8 rows a program 0.015 ms a step faster t
 other K: `default_tile`."""
 
 
-L2_PREFETCH: dict[str, bool | str] = {
-    "o_proj": False,
-    "o_proj_att": False,
-    "down": False,
-    "gate_up": False,
-}
-"""Bytes of a later kernel hinted into the L2 by the programs of an earlier one (round 16):
-"o_proj": the q/k/v GEMV's programs, before their dependency wait, each prefetch a share of the
-layer's o_proj weights (which the attention between would otherwise leave HBM idle for);
-"o_proj_att": the attention's partial programs do it, after their wait; "gate_up": the top-k
-program, the experts chosen, hints their gate/up weights in a few bulk prefetches
-(`cp.async.bulk.prefetch.L2`) before the gate/up kernel launches;
-"down": each gate/up expert program, done with its tile, prefetches a share of its expert's
-down weights, so the down kernel starts on lines already in (or on their way to) the L2. A hint
-only (`prefetch.global.L2`): the data read never changes. Off until timed on the H200."""
-PF_OFF, PF_ON, PF_RECORD, PF_LAST = 0, 1, 2, 3
-"""Modes of `l2_prefetch`: nothing; the PTX prefetch (CUDA); count each line into a buffer
-instead (the interpreter's tests); the prefetch with the evict_last priority
-(`L2_PREFETCH[key] == "last"`)."""
-L2_LINE = 128
-
-
-def prefetch_lines(nbytes: int, parts: int) -> int:
-    """LINES of `l2_prefetch` for `parts` programs sharing nbytes: a power of two >= each share
-    (at least 128, one line a thread of four warps)."""
-    lines = -(-nbytes // L2_LINE)
-    share = -(-lines // max(parts, 1))
-    return max(128, 1 << max(0, (share - 1).bit_length()))
-
-
-def prefetch_mode(x: torch.Tensor, key: str, record: torch.Tensor | None = None) -> int:
-    if record is not None:
-        return PF_RECORD
-    how = L2_PREFETCH.get(key, False)
-    if not (how and x.is_cuda and gdc_supported(x.device.index or 0)):
-        return PF_OFF
-    return PF_LAST if how == "last" else PF_ON
-
-
 def default_tile(k: int, n: int) -> tuple[int, int, int, int]:
     """(BN, KP, BK, warps): ~16 KB of weights per program, all of it loaded before the wait."""
     bn = max(1, min(64, 8192 // max(k, 1)))
@@ -124,50 +85,10 @@ if triton_available():
             gdc_wait()
 
     @triton.jit
-    def _hint(addr, ASM: tl.constexpr):
-        tl.inline_asm_elementwise(ASM, "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def l2_prefetch(base, nbytes, part, parts, rec_ptr, LINES: tl.constexpr,
-                    MODE: tl.constexpr):  # fmt: skip
-        """Share `part` of `parts` of the nbytes at `base`, in 128-byte lines (at most LINES):
-        MODE 1 hints them into the L2 (`prefetch.global.L2`, no registers held, nothing waits
-        for it); MODE 2 adds 1 to rec_ptr[line] for each instead (tests); MODE 0 nothing."""
-        if MODE != 0:
-            lines = (nbytes + 127) // 128
-            share = (lines + parts - 1) // parts
-            i = tl.arange(0, LINES)
-            line = part.to(tl.int64) * share + i
-            m = (i < share) & (line < lines)
-            addr = base.to(tl.pointer_type(tl.int8)) + tl.where(m, line, 0) * 128
-            if MODE == 1:
-                _hint(addr, "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
-            elif MODE == 3:
-                _hint(addr, "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;")
-            else:
-                tl.atomic_add(rec_ptr + line, 1, mask=m)
-
-    @triton.jit
-    def bulk_l2_prefetch(addr, size, rec_ptr, rec_idx, MODE: tl.constexpr):
-        """Hint `size` bytes at each `addr` into the L2 with one bulk prefetch each
-        (`cp.async.bulk.prefetch.L2`, sm90: 16-byte aligned, a multiple of 16 bytes; size 0:
-        nothing), MODE 1 or 3; MODE 2 adds size to rec_ptr[rec_idx] instead (tests)."""
-        if MODE == 1 or MODE == 3:
-            tl.inline_asm_elementwise(
-                "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t"
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-        elif MODE == 2:
-            tl.atomic_add(rec_ptr + rec_idx, size, mask=size > 0)
-
-    @triton.jit
-    def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, x_stride, y_stride, pf_ptr, pf_bytes, rec_ptr,
-              M: tl.constexpr, M_PAD: tl.constexpr, K: tl.constexpr, BN: tl.constexpr,
-              KP: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr,
-              PF: tl.constexpr = 0, PF_LINES: tl.constexpr = 128):  # fmt: skip
-        """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for BN columns n, float32 accumulation.
-        PF: this program's share of pf_bytes at pf_ptr hinted into the L2 before the wait."""
+    def _gemv(x_ptr, w_ptr, b_ptr, y_ptr, N, x_stride, y_stride, M: tl.constexpr,
+              M_PAD: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
+              BK: tl.constexpr, HAS_BIAS: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        """y[m, n] = sum_k x[m, k] w[n, k] (+ b[n]) for BN columns n, float32 accumulation."""
         if GDC:
             gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -175,7 +96,6 @@ if triton_available():
         rows = w_ptr + n.to(tl.int64)[:, None] * K
         kp = tl.arange(0, KP)
         w = tl.load(rows + kp[None, :], mask=nm[:, None], other=0.0)
-        l2_prefetch(pf_ptr, pf_bytes, tl.program_id(0), tl.num_programs(0), rec_ptr, PF_LINES, PF)
         if GDC:
             gdc_wait()
         mi = tl.arange(0, M_PAD)
@@ -222,13 +142,8 @@ def gemv(
     *,
     tile: tuple[int, int, int, int] | None = None,
     pdl: bool | None = None,
-    prefetch: torch.Tensor | None = None,
-    record: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (rows may be strided, columns contiguous), w [N, K] -> y [M, N] in x's dtype.
-    prefetch: a contiguous tensor a later kernel reads, hinted into the L2 by the programs
-    (`L2_PREFETCH["o_proj"]`); record (int32, one per 128-byte line of prefetch): count the lines
-    instead (the tests)."""
+    """x [M, K] (rows may be strided, columns contiguous), w [N, K] -> y [M, N] in x's dtype."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1:
@@ -237,15 +152,9 @@ def gemv(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     gdc = pdl_on(x, "gemv") if pdl is None else (pdl and x.is_cuda)
     extra = {"launch_pdl": True} if gdc else {}
-    grid = triton.cdiv(n, bn)
-    pf = prefetch_mode(x, "o_proj", record) if prefetch is not None else PF_OFF
-    pf_t = prefetch if pf != PF_OFF else w
-    _gemv[(grid,)](
-        x, w, bias if bias is not None else w, y, n, x.stride(0), y.stride(0), pf_t,
-        pf_t.numel() * pf_t.element_size(), record if record is not None else y, M=m,
+    _gemv[(triton.cdiv(n, bn),)](
+        x, w, bias if bias is not None else w, y, n, x.stride(0), y.stride(0), M=m,
         M_PAD=max(2, 1 << (m - 1).bit_length()), K=k, BN=bn, KP=kp, BK=bk,
-        HAS_BIAS=bias is not None, GDC=gdc, PF=pf,
-        PF_LINES=prefetch_lines(pf_t.numel() * pf_t.element_size(), grid) if pf else 128,
-        num_warps=warps, **extra,
+        HAS_BIAS=bias is not None, GDC=gdc, num_warps=warps, **extra,
     )  # fmt: skip
     return y

@@ -43,16 +43,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from actors.kernels.gemv import (
-        PF_OFF,
-        gdc_enter,
-        gdc_launch_dependents,
-        gdc_wait,
-        l2_prefetch,
-        pdl_kwargs,
-        prefetch_lines,
-        prefetch_mode,
-    )
+    from actors.kernels.gemv import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_kwargs
 
     @triton.jit
     def _silu_mul(gu_ptr, out_ptr, R, stride, INTER: tl.constexpr, I_PAD: tl.constexpr,
@@ -85,17 +76,13 @@ if triton_available():
         return ex, start, end, tl.sum(mine.to(tl.int32), 0) > 0
 
     @triton.jit
-    def _moe_gate_up(x_ptr, src_ptr, offs_ptr, w_ptr, h_ptr, E, pf_ptr, pf_bytes, rec_ptr,
-                     N_ROWS: tl.constexpr, HID: tl.constexpr,
+    def _moe_gate_up(x_ptr, src_ptr, offs_ptr, w_ptr, h_ptr, E, N_ROWS: tl.constexpr, HID: tl.constexpr,
                      INTER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr = False,
-                     TRIGGER: tl.constexpr = False, PF: tl.constexpr = 0,
-                     PF_LINES: tl.constexpr = 128):  # fmt: skip
+                     TRIGGER: tl.constexpr = False):  # fmt: skip
         """h[r] = silu(gate_e x[src[r]]) * (up_e x[src[r]]) for the rows of one busy expert e and
         BN intermediate columns: the expert's weights are read once for all its rows. TRIGGER
-        (launched without PDL): let the next kernel (`_moe_down_gemv`) launch at once. PF: then
-        hint this program's share of expert e's pf_bytes at pf_ptr (its down weights) into the
-        L2 (`gemv.l2_prefetch`)."""
+        (launched without PDL): let the next kernel (`_moe_down_gemv`) launch at once."""
         if TRIGGER:
             gdc_launch_dependents()
         gdc_enter(GDC)
@@ -126,9 +113,6 @@ if triton_available():
                     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
                     tl.store(h_ptr + rows[:, None] * INTER + n[None, :],
                              h.to(h_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])  # fmt: skip
-            first = ex.to(tl.int64) * pf_bytes
-            l2_prefetch(pf_ptr.to(tl.pointer_type(tl.int8)) + first, pf_bytes, tl.program_id(1),
-                        tl.num_programs(1), rec_ptr + first // 128, PF_LINES, PF)  # fmt: skip
 
     @triton.jit
     def _moe_down(h_ptr, offs_ptr, w_ptr, y_ptr, E, N_ROWS: tl.constexpr, HID: tl.constexpr,
@@ -209,8 +193,6 @@ def moe_experts(
     offsets: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
-    *,
-    record: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts over the sorted rows, for decode-sized batches: two kernels.
 
@@ -220,9 +202,7 @@ def moe_experts(
     One program per (busy expert, column tile) reads that expert's weight tile once for all its
     rows (grouped GEMMs read it at ~40% of bandwidth at these sizes); the gather of x and the
     SwiGLU are fused in (no `x[src]`, no silu/mul passes). The intermediate rows stay float32
-    until the store in x's dtype. With `gemv.L2_PREFETCH["down"]` each gate/up program hints
-    its share of its expert's down weights into the L2 (record: int32, one per 128-byte line of
-    w_down: count the lines instead, the tests)."""
+    until the store in x's dtype."""
     r = src.shape[0]
     e, two_i, hid = w_gate_up.shape
     inter = two_i // 2
@@ -235,27 +215,22 @@ def moe_experts(
     gate_pdl, down_pdl = pdl_kwargs(x, "moe_gate_up"), pdl_kwargs(x, "moe_down")
     one = DOWN_GEMV[0] and x.shape[0] == 1
     early = one and down_pdl["GDC"] and not gate_pdl["GDC"]
-    w_down = w_down.contiguous()
-    pf = prefetch_mode(x, "down", record)
-    pf_bytes = w_down[0].numel() * w_down.element_size()
-    tiles_n = triton.cdiv(inter, bn)
-    _moe_gate_up[(slots, tiles_n)](
-        x.contiguous(), src, offsets, w_gate_up, h, e, w_down, pf_bytes,
-        record if record is not None else offsets, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter,
+    _moe_gate_up[(slots, triton.cdiv(inter, bn))](
+        x.contiguous(), src, offsets, w_gate_up, h, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter,
         E_PAD=_pow2(e), BM=bm, BN=bn, BK=bk_g, num_warps=warps, num_stages=stages, TRIGGER=early,
-        PF=pf, PF_LINES=prefetch_lines(pf_bytes, tiles_n) if pf != PF_OFF else 128, **gate_pdl,
+        **gate_pdl,
     )  # fmt: skip
     if one:
         bn, warps = DOWN_GEMV_TILE
         _moe_down_gemv[(slots, triton.cdiv(hid, bn))](
-            h, offsets, w_down, y, e, N_ROWS=_pow2(r), HID=hid, INTER=inter,
+            h, offsets, w_down.contiguous(), y, e, N_ROWS=_pow2(r), HID=hid, INTER=inter,
             I_PAD=_pow2(inter), E_PAD=_pow2(e), BN=bn, EARLY=early, num_warps=warps, **down_pdl,
         )  # fmt: skip
         return y
     bm, bn, bk, warps, stages = tiles["down"]
     bk_d = min(bk, max(16, _pow2(inter)))
     _moe_down[(slots, triton.cdiv(hid, bn))](
-        h, offsets, w_down, y, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter, E_PAD=_pow2(e),
+        h, offsets, w_down.contiguous(), y, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter, E_PAD=_pow2(e),
         BM=bm, BN=bn, BK=bk_d, num_warps=warps, num_stages=stages, **down_pdl,
     )  # fmt: skip
     return y

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from actors.kernels import triton_available
-from actors.kernels.gemv import PF_OFF, prefetch_lines, prefetch_mode
 
 LOG2E = 1.4426950408889634
 
@@ -123,7 +122,7 @@ if triton_available():
     import triton.language as tl
 
     from actors.kernels.fused import _norm_rope
-    from actors.kernels.gemv import gdc_enter, l2_prefetch, pdl_kwargs
+    from actors.kernels.gemv import gdc_enter, pdl_kwargs
 
     @triton.jit
     def _write_new(kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, k, v, b, g,
@@ -154,7 +153,6 @@ if triton_available():
         pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
         kmin_ptr=None, kmax_ptr=None, slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
         KV: tl.constexpr = 1, PRO: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-        pf_ptr=None, pf_bytes=0, rec_ptr=None, PF: tl.constexpr = 0, PF_LINES: tl.constexpr = 128,
     ):  # fmt: skip
         """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
         step (spanning TILE / BS cache blocks, each row found through the block table), for the
@@ -162,16 +160,11 @@ if triton_available():
         PRO: q, k, v are the step's raw projections; each program norms and rotates its REP
         query heads and the new key itself and takes the new token's K/V row from registers;
         an extra program per (b, g), s == S, writes that row and the block summary
-        (`_write_new`) off the others' path: the separate rotary/write kernel is gone.
-        PF: after the wait each program hints its share of pf_bytes at pf_ptr (the o_proj
-        weights the GEMV after the merge reads) into the L2 (`gemv.l2_prefetch`)."""
+        (`_write_new`) off the others' path: the separate rotary/write kernel is gone."""
         gdc_enter(GDC)
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
-        part = (b * tl.num_programs(1) + g) * tl.num_programs(2) + s
-        parts = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        l2_prefetch(pf_ptr, pf_bytes, part, parts, rec_ptr, PF_LINES, PF)
         ctx = tl.load(lens_ptr + b)
         r = tl.arange(0, REP_PAD)
         d = tl.arange(0, D)
@@ -408,10 +401,6 @@ class RopeWrite:
     key_min: torch.Tensor
     key_max: torch.Tensor
     slots: torch.Tensor
-    prefetch: torch.Tensor | None = None
-    """A contiguous tensor (the layer's o_proj weights) the programs hint into the L2 after
-    their wait, when `gemv.L2_PREFETCH["o_proj_att"]` (or `record` is given: count the lines)."""
-    record: torch.Tensor | None = None
 
 
 def rope_write_suits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache) -> bool:
@@ -463,14 +452,6 @@ def gqa_decode_triton(
             slots_ptr=pro.slots, eps=pro.eps, stride_pkb=pro.k.stride(0), stride_pvb=pro.v.stride(0),
             KV=kv, PRO=True, HAS_NORM=has_norm,
         )  # fmt: skip
-        pf = prefetch_mode(q, "o_proj_att", pro.record) if pro.prefetch is not None else PF_OFF
-        if pf != PF_OFF:
-            nbytes = pro.prefetch.numel() * pro.prefetch.element_size()
-            extra.update(
-                pf_ptr=pro.prefetch, pf_bytes=nbytes, PF=pf,
-                rec_ptr=pro.record if pro.record is not None else pro.slots,
-                PF_LINES=prefetch_lines(nbytes, b * kv * (s + 1)),
-            )  # fmt: skip
     else:
         q = q.contiguous()
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.kernels import fused, gemv
+from actors.kernels import fused
 from actors.kernels.gemv import pdl_kwargs
 
 ROUTER_PLAN = [True]
@@ -25,38 +25,19 @@ ROUTER_PLAN_WARPS = [1]
 0.05 ms a step slower on the H200)."""
 ROUTER_PLAN_MAX_TOKENS = 4
 """Tokens a step it serves (one program does every token's top-k and the plan)."""
-PF_CHUNKS = 8
-"""Bulk prefetches a chosen expert's gate/up weights are hinted in (`gemv.L2_PREFETCH`)."""
-
-
-def _hints(x: torch.Tensor, w: torch.Tensor | None, record: torch.Tensor | None) -> dict:
-    """`_topk_plan`'s prefetch arguments: each expert's bytes of w, in PF_CHUNKS 16-byte
-    multiples (nothing where they do not divide so)."""
-    pf = gemv.prefetch_mode(x, "gate_up", record) if w is not None else gemv.PF_OFF
-    if pf == gemv.PF_OFF or not w.is_contiguous():
-        return {}
-    nbytes = w[0].numel() * w.element_size()
-    if nbytes % (16 * PF_CHUNKS) or nbytes >= 1 << 31:
-        return {}
-    rec = record if record is not None else w
-    return {"pf_ptr": w, "pf_bytes": nbytes, "rec_ptr": rec, "PF": pf, "CH": PF_CHUNKS}
-
 
 if fused.triton_available():
     import triton
     import triton.language as tl
 
-    from actors.kernels.gemv import bulk_l2_prefetch, gdc_enter
+    from actors.kernels.gemv import gdc_enter
 
     @triton.jit
     def _topk_plan(logits_ptr, ids_ptr, wts_ptr, src_ptr, pos_ptr, offs_ptr, routed_ptr,
                    T: tl.constexpr, E, E_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                   NORM: tl.constexpr, R_PAD: tl.constexpr, GDC: tl.constexpr,
-                   pf_ptr=None, pf_bytes=0, rec_ptr=None, PF: tl.constexpr = 0,
-                   CH: tl.constexpr = 8):  # fmt: skip
+                   NORM: tl.constexpr, R_PAD: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
         """Every token's softmax top-k from the logits, then the dispatch plan from the ids in
-        registers (one program). PF: then each chosen expert's pf_bytes at pf_ptr (its gate/up
-        weights) hinted into the L2 in CH bulk prefetches (`gemv.bulk_l2_prefetch`)."""
+        registers (one program)."""
         gdc_enter(GDC)
         e = tl.arange(0, E_PAD)
         em = e < E
@@ -73,13 +54,6 @@ if fused.triton_available():
                 idi = tl.where(i == t * K + j, idj, idi)
         fused._plan_from_ids(idi, i < T * K, src_ptr, pos_ptr, offs_ptr, routed_ptr, E, K, E_PAD,
                              R_PAD)  # fmt: skip
-        if PF != 0:
-            c = tl.arange(0, CH)
-            chunk = pf_bytes // CH
-            ex = idi.to(tl.int64)[:, None]
-            addr = pf_ptr.to(tl.pointer_type(tl.int8)) + ex * pf_bytes + c[None, :] * chunk
-            size = tl.where((i < T * K)[:, None] & (c < CH)[None, :], chunk, 0).to(tl.int32)
-            bulk_l2_prefetch(addr, size, rec_ptr, ex * CH + c[None, :], PF)
 
 
 def router_plan_suits(x: torch.Tensor, k: int) -> bool:
@@ -95,14 +69,10 @@ def router_plan(
     *,
     norm_topk_prob: bool,
     norm: tuple | None = None,
-    prefetch: torch.Tensor | None = None,
-    record: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """x [T, H], weight [E, H] -> (logits, ids, weights, src, pos, offsets) as the three kernels
     give them (module docstring). norm: `fused.router_logits`'s (the logits of the normed x +
-    residual). prefetch: the experts' stacked gate/up weights [E, ...], the chosen experts' hinted
-    into the L2 when `gemv.L2_PREFETCH["gate_up"]` (record: int64 [E * PF_CHUNKS], count the
-    bytes hinted per chunk instead, the tests)."""
+    residual)."""
     t, e = x.shape[0], weight.shape[0]
     dev = x.device
     src = torch.empty(t * k, dtype=torch.int64, device=dev)
@@ -112,6 +82,6 @@ def router_plan(
     _topk_plan[(1,)](
         logits, ids, wts, src, pos, offsets, routed_counts, T=t, E=e, E_PAD=fused._pow2(e), K=k,
         K_PAD=fused._pow2(k), NORM=norm_topk_prob, R_PAD=max(16, fused._pow2(t * k)),
-        num_warps=ROUTER_PLAN_WARPS[0], **pdl_kwargs(x, "topk_plan"), **_hints(x, prefetch, record),
+        num_warps=ROUTER_PLAN_WARPS[0], **pdl_kwargs(x, "topk_plan"),
     )  # fmt: skip
     return logits, ids, wts, src, pos, offsets

@@ -393,10 +393,7 @@ class GQAAttention(nn.Module):
         if isinstance(paged, DecodeView) and paged.fused_prologue_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             eps, scale = self.arch.rms_norm_eps, self.arch.softmax_scale
-            w_o = self.o_proj.weight  # hinted into the L2 when L2_PREFETCH["o_proj_att"]
-            pf = w_o if gemv_kernels.L2_PREFETCH["o_proj_att"] and w_o.is_contiguous() else None
-            o = paged.gqa_prologue(q, k, v, norms, eps, cos, sin, scale, prefetch=pf)
-            return self._out(o)
+            return self._out(paged.gqa_prologue(q, k, v, norms, eps, cos, sin, scale))
         if not stacked and fused_kernels.qk_rope_suits(q, cos):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             qw, kw = norms if norms is not None else (None, None)
@@ -481,9 +478,7 @@ class GQAAttention(nn.Module):
                 b = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
             cached = self.__dict__["_qkv_cache"] = (key, w, b)
         if gemv_kernels.gemv_suits(x, cached[1]):
-            w_o = self.o_proj.weight  # hinted into the L2 when L2_PREFETCH["o_proj"]
-            pf = w_o if gemv_kernels.L2_PREFETCH["o_proj"] and w_o.is_contiguous() else None
-            y = gemv_kernels.gemv(x, cached[1], cached[2], prefetch=pf)
+            y = gemv_kernels.gemv(x, cached[1], cached[2])
         else:
             y = torch.nn.functional.linear(x, cached[1], cached[2])
         nq, nk = self.q_proj.out_features, self.k_proj.out_features

@@ -18,7 +18,6 @@ from torch import nn
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
 from actors.kernels import moe_kernels, router_plan, routing
-from actors.kernels.gemv import L2_PREFETCH
 from actors.layers import experts as experts_lib
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
@@ -110,13 +109,6 @@ class MoE(nn.Module):
         self.register_buffer("global_to_local", to_local, persistent=False)
         self.register_buffer("routed_counts", torch.zeros(e, dtype=torch.int64), persistent=False)
 
-    def _hinted(self) -> torch.Tensor | None:
-        """The stacked gate/up weights for the top-k program to hint into the L2 (all experts
-        local, `gemv.L2_PREFETCH["gate_up"]`)."""
-        w = self.experts.w_gate_up
-        on = L2_PREFETCH["gate_up"] and w.shape[0] == self.arch.num_experts
-        return w if on else None
-
     def takes_norm(self, x: torch.Tensor) -> bool:
         """Whether `forward(norm=...)` serves x [T, H]: world size 1, softmax routing and its
         plan in two kernels (`router_plan`), the logits kernel able to norm the row itself."""
@@ -144,7 +136,7 @@ class MoE(nn.Module):
             routed = router_plan.router_plan(x, self.gate.weight, self.arch.top_k,
                                              self.routed_counts,
                                              norm_topk_prob=self.gate.norm_topk_prob,
-                                             norm=(*norm, y), prefetch=self._hinted())  # fmt: skip
+                                             norm=(*norm, y))  # fmt: skip
             return self._forward_local(y, capture, name, routed)
         if isinstance(self.ep, LocalDispatch):
             return self._forward_local(x, capture, name)
@@ -201,9 +193,8 @@ class MoE(nn.Module):
             logits, ids, weights, src, pos, offsets = routed
         elif planned:  # routing and the plan in two kernels
             logits, ids, weights, src, pos, offsets = router_plan.router_plan(
-                x, gate.weight, k, self.routed_counts, norm_topk_prob=gate.norm_topk_prob,
-                prefetch=self._hinted(),
-            )  # fmt: skip
+                x, gate.weight, k, self.routed_counts, norm_topk_prob=gate.norm_topk_prob
+            )
         elif small and gate.scoring == "softmax":
             logits, ids, weights = fused_kernels.router_softmax_topk(
                 x, gate.weight, k, norm_topk_prob=gate.norm_topk_prob
