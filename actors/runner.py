@@ -386,7 +386,7 @@ class ThreadTuner:
     `trial` steps run at the other count (1 or N), kept if its median time a token is `margin` x
     lower; a prefill runs at the kept one. On shared cores N threads wait for a descheduled peer
     (one of 2 busy: decode 2.7x slower at 2 than at 1), on quiet ones N are faster. A losing
-    trial doubles the gap to the next (`first` to `longest` steps). Same tokens."""
+    trial doubles the gap to the next (`first` to `longest` steps). Batch-invariant steps stay."""
 
     trial, first, longest, margin = 5, 8, 256, 0.9
 
@@ -397,11 +397,11 @@ class ThreadTuner:
         self.tried: list[float] | None = None  # of this trial's steps (None: no trial now)
 
     def start(self, step: StepInput) -> bool:
-        """Before `step`; whether it is timed (a decode step: one token a sequence)."""
-        if (prefill := max(step.query_lens) > 1) and self.tried is not None:  # at `cur`, no trial
-            self.tried = None
-            torch.set_num_threads(self.cur)
-        if prefill or (step.per_sequence and len(step.query_lens) > 1):
+        """Before `step`; whether it is timed: decode, not batch invariant (bits must not move)."""
+        if max(step.query_lens) > 1 or step.per_sequence:
+            if self.tried is not None:  # at `cur`, no trial
+                self.tried = None
+                torch.set_num_threads(self.cur)
             return False
         want = self.cur if self.tried is None else self.base + 1 - self.cur
         if torch.get_num_threads() != want or not self.base:  # first step, or set from outside

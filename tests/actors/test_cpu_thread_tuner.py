@@ -86,6 +86,22 @@ def test_a_prefill_during_a_trial_runs_at_the_kept_count_and_is_not_timed():
     assert not tuner.start(SimpleNamespace(query_lens=(1, 1), per_sequence=True))
 
 
+def test_batch_invariant_steps_are_never_tried_at_another_count():
+    # one sequence a step, as a batch-invariant engine serving a lone request runs: the count
+    # must not change under it (its logprobs are compared bit for bit, run to run)
+    torch.set_num_threads(2)
+    clock = FakeClock({1: 1.0, 2: 3.0})
+    tuner = ThreadTuner(clock=clock)
+    for _ in range(5 * ThreadTuner.first):
+        assert not tuner.start(SimpleNamespace(query_lens=(1,), per_sequence=True))
+        assert torch.get_num_threads() == 2
+    for _ in range(ThreadTuner.first + 1):  # a trial begun on batched steps ends at the next
+        clock.step(tuner, 8)
+    assert torch.get_num_threads() == 1
+    assert not tuner.start(SimpleNamespace(query_lens=(1,), per_sequence=True))
+    assert torch.get_num_threads() == 2 and tuner.tried is None
+
+
 def test_returns_when_load_changes():
     torch.set_num_threads(2)
     clock = FakeClock({1: 3.0, 2: 1.0})
