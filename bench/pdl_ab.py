@@ -115,6 +115,8 @@ def apply(cfg: dict) -> None:
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
+    small = cfg.get("expert_small", {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)})
+    moe_kernels.EXPERT_TILES["small"].update(small)
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 
@@ -126,8 +128,16 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
     ap.add_argument("--prefill", type=int, default=0, help="also time a prefill of N tokens")
+    ap.add_argument("--expert-tiles", default=None, help="JSON of bench/expert_sweep.py: its "
+                    "best small tiles as config 'swept' (the rest keep gpu_moe's)")  # fmt: skip
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.expert_tiles:
+        best = json.loads(Path(args.expert_tiles).read_text())["best_small"]
+        CONFIGS["swept"] = {
+            **CONFIGS["default"],
+            "expert_small": {k: tuple(v) for k, v in best.items()},
+        }
     moe_kernels.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
     moe_kernels.EXPERT_TILES["large"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 128, 4, 4))
     gpu_bench.PROFILE_SHAPES = ()  # no torch.profiler passes inside the rows
