@@ -96,6 +96,9 @@ CONFIGS = {
     "att_32x4s4": {"skip": {"moe_gate_up"}, "decode_small": (32, 4, 4, 4)},
     "att_16x8": {"skip": {"moe_gate_up"}, "decode_small": (16, 8, 4, 2)},
     "att_16x4": {"skip": {"moe_gate_up"}, "decode_small": (16, 4, 4, 2)},
+    # round 16, call 5: the attention's partial kernel reads its block table and first K/V
+    # tile before the PDL wait
+    "kv_early": {"skip": {"moe_gate_up"}, "kv_early": True},
     "g16w4": {
         "skip": {"moe_gate_up"},
         "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
@@ -115,6 +118,7 @@ def apply(cfg: dict) -> None:
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
+    paged_decode.KV_BEFORE_WAIT[0] = cfg.get("kv_early", False)
     small = cfg.get("expert_small", {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)})
     moe_kernels.EXPERT_TILES["small"].update(small)
     gemv.GEMV_TILES.clear()

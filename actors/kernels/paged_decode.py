@@ -122,7 +122,7 @@ if triton_available():
     import triton.language as tl
 
     from actors.kernels.fused import _norm_rope
-    from actors.kernels.gemv import gdc_enter, pdl_kwargs
+    from actors.kernels.gemv import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_kwargs
 
     @triton.jit
     def _write_new(kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, k, v, b, g,
@@ -143,6 +143,32 @@ if triton_available():
         tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0))
 
     @triton.jit
+    def _kv_tile(k_ptr, v_ptr, bt_row, pos, hi, g, d, stride_kn, stride_kt, stride_kh,
+                 BS: tl.constexpr):  # fmt: skip
+        """The cached K and V rows at positions `pos` (< hi; others masked to 0), found through
+        the block table row."""
+        valid = pos < hi
+        blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
+        offs = (
+            blk[:, None] * stride_kn + (pos % BS)[:, None] * stride_kt + g * stride_kh + d[None, :]
+        )  # fmt: skip
+        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+        return k, v, valid
+
+    @triton.jit
+    def _attend_tile(q, k, v, valid, m, l_sum, acc, qk_scale):
+        """One online-softmax step over a tile of keys (scores in base 2)."""
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.where(valid[None, :], tl.exp2(scores - m_new[:, None]), 0.0)
+        alpha = tl.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _gqa_partial(
         q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, ml_ptr,
         stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_btb,
@@ -153,6 +179,7 @@ if triton_available():
         pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
         kmin_ptr=None, kmax_ptr=None, slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
         KV: tl.constexpr = 1, PRO: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
+        EARLY: tl.constexpr = False,
     ):  # fmt: skip
         """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
         step (spanning TILE / BS cache blocks, each row found through the block table), for the
@@ -160,8 +187,16 @@ if triton_available():
         PRO: q, k, v are the step's raw projections; each program norms and rotates its REP
         query heads and the new key itself and takes the new token's K/V row from registers;
         an extra program per (b, g), s == S, writes that row and the block summary
-        (`_write_new`) off the others' path: the separate rotary/write kernel is gone."""
-        gdc_enter(GDC)
+        (`_write_new`) off the others' path: the separate rotary/write kernel is gone.
+        EARLY (`KV_BEFORE_WAIT`): the context length, the block table and the first tile's K/V
+        rows are read before the PDL wait (nothing in this step writes them: the host sets
+        the first two before the graph, and the row this step adds is never read from the
+        cache), so their dependent loads overlap the projection kernel before this one."""
+        if EARLY:
+            if GDC:
+                gdc_launch_dependents()
+        else:
+            gdc_enter(GDC)
         b = tl.program_id(0)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -170,6 +205,16 @@ if triton_available():
         d = tl.arange(0, D)
         t = tl.arange(0, TILE)
         head = g * REP + r
+        lo = s * (PER_SPLIT * TILE)
+        # PRO: the new token's row is not read from the cache (program S is writing it): the
+        # loop stops before it, and the program whose split holds it adds it from registers.
+        hi = tl.minimum(ctx - PRO, lo + PER_SPLIT * TILE)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        if EARLY:
+            k0, v0, valid0 = _kv_tile(k_ptr, v_ptr, bt_row, lo + t, hi, g, d, stride_kn,
+                                      stride_kt, stride_kh, BS)  # fmt: skip
+            if GDC:
+                gdc_wait()
         if PRO:
             k_new = _norm_rope(pk_ptr + g * D, kw_ptr, cos_ptr, sin_ptr, b, eps, stride_pkb, 1, 1,
                                D, HAS_NORM).to(k_ptr.dtype.element_ty)  # fmt: skip
@@ -189,31 +234,14 @@ if triton_available():
         m = tl.full([REP_PAD], -1.0e30, tl.float32)
         l_sum = tl.zeros([REP_PAD], tl.float32)
         acc = tl.zeros([REP_PAD, D], tl.float32)
-        lo = s * (PER_SPLIT * TILE)
-        # PRO: the new token's row is not read from the cache (program S is writing it): the
-        # loop stops before it, and the program whose split holds it adds it from registers.
-        hi = tl.minimum(ctx - PRO, lo + PER_SPLIT * TILE)
-        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        if EARLY:
+            m, l_sum, acc = _attend_tile(q, k0, v0, valid0, m, l_sum, acc, qk_scale)
         # A fixed trip count (masked past the end): the loop is pipelined, and the interpreter
         # takes no tensor loop bounds.
-        for j in range(0, PER_SPLIT):
-            pos = lo + j * TILE + t
-            valid = pos < hi
-            blk = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
-            offs = (
-                blk[:, None] * stride_kn + (pos % BS)[:, None] * stride_kt + g * stride_kh
-                + d[None, :]
-            )  # fmt: skip
-            k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            p = tl.where(valid[None, :], tl.exp2(scores - m_new[:, None]), 0.0)
-            alpha = tl.exp2(m - m_new)
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        for j in range(EARLY, PER_SPLIT):
+            k, v, valid = _kv_tile(k_ptr, v_ptr, bt_row, lo + j * TILE + t, hi, g, d, stride_kn,
+                                   stride_kt, stride_kh, BS)  # fmt: skip
+            m, l_sum, acc = _attend_tile(q, k, v, valid, m, l_sum, acc, qk_scale)
         if PRO:  # noqa: SIM102 (a constexpr branch: k_new exists only under it)
             if (ctx - 1) // (PER_SPLIT * TILE) == s:
                 sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * qk_scale
@@ -377,6 +405,9 @@ def mla_decode_triton(
     return out
 
 
+KV_BEFORE_WAIT = [False]
+"""The decode attention's partial kernel reads the context length, block table and its first
+tile's K/V before the PDL wait (`_gqa_partial(EARLY=True)`); A/B on the H200 in round 16."""
 ROPE_IN_PARTIAL = [True]
 """CUDA decode steps: the q/k norm, rotary and K/V write run inside the attention's partial
 kernel (`RopeWrite`) instead of a kernel of their own (the benchmark times both)."""
@@ -461,7 +492,7 @@ def gqa_decode_triton(
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
         TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
-        **pdl_kwargs(q, "gqa_partial"), **extra,
+        EARLY=KV_BEFORE_WAIT[0], **pdl_kwargs(q, "gqa_partial"), **extra,
     )  # fmt: skip
     _gqa_merge[(b * h,)](
         acc,
