@@ -179,7 +179,7 @@ if triton_available():
         pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
         kmin_ptr=None, kmax_ptr=None, slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
         KV: tl.constexpr = 1, PRO: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-        EARLY: tl.constexpr = False,
+        EARLY: tl.constexpr = 0,
     ):  # fmt: skip
         """Program (b, g, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b, TILE tokens a
         step (spanning TILE / BS cache blocks, each row found through the block table), for the
@@ -492,7 +492,7 @@ def gqa_decode_triton(
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
         TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
-        EARLY=KV_BEFORE_WAIT[0], **pdl_kwargs(q, "gqa_partial"), **extra,
+        EARLY=int(KV_BEFORE_WAIT[0]), **pdl_kwargs(q, "gqa_partial"), **extra,
     )  # fmt: skip
     _gqa_merge[(b * h,)](
         acc,
