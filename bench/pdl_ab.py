@@ -98,7 +98,11 @@ CONFIGS = {
     "att_16x4": {"skip": {"moe_gate_up"}, "decode_small": (16, 4, 4, 2)},
     # round 16, call 5: the attention's partial kernel reads its block table and first K/V
     # tile before the PDL wait
+    # (device ms, 1 x 1K / 1 x 8K / 32 x 1K; default 2.69-2.72 / 2.84 / 15.26-15.33): kv_early
+    # 2.65-2.66 / 3.06-3.08 / 15.56-15.67 in every program; since kept where a program has one
+    # tile only (`KV_BEFORE_WAIT`, the default): "kv_late" is the form before
     "kv_early": {"skip": {"moe_gate_up"}, "kv_early": True},
+    "kv_late": {"skip": {"moe_gate_up"}, "kv_early": False},
     "g16w4": {
         "skip": {"moe_gate_up"},
         "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
@@ -118,7 +122,7 @@ def apply(cfg: dict) -> None:
     attention.GQA_PREFILL[0] = cfg.get("gqa_prefill", True)
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
-    paged_decode.KV_BEFORE_WAIT[0] = cfg.get("kv_early", False)
+    paged_decode.KV_BEFORE_WAIT[0] = cfg.get("kv_early", True)
     small = cfg.get("expert_small", {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)})
     moe_kernels.EXPERT_TILES["small"].update(small)
     gemv.GEMV_TILES.clear()

@@ -405,9 +405,12 @@ def mla_decode_triton(
     return out
 
 
-KV_BEFORE_WAIT = [False]
-"""The decode attention's partial kernel reads the context length, block table and its first
-tile's K/V before the PDL wait (`_gqa_partial(EARLY=True)`); A/B on the H200 in round 16."""
+KV_BEFORE_WAIT = [True]
+"""Where each program has one tile, the decode attention's partial kernel reads the context
+length, block table and that tile's K/V before the PDL wait (`_gqa_partial(EARLY=1)`). On the
+H200 (round 16, call 6, Qwen3 device ms): 1 x 1K 2.69-2.72 -> 2.65-2.66; with several tiles a
+program the peeled first tile cost more than it saved (1 x 8K 2.84 -> 3.07, 32 x 1K 15.3 ->
+15.6), so those keep the plain loop."""
 ROPE_IN_PARTIAL = [True]
 """CUDA decode steps: the q/k norm, rotary and K/V write run inside the attention's partial
 kernel (`RopeWrite`) instead of a kernel of their own (the benchmark times both)."""
@@ -492,7 +495,7 @@ def gqa_decode_triton(
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
         TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
-        EARLY=int(KV_BEFORE_WAIT[0]), **pdl_kwargs(q, "gqa_partial"), **extra,
+        EARLY=int(KV_BEFORE_WAIT[0] and per == 1), **pdl_kwargs(q, "gqa_partial"), **extra,
     )  # fmt: skip
     _gqa_merge[(b * h,)](
         acc,
