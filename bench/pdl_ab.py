@@ -103,6 +103,11 @@ CONFIGS = {
     # tile only (`KV_BEFORE_WAIT`, the default): "kv_late" is the form before
     "kv_early": {"skip": {"moe_gate_up"}, "kv_early": True},
     "kv_late": {"skip": {"moe_gate_up"}, "kv_early": False},
+    # round 16, call 9: more programs a multiprocessor so that 1 x 8K has one tile a program
+    # (8K pads to 136 tiles of 64 against 132 wanted at 4 a multiprocessor: two tiles each)
+    "att_64x5": {"skip": {"moe_gate_up"}, "decode_small": (64, 5, 4, 3)},
+    "att_64x6": {"skip": {"moe_gate_up"}, "decode_small": (64, 6, 4, 3)},
+    "att_64x8": {"skip": {"moe_gate_up"}, "decode_small": (64, 8, 4, 3)},
     "g16w4": {
         "skip": {"moe_gate_up"},
         "tiles": {2048: (16, 2048, 2048, 4), 4096: (8, 4096, 4096, 4)},
