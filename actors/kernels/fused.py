@@ -44,6 +44,8 @@ NORM_IN_ROUTER = [True]
 """A decode step's post-attention RMSNorm (and residual add) inside the router logits kernel
 where the MoE takes it (`norm_in_router`). On the H200 (round 14, `bench/pdl_ab.py`, one
 process): Qwen3 1 x 1K 2.81 -> 2.74-2.75 ms, 1 x 8K 3.25 -> 3.18-3.20, 32 x 1K unchanged."""
+COMBINE_EARLY = [False]
+"""`combine(settled=True)` reads pos and weights before the PDL wait (A/B on the H200)."""
 SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
 one warp they need no shared memory). One warp was fastest of 1/2/4/8 on the H200 (round 7:
@@ -310,17 +312,33 @@ if triton_available():
     @triton.jit
     def _combine(y_ptr, rest_ptr, split, pos_ptr, w_ptr, r_ptr, out_ptr, hid,
                  K: tl.constexpr, HAS_RES: tl.constexpr, HAS_REST: tl.constexpr,
-                 BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        gdc_enter(GDC)
+                 BLOCK: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr = 0,
+                 K_PAD: tl.constexpr = 2):  # fmt: skip
+        """EARLY: pos and weights are read before the PDL wait (the caller knows they were
+        final before the kernel ahead of this one began), so only the rows wait."""
         t = tl.program_id(0).to(tl.int64)
+        if EARLY:
+            if GDC:
+                gdc_launch_dependents()
+            jj = tl.arange(0, K_PAD)
+            ps = tl.load(pos_ptr + t * K + jj, mask=jj < K, other=0)
+            ws = tl.load(w_ptr + t * K + jj, mask=jj < K, other=0.0).to(tl.float32)
+            if GDC:
+                gdc_wait()
+        else:
+            gdc_enter(GDC)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < hid
         acc = tl.zeros([BLOCK], tl.float32)
         if HAS_RES:
             acc += tl.load(r_ptr + t * hid + c, mask=m, other=0.0).to(tl.float32)
         for j in tl.static_range(K):
-            p = tl.load(pos_ptr + t * K + j)
-            w = tl.load(w_ptr + t * K + j).to(tl.float32)
+            if EARLY:
+                p = tl.sum(tl.where(jj == j, ps, 0), 0)
+                w = tl.sum(tl.where(jj == j, ws, 0.0), 0)
+            else:
+                p = tl.load(pos_ptr + t * K + j)
+                w = tl.load(w_ptr + t * K + j).to(tl.float32)
             row = y_ptr + p * hid
             if HAS_REST:  # rows from `split` on live in the second source (one branch per row)
                 row = tl.where(p < split, row, rest_ptr + (p - split) * hid)
@@ -524,9 +542,11 @@ def combine(
     residual: torch.Tensor | None = None,
     *,
     y_rest: torch.Tensor | None = None,
+    settled: bool = False,
 ) -> torch.Tensor:
     """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype:
-    residual[t] + sum_k weights[t, k] * rows[pos[t, k]].
+    residual[t] + sum_k weights[t, k] * rows[pos[t, k]]. `settled`: pos and weights were final
+    before the kernel ahead of this one began (`COMBINE_EARLY`: read before the PDL wait).
 
     rows = y_sorted, or with `y_rest` [R', H] the rows of y_sorted followed by those of y_rest
     (row R + i is y_rest[i]) without building that concatenation: the EP combine reads the rows
@@ -545,6 +565,7 @@ def combine(
     _combine[(t, triton.cdiv(hid, block))](
         y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
         res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
-        BLOCK=block, **pdl_kwargs(out, "combine"),
+        BLOCK=block, EARLY=int(settled and COMBINE_EARLY[0]), K_PAD=max(2, _pow2(k)),
+        **pdl_kwargs(out, "combine"),
     )  # fmt: skip
     return out

@@ -18,6 +18,7 @@ from torch import nn
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
 from actors.kernels import moe_kernels, router_plan, routing
+from actors.kernels.gemv import PDL_SKIP
 from actors.layers import experts as experts_lib
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
@@ -241,7 +242,7 @@ class MoE(nn.Module):
         ex = self.experts
         if cpu:
             y_pairs = swiglu_into_pairs(x, src, order, counts, ex.w_gate_up, ex.w_down)
-        elif small and moe_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
+        elif fused_experts := small and moe_kernels.moe_experts_suit(x, t * k, ex.w_gate_up):
             y_sorted = moe_kernels.moe_experts(x, src, offsets, ex.w_gate_up, ex.w_down)
         else:
             y_sorted = ex(x.index_select(0, src), counts, offsets)  # = x[src], ~3x faster on CPU
@@ -252,7 +253,12 @@ class MoE(nn.Module):
                 ys = y_pairs.view(t, k, y_pairs.shape[1])
                 out = torch.bmm(weights.to(ys.dtype)[:, None, :], ys)[:, 0]
                 return out if residual is None else out + residual
-            return fused_kernels.combine(y_sorted, pos.view(t, k), weights, residual=residual)
+            # the routing was final before the expert kernels began (gate/up runs without PDL,
+            # the grouped GEMMs are plain stream work): the combine may read it early
+            settled = fused_experts is False or "moe_gate_up" in PDL_SKIP
+            return fused_kernels.combine(
+                y_sorted, pos.view(t, k), weights, residual=residual, settled=settled
+            )
 
         if capture is None:
             return combine(shared).to(x.dtype)
