@@ -105,8 +105,10 @@ CONFIGS = {
     "kv_late": {"skip": {"moe_gate_up"}, "kv_early": False},
     # round 16, call 9: more programs a multiprocessor so that 1 x 8K has one tile a program
     # (8K pads to 136 tiles of 64 against 132 wanted at 4 a multiprocessor: two tiles each)
-    # round 16, call 10: the MoE combine reads pos and weights before the PDL wait
+    # round 16, call 10: the MoE combine reads pos and weights before the PDL wait (device ms,
+    # 1 x 1K / 1 x 8K: 2.653-2.670 / 2.853-2.862 -> 2.637-2.646 / 2.834-2.843; the default since)
     "combine_early": {"skip": {"moe_gate_up"}, "combine_early": True},
+    "combine_late": {"skip": {"moe_gate_up"}, "combine_early": False},
     "att_64x5": {"skip": {"moe_gate_up"}, "decode_small": (64, 5, 4, 3)},
     "att_64x6": {"skip": {"moe_gate_up"}, "decode_small": (64, 6, 4, 3)},
     "att_64x8": {"skip": {"moe_gate_up"}, "decode_small": (64, 8, 4, 3)},
@@ -130,7 +132,7 @@ def apply(cfg: dict) -> None:
     fused.NORM_IN_ROUTER[0] = cfg.get("norm_in_router", True)
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
     paged_decode.KV_BEFORE_WAIT[0] = cfg.get("kv_early", True)
-    fused.COMBINE_EARLY[0] = cfg.get("combine_early", False)
+    fused.COMBINE_EARLY[0] = cfg.get("combine_early", True)
     small = cfg.get("expert_small", {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)})
     moe_kernels.EXPERT_TILES["small"].update(small)
     gemv.GEMV_TILES.clear()

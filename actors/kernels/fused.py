@@ -44,8 +44,10 @@ NORM_IN_ROUTER = [True]
 """A decode step's post-attention RMSNorm (and residual add) inside the router logits kernel
 where the MoE takes it (`norm_in_router`). On the H200 (round 14, `bench/pdl_ab.py`, one
 process): Qwen3 1 x 1K 2.81 -> 2.74-2.75 ms, 1 x 8K 3.25 -> 3.18-3.20, 32 x 1K unchanged."""
-COMBINE_EARLY = [False]
-"""`combine(settled=True)` reads pos and weights before the PDL wait (A/B on the H200)."""
+COMBINE_EARLY = [True]
+"""`combine(settled=True)` reads pos and weights before the PDL wait. On the H200 (round 16,
+call 10, Qwen3 device ms, three rounds): 1 x 1K 2.653-2.670 -> 2.637-2.646, 1 x 8K 2.853-2.862
+-> 2.834-2.843, 32 x 1K unchanged within noise."""
 SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
 one warp they need no shared memory). One warp was fastest of 1/2/4/8 on the H200 (round 7:
