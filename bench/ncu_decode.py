@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors import gpu_bench, gpu_bench_parts
 from actors.engine import SamplingParams
 from actors.kernels import moe_kernels
+from bench.pdl_ab import EXPERT_SMALL
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--warm", type=int, default=5)
     args = ap.parse_args()
-    moe_kernels.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
+    moe_kernels.EXPERT_TILES["small"].update(EXPERT_SMALL)
     gpu_bench.PROFILE_SHAPES = ()
     cfg = gpu_bench_parts.full_configs()["qwen3-30b-a3b"]
     flags = {"graphs": False, "triton": True, "async": False}

@@ -26,6 +26,8 @@ from actors.kernels.decode_step import DecodeGraphs
 from actors.layers import attention
 
 DECODE_SMALL = paged_decode.DECODE_TILES["small"]
+EXPERT_SMALL = {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)}
+"""The expert tiles gpu_moe's tuning picked on the H200 for up to 64 routed rows."""
 EXPERTS = {"moe_gate_up", "moe_down"}
 LATE = {"router_logits", "softmax_topk", "plan_sort"} | EXPERTS
 ALL = LATE | {"rms", "qk_rope_write", "combine", "gqa_partial", "gqa_merge", "gemv"}
@@ -133,8 +135,7 @@ def apply(cfg: dict) -> None:
     paged_decode.DECODE_TILES["small"] = cfg.get("decode_small", DECODE_SMALL)
     paged_decode.KV_BEFORE_WAIT[0] = cfg.get("kv_early", True)
     fused.COMBINE_EARLY[0] = cfg.get("combine_early", True)
-    small = cfg.get("expert_small", {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)})
-    moe_kernels.EXPERT_TILES["small"].update(small)
+    moe_kernels.EXPERT_TILES["small"].update(cfg.get("expert_small", EXPERT_SMALL))
     gemv.GEMV_TILES.clear()
     gemv.GEMV_TILES.update(cfg.get("tiles", Q8))
 
@@ -156,7 +157,6 @@ def main() -> None:
             **CONFIGS["default"],
             "expert_small": {k: tuple(v) for k, v in best.items()},
         }
-    moe_kernels.EXPERT_TILES["small"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 64, 4, 5))
     moe_kernels.EXPERT_TILES["large"].update(gate_up=(16, 32, 128, 4, 4), down=(16, 64, 128, 4, 4))
     gpu_bench.PROFILE_SHAPES = ()  # no torch.profiler passes inside the rows
     device = torch.device("cuda")

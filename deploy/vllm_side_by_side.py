@@ -23,17 +23,17 @@ runs our engine here and vLLM as a subprocess of the vLLM venv (this module agai
                  or less gets): on a shared, oversubscribed machine OpenMP threads that wait for
                  a descheduled peer can make the default several times slower
 
-The offline goal is judged on the interleaved A/B (deploy/vllm_offline_ab.py, OFFLINE_AB_PAIRS
-pairs: both engines built once, the same batch given to one then the other, alternating which
-goes first): the rows above run one engine after the other, and on this shared box the load
-moves between them (vLLM's own figure moved 2,991-4,505 tokens/s between runs), so their offline
-figures are shown but compared only as `offline_at_least_vllm_sequential`.
-
 and then (`--part served`, deploy/vllm_served_side_by_side.py) the OpenAI server at concurrency
 1/4/16: ours through Serve with ep2 and with ep2xpp2 ShardWorker actors, vLLM behind the same ingress
 (`engine: vllm`, world 1), each alone with a Ray of its own. `--part all` (default) runs both
 halves and writes one JSON; `--part inproc` / `--part served` run one half and keep the other
 half's rows already in `--out`.
+
+The offline goal is judged on the interleaved A/B (deploy/vllm_offline_ab.py, OFFLINE_AB_PAIRS
+pairs: both engines built once, the same batch given to one then the other, alternating which
+goes first): the in-process rows run one engine after the other, and on this shared box the load
+moves between them (vLLM's own figure moved 2,991-4,505 tokens/s between runs), so their offline
+figures are shown but compared only as `offline_at_least_vllm_sequential`.
 """
 
 from __future__ import annotations

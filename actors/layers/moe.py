@@ -18,7 +18,7 @@ from torch import nn
 from actors.arch import ArchConfig
 from actors.kernels import fused as fused_kernels
 from actors.kernels import moe_kernels, router_plan, routing
-from actors.kernels.gemv import PDL_SKIP
+from actors.kernels.gemv import pdl_on
 from actors.layers import experts as experts_lib
 from actors.layers.experts import GroupedExperts, swiglu_into_pairs
 from actors.layers.mlp import MLP
@@ -253,9 +253,9 @@ class MoE(nn.Module):
                 ys = y_pairs.view(t, k, y_pairs.shape[1])
                 out = torch.bmm(weights.to(ys.dtype)[:, None, :], ys)[:, 0]
                 return out if residual is None else out + residual
-            # the routing was final before the expert kernels began (gate/up runs without PDL,
-            # the grouped GEMMs are plain stream work): the combine may read it early
-            settled = fused_experts is False or "moe_gate_up" in PDL_SKIP
+            # the routing was final before the expert kernels began (gate/up launched without
+            # PDL, or the grouped GEMMs' plain stream work): the combine may read it early
+            settled = not (fused_experts and pdl_on(x, "moe_gate_up"))
             return fused_kernels.combine(
                 y_sorted, pos.view(t, k), weights, residual=residual, settled=settled
             )

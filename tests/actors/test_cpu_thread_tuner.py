@@ -38,11 +38,20 @@ class FakeClock:
         self.now += self.cost[torch.get_num_threads()] * tokens
         tuner.stop(tokens)
 
+    def run(self, tuner: ThreadTuner, n: int, tokens: int = 8) -> None:
+        for _ in range(n):
+            self.step(tuner, tokens)
+
+
+def _tuned(threads: int, cost: dict[int, float]) -> tuple[FakeClock, ThreadTuner]:
+    """torch at `threads`, a tuner on a fake clock whose steps cost `cost`."""
+    torch.set_num_threads(threads)
+    clock = FakeClock(cost)
+    return clock, ThreadTuner(clock=clock)
+
 
 def _drive(cost: dict[int, float], n: int = 200, tokens=lambda i: 64 - i % 60) -> list[int]:
-    torch.set_num_threads(2)
-    clock = FakeClock(cost)
-    tuner = ThreadTuner(clock=clock)
+    clock, tuner = _tuned(2, cost)
     for i in range(n):
         clock.step(tuner, tokens(i))
     return clock.steps
@@ -75,11 +84,8 @@ def test_stays_when_the_other_count_is_only_a_little_faster():
 
 
 def test_a_prefill_during_a_trial_runs_at_the_kept_count_and_is_not_timed():
-    torch.set_num_threads(2)
-    clock = FakeClock({1: 1.0, 2: 3.0})
-    tuner = ThreadTuner(clock=clock)
-    for _ in range(ThreadTuner.first + 1):
-        clock.step(tuner, 8)
+    clock, tuner = _tuned(2, {1: 1.0, 2: 3.0})
+    clock.run(tuner, ThreadTuner.first + 1)
     assert torch.get_num_threads() == 1  # in the trial
     assert not tuner.start(SimpleNamespace(query_lens=(128, 1), per_sequence=False))
     assert torch.get_num_threads() == 2 and tuner.tried is None
@@ -88,43 +94,32 @@ def test_a_prefill_during_a_trial_runs_at_the_kept_count_and_is_not_timed():
 
 def test_batch_invariant_steps_are_never_tried_at_another_count():
     # one sequence a step, as a batch-invariant engine serving a lone request runs: the count
-    # must not change under it (its logprobs are compared bit for bit, run to run)
-    torch.set_num_threads(2)
-    clock = FakeClock({1: 1.0, 2: 3.0})
-    tuner = ThreadTuner(clock=clock)
+    # must not change under it (its float32 results must not move in their bits, run to run)
+    clock, tuner = _tuned(2, {1: 1.0, 2: 3.0})
     for _ in range(5 * ThreadTuner.first):
         assert not tuner.start(SimpleNamespace(query_lens=(1,), per_sequence=True))
         assert torch.get_num_threads() == 2
-    for _ in range(ThreadTuner.first + 1):  # a trial begun on batched steps ends at the next
-        clock.step(tuner, 8)
+    clock.run(tuner, ThreadTuner.first + 1)  # a trial begun on batched steps ends at the next
     assert torch.get_num_threads() == 1
     assert not tuner.start(SimpleNamespace(query_lens=(1,), per_sequence=True))
     assert torch.get_num_threads() == 2 and tuner.tried is None
 
 
 def test_returns_when_load_changes():
-    torch.set_num_threads(2)
-    clock = FakeClock({1: 3.0, 2: 1.0})
-    tuner = ThreadTuner(clock=clock)
-    for _ in range(100):
-        clock.step(tuner, 8)
+    clock, tuner = _tuned(2, {1: 3.0, 2: 1.0})
+    clock.run(tuner, 100)
     assert clock.steps[-50:].count(2) >= 45
     clock.cost = {1: 1.0, 2: 3.0}  # a core got busy
-    for _ in range(300):
-        clock.step(tuner, 8)
+    clock.run(tuner, 300)
     assert clock.steps[-100:].count(1) > 90
     clock.cost = {1: 3.0, 2: 1.0}  # quiet again
-    for _ in range(300):
-        clock.step(tuner, 8)
+    clock.run(tuner, 300)
     assert clock.steps[-100:].count(2) > 90
 
 
 def test_one_thread_set_from_outside_is_left_alone():
-    torch.set_num_threads(1)
-    clock = FakeClock({1: 3.0, 2: 1.0})
-    tuner = ThreadTuner(clock=clock)
-    for _ in range(50):
-        clock.step(tuner, 8)
+    clock, tuner = _tuned(1, {1: 3.0, 2: 1.0})
+    clock.run(tuner, 50)
     assert clock.steps == [1] * 50
 
 
