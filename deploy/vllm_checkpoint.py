@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -67,17 +68,31 @@ def ensure_checkpoint(path: str | Path | None = None, **overrides: Any) -> Path:
     reused while its stamp matches; built in a sibling folder and renamed into place."""
     target = Path(path if path is not None else DEFAULT_DIR).expanduser()
     stamp = _stamp(overrides)
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads((target / STAMP).read_text()) == stamp:
-            return target
+
+    def current() -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((target / STAMP).read_text()) == stamp
+        return False
+
+    if current():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         write_checkpoint(tmp, **overrides)
         (tmp / STAMP).write_text(json.dumps(stamp))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        # A stale folder moved aside, ours renamed in; when processes build at once (two test
+        # workers), the first rename wins and the others use its folder.
+        if target.exists() and not current():
+            stale = Path(tempfile.mkdtemp(prefix=target.name + ".stale.", dir=target.parent))
+            with contextlib.suppress(OSError):  # another process moved it first
+                os.replace(target, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not current():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
