@@ -9,6 +9,8 @@ STAMP  := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch>=2.11,<2.15
 PYTEST_ARGS ?=
+# pytest workers (pytest-xdist): the Ray tests share one worker (tests/conftest.py); 0 = one process
+PYTEST_WORKERS ?= 2
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -40,7 +42,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	@$(MAKE) --no-print-directory vllm-env || echo "make: no vLLM venv (reason above); the vLLM connector tests will skip"
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # vLLM's own venv, cached under ~/.cache/moe-orchestrator by the hash of deploy/requirements-vllm.txt
 # (see deploy/vllm_env.py); prints its python.

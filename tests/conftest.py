@@ -33,13 +33,32 @@ def _has_cuda() -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    _group_for_workers(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: the longest group (Ray's) first
+        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != RAY_GROUP)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+RAY_GROUP = "ray"
+
+
+def _group_for_workers(items) -> None:
+    """Work units for `pytest -n N --dist loadgroup` (what `make test` runs): the tests that use
+    the session's Ray (the `ray_session` fixture, directly or through another fixture, or the
+    `ray` marker) in one group, so they share one Ray in one worker in collection order as in a
+    plain run; every other test in its module's group, so a module-scoped fixture (a vLLM
+    engine, a checkpoint) is built once per worker. Without xdist the markers do nothing."""
+    for item in items:
+        ray = "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray")
+        group = RAY_GROUP if ray else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.comm import ExpertParallel, Group, init_world, new_axis_group
+from actors.comm import ExpertParallel, Group, Rendezvous, init_world, new_axis_group
 from actors.rank_runner import run_ranks
 from placement.parallel_dims import Layout, ParallelDims
 
@@ -120,7 +120,12 @@ def test_dispatch_combine_with_the_kernels_under_the_interpreter(monkeypatch):
     rows and the rows that stayed here from their two buffers: same result."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
     dims_args, token_counts = {"pp": 1, "dp": 2, "tp": 1}, (10, 7)
-    results = run_ranks(_moe_rank, 2, args=(dims_args, None, token_counts), timeout_s=120)
+    # The interpreted kernels run between two collectives on one rank while the other waits:
+    # over 60 s when the machine also runs another test worker, hence the longer wait.
+    rendezvous = Rendezvous.fresh(timeout_s=200)
+    results = run_ranks(
+        _moe_rank, 2, args=(dims_args, None, token_counts), rendezvous=rendezvous, timeout_s=240
+    )
     for r in results:
         x, ids, weights = _tokens(r["dp"], token_counts[r["dp"]])
         torch.testing.assert_close(r["out"], _reference(x, ids, weights), rtol=1e-5, atol=1e-5)
