@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_CACHE_DIR = Path("~/.cache/moe-orchestrator/demo")
@@ -180,17 +181,24 @@ def ensure_demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     try:
         write_demo_checkpoint(tmp)
         (tmp / STAMP).write_text(json.dumps(_expected_stamp(), indent=2, sort_keys=True) + "\n")
-        # Step 1: move a stale folder aside; Step 2: rename ours in (the first writer wins).
-        if target.exists() and not is_valid(target):
-            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}-stale-", dir=target.parent))
-            with contextlib.suppress(OSError):  # another process moved it first
-                os.replace(target, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_valid(target):
-                raise
+        install_folder(tmp, target, is_valid)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def install_folder(built: Path, target: Path, valid: Callable[[Path], bool]) -> None:
+    """Rename the folder `built` to `target`, where processes may build the same target at once:
+    Step 1: a stale `target` (not `valid`) is moved aside and removed; Step 2: ours is renamed
+    in. The first rename wins; a later builder finding a valid `target` leaves `built` for its
+    caller to remove. A reader of a valid `target` never sees it removed."""
+    if target.exists() and not valid(target):
+        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}-stale-", dir=target.parent))
+        with contextlib.suppress(OSError):  # another process moved it first
+            os.replace(target, stale / "old")
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.rename(built, target)
+    except OSError:
+        if not valid(target):
+            raise

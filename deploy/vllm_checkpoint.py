@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from deploy.demo_checkpoint import install_folder
 
 DEFAULT_DIR = Path("~/.cache/moe-orchestrator/vllm-tiny")
 STAMP = "moe_vllm_tiny_stamp.json"
@@ -81,18 +82,7 @@ def ensure_checkpoint(path: str | Path | None = None, **overrides: Any) -> Path:
     try:
         write_checkpoint(tmp, **overrides)
         (tmp / STAMP).write_text(json.dumps(stamp))
-        # A stale folder moved aside, ours renamed in; when processes build at once (two test
-        # workers), the first rename wins and the others use its folder.
-        if target.exists() and not current():
-            stale = Path(tempfile.mkdtemp(prefix=target.name + ".stale.", dir=target.parent))
-            with contextlib.suppress(OSError):  # another process moved it first
-                os.replace(target, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not current():
-                raise
+        install_folder(tmp, target, lambda _: current())  # the first of racing builds wins
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
