@@ -35,9 +35,7 @@ def _has_cuda() -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    _group_for_workers(items)
-    if hasattr(config, "workerinput"):  # an xdist worker: the longest group (Ray's) first
-        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != RAY_GROUP)
+    _group_for_workers(config, items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
@@ -49,16 +47,23 @@ def pytest_collection_modifyitems(config, items):
 RAY_GROUP = "ray"
 
 
-def _group_for_workers(items) -> None:
+def _group_for_workers(config, items) -> None:
     """Work units for `pytest -n N --dist loadgroup` (what `make test` runs): the tests that use
     the session's Ray (the `ray_session` fixture, directly or through another fixture, or the
     `ray` marker) in one group, so they share one Ray in one worker in collection order as in a
-    plain run; every other test in its module's group, so a module-scoped fixture (a vLLM
-    engine, a checkpoint) is built once per worker. Without xdist the markers do nothing."""
+    plain run, and in an xdist worker first (the longest group); every other test in its
+    module's group, so a module-scoped fixture (a vLLM engine, a checkpoint) is built once per
+    worker. Without xdist the markers do nothing and the order stays."""
+    ray = {
+        item.nodeid
+        for item in items
+        if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray")
+    }
     for item in items:
-        ray = "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray")
-        group = RAY_GROUP if ray else item.nodeid.split("::")[0]
+        group = RAY_GROUP if item.nodeid in ray else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.nodeid not in ray)
 
 
 @pytest.fixture(scope="session", autouse=True)

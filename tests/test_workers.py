@@ -45,7 +45,7 @@ def test_without(i):
 """
 
 
-def test_ray_tests_share_one_worker_and_the_rest_spread(tmp_path):
+def test_ray_tests_share_one_worker_and_other_modules_stay_whole(tmp_path):
     suite, log = tmp_path / "suite", tmp_path / "log"
     suite.mkdir()
     log.mkdir()
