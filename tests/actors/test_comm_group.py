@@ -36,7 +36,7 @@ def _one_rank_leaves(rank, world_size, rendezvous):
 
 def test_dead_rank_gives_the_others_an_error_within_the_timeout():
     rdv = Rendezvous.fresh(timeout_s=SHORT_TIMEOUT_S)
-    results = run_ranks(_one_rank_leaves, 3, rendezvous=rdv, timeout_s=60)
+    results = run_ranks(_one_rank_leaves, 3, rendezvous=rdv)
     for r in results[:-1]:
         # Either the closed connection is reported or the timeout fires: never a hang.
         assert r["error"] in ("CommError", "CollectiveTimeout"), r
@@ -66,7 +66,7 @@ def _peer_never_arrives(rank, world_size, rendezvous, p2p):
 @pytest.mark.parametrize("p2p", [False, True], ids=["all_reduce", "recv"])
 def test_abort_ends_a_wait_whose_peer_never_arrives(p2p):
     rdv = Rendezvous.fresh(timeout_s=30.0)
-    results = run_ranks(_peer_never_arrives, 2, args=(p2p,), rendezvous=rdv, timeout_s=60)
+    results = run_ranks(_peer_never_arrives, 2, args=(p2p,), rendezvous=rdv)
     assert results[0]["error"] == "CommAborted"
     assert 0.4 < results[0]["elapsed"] < 3.0
 
@@ -74,7 +74,7 @@ def test_abort_ends_a_wait_whose_peer_never_arrives(p2p):
 def test_absent_peer_times_out():
     rdv = Rendezvous.fresh(timeout_s=2.0)
 
-    results = run_ranks(_absent, 2, rendezvous=rdv, timeout_s=60)
+    results = run_ranks(_absent, 2, rendezvous=rdv)
     assert results[0]["error"] == "CollectiveTimeout"
     assert 1.5 < results[0]["elapsed"] < 6.0
 

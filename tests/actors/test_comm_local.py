@@ -69,7 +69,7 @@ def _uses_local(rank, world_size, rendezvous):
 
 def test_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("MOE_LOCAL_TRANSPORT", "0")
-    assert run_ranks(_uses_local, 2, timeout_s=60) == [False, False]
+    assert run_ranks(_uses_local, 2) == [False, False]
 
 
 def _disagree(rank, world_size, rendezvous):
@@ -87,7 +87,7 @@ def _disagree(rank, world_size, rendezvous):
 
 
 def test_members_that_disagree_get_an_error_not_wrong_data():
-    results = run_ranks(_disagree, 2, rendezvous=Rendezvous.fresh(timeout_s=5.0), timeout_s=60)
+    results = run_ranks(_disagree, 2, rendezvous=Rendezvous.fresh(timeout_s=5.0))
     assert results[0] is not None and "expected" in results[0], results
 
 
@@ -103,7 +103,7 @@ def _socket_paths(rank, world_size, rendezvous):
 
 
 def test_listening_socket_is_gone_once_connected():
-    for r in run_ranks(_socket_paths, 2, timeout_s=60):
+    for r in run_ranks(_socket_paths, 2):
         assert r["path"] and not r["exists"] and not r["dir"], r
 
 

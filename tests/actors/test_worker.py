@@ -61,7 +61,7 @@ def test_process_runner_with_an_idle_data_parallel_rank(mixtral):
     seqs = sample_sequences(reference.config.vocab_size, (17,), seed=6)
     seqs2 = sample_sequences(reference.config.vocab_size, (9, 30, 12), seed=7)
     batches = [StepBatch(token_ids=tuple(tuple(s.tolist()) for s in b)) for b in (seqs, seqs2)]
-    got = run_in_processes(_layout("ep2xpp2"), path, batches, timeout_s=60)
+    got = run_in_processes(_layout("ep2xpp2"), path, batches, timeout_s=120)
     _assert_close(got[0], reference_logits(reference, seqs))
     _assert_close(got[1], reference_logits(reference, seqs2))
 
