@@ -45,9 +45,10 @@ def test_freed_temporaries_are_reused_without_page_faults():
     if not has_mallopt:
         pytest.skip("not glibc: keep_freed_memory does nothing there")
     plain, kept = _faults(False), _faults(True)
-    # 5 rounds of 71 MB of temporaries: glibc's defaults map and unmap most of them (~3K faults
-    # here); kept, the heap serves them again.
-    assert plain > 1000
+    # 5 rounds of 71 MB of temporaries: glibc's defaults map and unmap part of them again each
+    # round (how much depends on the machine: ~3K faults on one, 865 on another, the same every
+    # run); kept, the heap serves them again.
+    assert plain > 200
     assert kept < plain // 10
 
 
