@@ -386,7 +386,10 @@ class ThreadTuner:
     `trial` steps run at the other count (1 or N), kept if its median time a token is `margin` x
     lower; a prefill runs at the kept one. On shared cores N threads wait for a descheduled peer
     (one of 2 busy: decode 2.7x slower at 2 than at 1), on quiet ones N are faster. A losing
-    trial doubles the gap to the next (`first` to `longest` steps). Batch-invariant steps stay."""
+    trial doubles the gap to the next (`first` to `longest` steps). Batch-invariant steps stay:
+    on some CPUs (seen on an AMD EPYC host) a GEMM of a few rows (5-7) rounds differently at 1
+    and 2 threads, so a batched engine's values can move in their last bits with the machine's
+    timing; a batch-invariant one's do not."""
 
     trial, first, longest, margin = 5, 8, 256, 0.9
 

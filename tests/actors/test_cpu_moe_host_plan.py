@@ -49,3 +49,42 @@ def test_decode_sized_moe_equals_the_autograd_path_and_counts_its_pairs(t):
     _, ids, _ = moe.gate(x)
     assert torch.equal(counted, torch.bincount(ids.reshape(-1), minlength=6))
     assert torch.equal(moe.routed_counts, 2 * counted)  # the autograd path counted the same
+
+
+@pytest.mark.parametrize("column_major", [True, False])
+@pytest.mark.parametrize(("tokens", "hit_only"), [(1, True), (3, True), (40, False)])
+def test_a_step_hitting_few_experts_multiplies_only_their_weights(
+    tokens, hit_only, column_major, monkeypatch
+):
+    """A decode step whose pairs leave a quarter or more of the experts idle (batch 1: 2 of 16)
+    runs the padded products over the hit experts' weights only, with the same values bit for
+    bit as over all of them; one hitting (nearly) all runs over all of them. The CPU model's
+    expert weights are column-major (`StageModel.column_major_weights`): the hit ones are taken
+    in that layout, so the products read them as they would read all of them."""
+    torch.manual_seed(5)
+    k, e, h, i = 2, 16, 32, 24
+    x = torch.randn(tokens, h)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(tokens)])
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat, minlength=e)
+    hit = int((counts > 0).sum())
+    assert (4 * hit <= 3 * e) == hit_only
+    order = torch.argsort(flat, stable=True)
+    src = order // k
+    w_gu, w_d = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    if column_major:
+        w_gu, w_d = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (w_gu, w_d))
+    taken = experts._take(w_gu, torch.tensor([3, 1]))
+    assert torch.equal(taken, w_gu[[3, 1]])
+    assert taken.transpose(1, 2).is_contiguous() == column_major
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        y = experts.swiglu_into_pairs(x, src, order, counts, w_gu, w_d)
+    batches = {ev.input_shapes[0][0] for ev in prof.events() if ev.name == "aten::bmm"}
+    assert batches == {hit if hit_only else e}
+    monkeypatch.setattr(experts, "PADDED_HIT_ONLY", [False])
+    with torch.no_grad():
+        every = experts.swiglu_into_pairs(x, src, order, counts, w_gu, w_d)
+    assert torch.equal(y, every)
+    torch.testing.assert_close(
+        y[order], experts.grouped_swiglu(x[src], counts, w_gu, w_d), rtol=1e-5, atol=1e-4
+    )
