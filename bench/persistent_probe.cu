@@ -19,6 +19,8 @@
 //   counter_barrier  as barrier, with one counter that only grows (no release write)
 //   counter_split  the counter's arrival right after a CTA's rows, its wait just before the next
 //               phase reads them
+//   two_rows / two_rows_syncs_N  two rows a warp in flight (the 2,048- and 768-wide phases), no
+//               sync, or the growing counter after N of the 6 phases a layer (and the lm_head)
 //   counter_split_prefetch  the same, the q/k/v, router, gate/up and lm_head phases' first rows
 //               loaded into registers between arrival and wait
 // beside a device-to-device copy of 2 GiB (the bandwidth the roofline uses) and the bytes'
@@ -174,8 +176,45 @@ struct Gemv {
   }
   bool staged = false;
 
+  // two rows a warp in flight at once (K <= 2,048: the weights of both fit the registers)
+  __device__ void run2(const uint4 *W, int rows, const float *xs, int rows_per_x, float *out) {
+    int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int nw = gridDim.x * WARPS;
+    for (int r = warp; r < rows; r += 2 * nw) {
+      int r2 = r + nw;
+      bool two = r2 < rows;
+      uint4 w[V], u[V];
+#pragma unroll
+      for (int i = 0; i < V; i++) w[i] = ld_stream(W + (size_t)r * (K / 8) + i * 32 + lane);
+      if (two) {
+#pragma unroll
+        for (int i = 0; i < V; i++) u[i] = ld_stream(W + (size_t)r2 * (K / 8) + i * 32 + lane);
+      }
+      const float *x = xs + (size_t)(r / rows_per_x) * K, *x2 = xs + (size_t)(r2 / rows_per_x) * K;
+      float s = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; i++) s += dot8(w[i], x + (i * 32 + lane) * 8);
+      if (two) {
+#pragma unroll
+        for (int i = 0; i < V; i++) s2 += dot8(u[i], x2 + (i * 32 + lane) * 8);
+      }
+      s = warp_sum(s);
+      s2 = warp_sum(s2);
+      if (lane == 0) {
+        out[r] = s;
+        if (two) out[r2] = s2;
+      }
+    }
+    have = staged = false;
+  }
+
+  template <bool TWO = false>
   __device__ void run(const uint4 *W, int rows, const float *xs, int rows_per_x, float *out,
                       const uint4 *wbuf = nullptr) {
+    if (TWO && V <= 8) {
+      run2(W, rows, xs, rows_per_x, out);
+      return;
+    }
     int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     int nw = gridDim.x * WARPS;
     for (int r = warp; r < rows; r += nw) {
@@ -212,14 +251,21 @@ __device__ void load_x(float *xs, const float *src, int n) {
 // into arrive and wait, 6 the same with the K = 2,048 phases' first rows loaded in between
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
-    step_kernel(const Layer *layers, int nlayers, const uint4 *lm_head, Bufs b, int steps) {
+    step_kernel(const Layer *layers, int nlayers, const uint4 *lm_head, Bufs b, int steps,
+                int mask = 0x7f) {
+  constexpr bool TWO = MODE >= 7;  // 7: no sync, two rows a warp; 8: growing counter, two rows
   __shared__ float xs[E * I > ATT ? E * I : ATT];
   extern __shared__ uint4 wbuf[];  // MODE 3: WARPS x 8 KB, a row of up to 4,096 bf16 a warp
   Gemv<H> g_h;
   Gemv<ATT> g_att;
   Gemv<I> g_i;
   unsigned passed = 0;
-  auto sync = [&]() {
+  auto sync = [&](int phase) {
+    if (MODE == 7) return;
+    if (MODE == 8) {
+      if ((mask >> phase) & 1) grid_barrier_count(b.count, passed);
+      return;
+    }
     if (MODE == 4) grid_barrier_count(b.count, passed);
     else if (MODE == 5 || MODE == 6) wait_count(b.count, passed);
     else if (MODE != 2) grid_barrier(b.count, b.gen);
@@ -238,9 +284,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         xs[i] = v;
       }
       __syncthreads();
-      g_h.run(L.qkv, QKV, xs, QKV, b.qkv, wbuf);
+      g_h.run<TWO>(L.qkv, QKV, xs, QKV, b.qkv, wbuf);
       arrive();
-      sync();
+      sync(0);
       // attention's stand-in: the layer's 1K-token K/V read (2.1 MB), one partial a warp
       {
         int warp = blockIdx.x * WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -256,36 +302,36 @@ __global__ void __launch_bounds__(THREADS, 1)
       arrive();
       if (MODE == 1) g_att.prefetch(L.o, H);
       if (MODE == 3) g_att.prefetch_smem(L.o, H, wbuf);
-      sync();
+      sync(1);
       load_x(xs, b.att, ATT);
-      g_att.run(L.o, H, xs, H, b.h, wbuf);
+      g_att.run<TWO>(L.o, H, xs, H, b.h, wbuf);
       arrive();
       if (MODE == 1 || MODE == 6) g_h.prefetch(L.router, ROUTER);
       if (MODE == 3) g_h.prefetch_smem(L.router, ROUTER, wbuf);
-      sync();
+      sync(2);
       load_x(xs, b.h, H);
-      g_h.run(L.router, ROUTER, xs, ROUTER, b.logits, wbuf);
+      g_h.run<TWO>(L.router, ROUTER, xs, ROUTER, b.logits, wbuf);
       arrive();
       if (MODE == 1 || MODE == 6) g_h.prefetch(L.gate_up, E * 2 * I);
       if (MODE == 3) g_h.prefetch_smem(L.gate_up, E * 2 * I, wbuf);
-      sync();
+      sync(3);
       // the 8 hit experts' gate/up over the normed h (top-k's stand-in: the router's logits
       // scale the input, so this phase waits for them)
       for (int i = threadIdx.x; i < H; i += blockDim.x)
         xs[i] = __ldcg(b.h + i) * (1.f + 1e-3f * __ldcg(b.logits + i % ROUTER));
       __syncthreads();
-      g_h.run(L.gate_up, E * 2 * I, xs, E * 2 * I, b.gu, wbuf);
+      g_h.run<TWO>(L.gate_up, E * 2 * I, xs, E * 2 * I, b.gu, wbuf);
       arrive();
       if (MODE == 1) g_i.prefetch(L.down, E * H);
       if (MODE == 3) g_i.prefetch_smem(L.down, E * H, wbuf);
-      sync();
+      sync(4);
       for (int i = threadIdx.x; i < E * I; i += blockDim.x) {
         int e = i / I, j = i % I;
         float g = __ldcg(b.gu + e * 2 * I + j), u = __ldcg(b.gu + e * 2 * I + I + j);
         xs[i] = g / (1.f + __expf(-g)) * u;
       }
       __syncthreads();
-      g_i.run(L.down, E * H, xs, H, b.dn, wbuf);
+      g_i.run<TWO>(L.down, E * H, xs, H, b.dn, wbuf);
       arrive();
       if (MODE == 6) g_h.prefetch(l + 1 < nlayers ? layers[l + 1].qkv : lm_head, l + 1 < nlayers ? QKV : VOCAB);
       if (MODE == 1) {
@@ -293,14 +339,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         else g_h.prefetch(lm_head, VOCAB);
       }
       if (MODE == 3) g_h.prefetch_smem(l + 1 < nlayers ? layers[l + 1].qkv : lm_head, l + 1 < nlayers ? QKV : VOCAB, wbuf);
-      sync();
+      sync(5);
     }
     load_x(xs, b.dn, H);
-    g_h.run(lm_head, VOCAB, xs, VOCAB, b.lm, wbuf);
+    g_h.run<TWO>(lm_head, VOCAB, xs, VOCAB, b.lm, wbuf);
     arrive();
     if (MODE == 1 || MODE == 6) g_h.prefetch(layers[0].qkv, QKV);
     if (MODE == 3) g_h.prefetch_smem(layers[0].qkv, QKV, wbuf);
-    sync();
+    sync(6);
   }
 }
 
@@ -385,9 +431,19 @@ int main(int argc, char **argv) {
     return 1;
   }
   double roof_ms = total / copy_gbps / 1e6;
-  const char *names[7] = {"barrier", "prefetch", "no_barrier", "prefetch_smem", "counter_barrier",
-                          "counter_split", "counter_split_prefetch"};
-  double step_ms[7];
+  struct Row {
+    const char *name;
+    int mode, mask;
+  };
+  const Row rowsv[] = {{"barrier", 0, 0x7f}, {"prefetch", 1, 0x7f}, {"no_barrier", 2, 0x7f},
+                       {"prefetch_smem", 3, 0x7f}, {"counter_barrier", 4, 0x7f},
+                       {"counter_split", 5, 0x7f}, {"counter_split_prefetch", 6, 0x7f},
+                       {"two_rows", 7, 0}, {"two_rows_syncs_6", 8, 0x7f},
+                       {"two_rows_syncs_3", 8, 0x74}, {"two_rows_syncs_2", 8, 0x64},
+                       {"two_rows_syncs_1", 8, 0x60}};
+  const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
+  const char *names[NROWS];
+  double step_ms[NROWS];
   int smem = WARPS * 512 * 16;
   CHECK(cudaFuncSetAttribute(step_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm3 = 0;
@@ -396,21 +452,20 @@ int main(int argc, char **argv) {
     fprintf(stderr, "the shared-memory prefetch kernel does not fit one CTA a multiprocessor\n");
     return 1;
   }
-  for (int mode = 0; mode < 7; mode++) {
+  for (int row = 0; row < NROWS; row++) {
+    int mode = rowsv[row].mode, mask = rowsv[row].mask;
+    names[row] = rowsv[row].name;
     auto launch = [&](int n) {
+      if (mode >= 4) CHECK(cudaMemsetAsync(b.count, 0, 4));  // the growing counter starts at 0
       if (mode == 0) step_kernel<0><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 1) step_kernel<1><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 2) step_kernel<2><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 3) step_kernel<3><<<grid, THREADS, smem>>>(dl, nlayers, lm, b, n);
-      if (mode == 4) {
-        CHECK(cudaMemsetAsync(b.count, 0, 4));
-        step_kernel<4><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
-      }
-      if (mode == 5 || mode == 6) {
-        CHECK(cudaMemsetAsync(b.count, 0, 4));
-        if (mode == 5) step_kernel<5><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
-        else step_kernel<6><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
-      }
+      if (mode == 4) step_kernel<4><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
+      if (mode == 5) step_kernel<5><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
+      if (mode == 6) step_kernel<6><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
+      if (mode == 7) step_kernel<7><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
+      if (mode == 8) step_kernel<8><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask);
     };
     launch(2);
     CHECK(cudaGetLastError());
@@ -424,7 +479,7 @@ int main(int argc, char **argv) {
       CHECK(cudaEventElapsedTime(&ms, e0, e1));
       best = ms < best ? ms : best;
     }
-    step_ms[mode] = best / steps;
+    step_ms[row] = best / steps;
   }
   CHECK(cudaMemset(b.count, 0, 4));  // the growing counter's launches left it high
   barriers<<<grid, THREADS>>>(b.count, b.gen, 100);
@@ -441,7 +496,7 @@ int main(int argc, char **argv) {
   printf("copy %.0f GB/s; bytes a step %.3f GB (48 layers x %.1f MB + lm_head %.0f MB); roofline %.3f ms\n",
          copy_gbps, total / 1e9, layer_bytes / 1e6, lm_bytes / 1e6, roof_ms);
   printf("| variant | ms a step | us a layer | of roofline | GB/s |\n|---|---:|---:|---:|---:|\n");
-  for (int m = 0; m < 7; m++)
+  for (int m = 0; m < NROWS; m++)
     printf("| %s | %.3f | %.1f | %.0f%% | %.0f |\n", names[m], step_ms[m],
            (step_ms[m] - lm_bytes / copy_gbps / 1e6) * 1e3 / nlayers, 100 * roof_ms / step_ms[m],
            total / (step_ms[m] / 1e3) / 1e9);
@@ -451,7 +506,7 @@ int main(int argc, char **argv) {
             prop.name, copy_gbps, total, roof_ms);
     fprintf(f, " \"threads\": %d, \"ctas\": %d, \"empty_barrier_us\": %.3f, \"rows\": [", THREADS, grid,
             barrier_us);
-    for (int m = 0; m < 7; m++)
+    for (int m = 0; m < NROWS; m++)
       fprintf(f, "%s{\"variant\": \"%s\", \"ms_per_step\": %.4f, \"roofline_fraction\": %.4f}",
               m ? ", " : "", names[m], step_ms[m], roof_ms / step_ms[m]);
     fprintf(f, "]}\n");
