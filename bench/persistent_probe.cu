@@ -21,6 +21,7 @@
 //               phase reads them
 //   two_rows / two_rows_syncs_N  two rows a warp in flight (the 2,048- and 768-wide phases), no
 //               sync, or the growing counter after N of the 6 phases a layer (and the lm_head)
+//   dynamic_rows_syncs_N  as two_rows_syncs_N, each phase's rows taken from a counter two at a time
 //   counter_split_prefetch  the same, the q/k/v, router, gate/up and lm_head phases' first rows
 //               loaded into registers between arrival and wait
 // beside a device-to-device copy of 2 GiB (the bandwidth the roofline uses) and the bytes'
@@ -208,9 +209,47 @@ struct Gemv {
     have = staged = false;
   }
 
+  // rows taken from a counter, CH at a time (the next grab in flight while these compute), so
+  // the warps of a phase finish together however unevenly they stream
+  __device__ void run_dyn(const uint4 *W, int rows, const float *xs, int rows_per_x, float *out,
+                          unsigned *ctr) {
+    constexpr int CH = 2;
+    int lane = threadIdx.x % 32;
+    unsigned next = 0;
+    if (lane == 0) next = atomicAdd(ctr, CH);
+    next = __shfl_sync(0xffffffffu, next, 0);
+    while (next < (unsigned)rows) {
+      unsigned cur = next;
+      if (lane == 0) next = atomicAdd(ctr, CH);
+      uint4 w[CH][V];
+#pragma unroll
+      for (int k = 0; k < CH; k++) {
+        int r = min((int)cur + k, rows - 1);
+#pragma unroll
+        for (int i = 0; i < V; i++) w[k][i] = ld_stream(W + (size_t)r * (K / 8) + i * 32 + lane);
+      }
+#pragma unroll
+      for (int k = 0; k < CH; k++) {
+        int r = (int)cur + k;
+        const float *x = xs + (size_t)(min(r, rows - 1) / rows_per_x) * K;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; i++) sum += dot8(w[k][i], x + (i * 32 + lane) * 8);
+        sum = warp_sum(sum);
+        if (lane == 0 && r < rows) out[r] = sum;
+      }
+      next = __shfl_sync(0xffffffffu, next, 0);
+    }
+    have = staged = false;
+  }
+
   template <bool TWO = false>
   __device__ void run(const uint4 *W, int rows, const float *xs, int rows_per_x, float *out,
-                      const uint4 *wbuf = nullptr) {
+                      const uint4 *wbuf = nullptr, unsigned *dyn = nullptr) {
+    if (dyn != nullptr && V <= 8) {
+      run_dyn(W, rows, xs, rows_per_x, out, dyn);
+      return;
+    }
     if (TWO && V <= 8) {
       run2(W, rows, xs, rows_per_x, out);
       return;
@@ -252,8 +291,13 @@ __device__ void load_x(float *xs, const float *src, int n) {
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     step_kernel(const Layer *layers, int nlayers, const uint4 *lm_head, Bufs b, int steps,
-                int mask = 0x7f) {
+                int mask = 0x7f, unsigned *rowctr = nullptr) {
   constexpr bool TWO = MODE >= 7;  // 7: no sync, two rows a warp; 8: growing counter, two rows
+  // 9: as 8, the rows of the 2,048- and 768-wide phases taken from counters (one a phase)
+  int s_now = 0, l_now = 0;
+  auto dyn = [&](int phase) -> unsigned * {
+    return MODE == 9 ? rowctr + ((size_t)s_now * (nlayers + 1) + l_now) * 8 + phase : nullptr;
+  };
   __shared__ float xs[E * I > ATT ? E * I : ATT];
   extern __shared__ uint4 wbuf[];  // MODE 3: WARPS x 8 KB, a row of up to 4,096 bf16 a warp
   Gemv<H> g_h;
@@ -262,7 +306,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   unsigned passed = 0;
   auto sync = [&](int phase) {
     if (MODE == 7) return;
-    if (MODE == 8) {
+    if (MODE == 8 || MODE == 9) {
       if ((mask >> phase) & 1) grid_barrier_count(b.count, passed);
       return;
     }
@@ -274,7 +318,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (MODE == 5 || MODE == 6) arrive_count(b.count, passed);
   };
   for (int s = 0; s < steps; s++) {
+    s_now = s;
     for (int l = 0; l < nlayers; l++) {
+      l_now = l;
       const Layer L = layers[l];
       // q/k/v from x (the last layer's experts summed: the residual stream's stand-in)
       for (int i = threadIdx.x; i < H; i += blockDim.x) {
@@ -284,7 +330,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         xs[i] = v;
       }
       __syncthreads();
-      g_h.run<TWO>(L.qkv, QKV, xs, QKV, b.qkv, wbuf);
+      g_h.run<TWO>(L.qkv, QKV, xs, QKV, b.qkv, wbuf, dyn(0));
       arrive();
       sync(0);
       // attention's stand-in: the layer's 1K-token K/V read (2.1 MB), one partial a warp
@@ -310,7 +356,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (MODE == 3) g_h.prefetch_smem(L.router, ROUTER, wbuf);
       sync(2);
       load_x(xs, b.h, H);
-      g_h.run<TWO>(L.router, ROUTER, xs, ROUTER, b.logits, wbuf);
+      g_h.run<TWO>(L.router, ROUTER, xs, ROUTER, b.logits, wbuf, dyn(3));
       arrive();
       if (MODE == 1 || MODE == 6) g_h.prefetch(L.gate_up, E * 2 * I);
       if (MODE == 3) g_h.prefetch_smem(L.gate_up, E * 2 * I, wbuf);
@@ -320,7 +366,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int i = threadIdx.x; i < H; i += blockDim.x)
         xs[i] = __ldcg(b.h + i) * (1.f + 1e-3f * __ldcg(b.logits + i % ROUTER));
       __syncthreads();
-      g_h.run<TWO>(L.gate_up, E * 2 * I, xs, E * 2 * I, b.gu, wbuf);
+      g_h.run<TWO>(L.gate_up, E * 2 * I, xs, E * 2 * I, b.gu, wbuf, dyn(4));
       arrive();
       if (MODE == 1) g_i.prefetch(L.down, E * H);
       if (MODE == 3) g_i.prefetch_smem(L.down, E * H, wbuf);
@@ -331,7 +377,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         xs[i] = g / (1.f + __expf(-g)) * u;
       }
       __syncthreads();
-      g_i.run<TWO>(L.down, E * H, xs, H, b.dn, wbuf);
+      g_i.run<TWO>(L.down, E * H, xs, H, b.dn, wbuf, dyn(5));
       arrive();
       if (MODE == 6) g_h.prefetch(l + 1 < nlayers ? layers[l + 1].qkv : lm_head, l + 1 < nlayers ? QKV : VOCAB);
       if (MODE == 1) {
@@ -342,7 +388,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       sync(5);
     }
     load_x(xs, b.dn, H);
-    g_h.run<TWO>(lm_head, VOCAB, xs, VOCAB, b.lm, wbuf);
+    l_now = nlayers;
+    g_h.run<TWO>(lm_head, VOCAB, xs, VOCAB, b.lm, wbuf, dyn(6));
     arrive();
     if (MODE == 1 || MODE == 6) g_h.prefetch(layers[0].qkv, QKV);
     if (MODE == 3) g_h.prefetch_smem(layers[0].qkv, QKV, wbuf);
@@ -431,6 +478,9 @@ int main(int argc, char **argv) {
     return 1;
   }
   double roof_ms = total / copy_gbps / 1e6;
+  size_t ctr_bytes = (size_t)steps * (nlayers + 1) * 8 * 4;
+  unsigned *rowctr;
+  CHECK(cudaMalloc(&rowctr, ctr_bytes));
   struct Row {
     const char *name;
     int mode, mask;
@@ -440,7 +490,8 @@ int main(int argc, char **argv) {
                        {"counter_split", 5, 0x7f}, {"counter_split_prefetch", 6, 0x7f},
                        {"two_rows", 7, 0}, {"two_rows_syncs_6", 8, 0x7f},
                        {"two_rows_syncs_3", 8, 0x74}, {"two_rows_syncs_2", 8, 0x64},
-                       {"two_rows_syncs_1", 8, 0x60}};
+                       {"two_rows_syncs_1", 8, 0x60}, {"dynamic_rows_syncs_6", 9, 0x7f},
+                       {"dynamic_rows_syncs_1", 9, 0x60}};
   const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
   const char *names[NROWS];
   double step_ms[NROWS];
@@ -466,6 +517,10 @@ int main(int argc, char **argv) {
       if (mode == 6) step_kernel<6><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 7) step_kernel<7><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 8) step_kernel<8><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 9) {
+        CHECK(cudaMemsetAsync(rowctr, 0, ctr_bytes));
+        step_kernel<9><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask, rowctr);
+      }
     };
     launch(2);
     CHECK(cudaGetLastError());
