@@ -22,6 +22,8 @@
 //   two_rows / two_rows_syncs_N  two rows a warp in flight (the 2,048- and 768-wide phases), no
 //               sync, or the growing counter after N of the 6 phases a layer (and the lm_head)
 //   dynamic_rows_syncs_N  as two_rows_syncs_N, each phase's rows taken from a counter two at a time
+//   weights_before_x[_syncs_6]  each 2,048-wide phase's first row loaded before its input vector
+//               is (no sync, or the growing counter after every phase)
 //   counter_split_prefetch  the same, the q/k/v, router, gate/up and lm_head phases' first rows
 //               loaded into registers between arrival and wait
 // beside a device-to-device copy of 2 GiB (the bandwidth the roofline uses) and the bytes'
@@ -292,7 +294,8 @@ template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     step_kernel(const Layer *layers, int nlayers, const uint4 *lm_head, Bufs b, int steps,
                 int mask = 0x7f, unsigned *rowctr = nullptr) {
-  constexpr bool TWO = MODE >= 7;  // 7: no sync, two rows a warp; 8: growing counter, two rows
+  constexpr bool TWO = MODE == 7 || MODE == 8 || MODE == 9;  // two rows a warp in flight
+  // 10: the growing counter (mask), each 2,048-wide phase's first row loaded before its input
   // 9: as 8, the rows of the 2,048- and 768-wide phases taken from counters (one a phase)
   int s_now = 0, l_now = 0;
   auto dyn = [&](int phase) -> unsigned * {
@@ -306,7 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   unsigned passed = 0;
   auto sync = [&](int phase) {
     if (MODE == 7) return;
-    if (MODE == 8 || MODE == 9) {
+    if (MODE == 8 || MODE == 9 || MODE == 10) {
       if ((mask >> phase) & 1) grid_barrier_count(b.count, passed);
       return;
     }
@@ -322,6 +325,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int l = 0; l < nlayers; l++) {
       l_now = l;
       const Layer L = layers[l];
+      if (MODE == 10) g_h.prefetch(L.qkv, QKV);
       // q/k/v from x (the last layer's experts summed: the residual stream's stand-in)
       for (int i = threadIdx.x; i < H; i += blockDim.x) {
         float v = __ldcg(b.x + i);
@@ -355,12 +359,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (MODE == 1 || MODE == 6) g_h.prefetch(L.router, ROUTER);
       if (MODE == 3) g_h.prefetch_smem(L.router, ROUTER, wbuf);
       sync(2);
+      if (MODE == 10) g_h.prefetch(L.router, ROUTER);
       load_x(xs, b.h, H);
       g_h.run<TWO>(L.router, ROUTER, xs, ROUTER, b.logits, wbuf, dyn(3));
       arrive();
       if (MODE == 1 || MODE == 6) g_h.prefetch(L.gate_up, E * 2 * I);
       if (MODE == 3) g_h.prefetch_smem(L.gate_up, E * 2 * I, wbuf);
       sync(3);
+      if (MODE == 10) g_h.prefetch(L.gate_up, E * 2 * I);
       // the 8 hit experts' gate/up over the normed h (top-k's stand-in: the router's logits
       // scale the input, so this phase waits for them)
       for (int i = threadIdx.x; i < H; i += blockDim.x)
@@ -387,6 +393,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (MODE == 3) g_h.prefetch_smem(l + 1 < nlayers ? layers[l + 1].qkv : lm_head, l + 1 < nlayers ? QKV : VOCAB, wbuf);
       sync(5);
     }
+    if (MODE == 10) g_h.prefetch(lm_head, VOCAB);
     load_x(xs, b.dn, H);
     l_now = nlayers;
     g_h.run<TWO>(lm_head, VOCAB, xs, VOCAB, b.lm, wbuf, dyn(6));
@@ -491,7 +498,8 @@ int main(int argc, char **argv) {
                        {"two_rows", 7, 0}, {"two_rows_syncs_6", 8, 0x7f},
                        {"two_rows_syncs_3", 8, 0x74}, {"two_rows_syncs_2", 8, 0x64},
                        {"two_rows_syncs_1", 8, 0x60}, {"dynamic_rows_syncs_6", 9, 0x7f},
-                       {"dynamic_rows_syncs_1", 9, 0x60}};
+                       {"dynamic_rows_syncs_1", 9, 0x60}, {"weights_before_x", 10, 0},
+                       {"weights_before_x_syncs_6", 10, 0x7f}};
   const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
   const char *names[NROWS];
   double step_ms[NROWS];
@@ -517,6 +525,7 @@ int main(int argc, char **argv) {
       if (mode == 6) step_kernel<6><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 7) step_kernel<7><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 8) step_kernel<8><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 10) step_kernel<10><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask);
       if (mode == 9) {
         CHECK(cudaMemsetAsync(rowctr, 0, ctr_bytes));
         step_kernel<9><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask, rowctr);
