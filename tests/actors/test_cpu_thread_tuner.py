@@ -1,4 +1,4 @@
-"""The CPU runner's adaptive torch thread count (`actors.runner.ThreadTuner`, issue 13): it
+"""The CPU runner's adaptive torch thread count (`actors.thread_tuner.ThreadTuner`, issue 13): it
 moves to 1 thread when decode steps at 1 thread take less time per token, stays at N otherwise,
 and the thread count does not change the tokens."""
 
@@ -11,7 +11,7 @@ import torch
 
 from actors import runner as runner_mod
 from actors.engine import Engine, SamplingParams
-from actors.runner import ThreadTuner
+from actors.thread_tuner import ThreadTuner
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.test_engine import prompt
 
