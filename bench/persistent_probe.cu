@@ -110,23 +110,6 @@ __device__ void grid_barrier(unsigned *count, unsigned *gen) {
   __syncthreads();
 }
 
-// The same with one counter that only grows: a CTA's n-th barrier waits until the counter
-// reaches n x CTAs (no release write by the last arrival, one round trip less). The counter
-// starts at 0 each launch.
-__device__ void grid_barrier_count(unsigned *count, unsigned &passed) {
-  __syncthreads();
-  passed += gridDim.x;
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(count, 1u);
-    unsigned seen;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-    } while (seen < passed);
-  }
-  __syncthreads();
-}
-
 // The growing counter's two halves: arrive when this CTA's rows are written, wait before the
 // next phase reads them (work issued between the two overlaps the other CTAs' tails).
 __device__ void arrive_count(unsigned *count, unsigned &passed) {
@@ -146,6 +129,14 @@ __device__ void wait_count(unsigned *count, unsigned passed) {
     } while (seen < passed);
   }
   __syncthreads();
+}
+
+// The same with one counter that only grows: a CTA's n-th barrier waits until the counter
+// reaches n x CTAs (no release write by the last arrival, one round trip less). The counter
+// starts at 0 each launch.
+__device__ void grid_barrier_count(unsigned *count, unsigned &passed) {
+  arrive_count(count, passed);
+  wait_count(count, passed);
 }
 
 // Rows of W [rows, K] bf16 (16-byte vectors) against x (shared, K floats per group of
