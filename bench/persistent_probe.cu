@@ -395,6 +395,249 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
+// ---- Round 18: the ring. A producer warp streams each CTA's weight rows into a ring of shared
+// memory slots (cp.async.bulk, an mbarrier a slot) while 8 consumer warps compute from it; the
+// weights never depend on the data, so the producer runs ahead across the phases' grid syncs
+// (up to the ring's 192 KB a CTA, ~25 MB in flight over the grid: ~6 us of HBM) and HBM stays
+// busy while the consumers wait. Each CTA owns a contiguous span of each phase's rows (its
+// bytes are one stream). ROUTE: the producer also waits for the router phase to finish
+// everywhere before it issues a layer's expert weights (which experts is the router's output).
+constexpr int SLOT = 16384, NSLOT = 12;
+constexpr int RTHREADS = 9 * 32;  // the default: 8 consumer warps and the producer
+constexpr int LMAX = 48;  // VAR >= 8 keep the layer table in shared memory
+constexpr int RING_SMEM = SLOT * NSLOT + (E * I > ATT ? E * I : ATT) * 4 + LMAX * sizeof(Layer) + 2 * NSLOT * 8;
+
+__device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t *m, unsigned n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(m)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *m, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W%=;\n}" ::"r"(sa(m)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *m) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(m)) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *m) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(m)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(m)) : "memory");
+}
+__device__ __forceinline__ void wait_at_least(unsigned *count, unsigned target) {
+  unsigned seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+  } while (seen < target);
+}
+
+struct Phase {
+  const uint4 *W;
+  int rows, K, rows_per_x;
+  const float *x;
+  float *out;
+};
+
+// phase p (0..5) of layer l, 6 the lm_head
+__device__ Phase phase_of(const Layer &L, const uint4 *lm, const Bufs &b, int p) {
+  switch (p) {
+    case 0: return {L.qkv, QKV, H, QKV, b.dn, b.qkv};
+    case 1: return {L.kv, KV_BYTES / (H * 2), H, 1 << 30, b.qkv, b.att};
+    case 2: return {L.o, H, ATT, H, b.att, b.h};
+    case 3: return {L.router, ROUTER, H, ROUTER, b.h, b.logits};
+    case 4: return {L.gate_up, E * 2 * I, H, E * 2 * I, b.h, b.gu};
+    case 5: return {L.down, E * H, I, H, b.gu, b.dn};
+    default: return {lm, VOCAB, H, VOCAB, b.dn, b.lm};
+  }
+}
+
+// PERM: x is kept in shared memory permuted within each 256-column block so that a lane's 8
+// values are two float4 at (2i + h) * 32 + lane: each of a warp's x loads reads 512 contiguous
+// bytes (no bank conflict; the plain layout's 32-byte lane stride is a 2-way conflict)
+__device__ __forceinline__ int perm_pos(int col) {
+  return (col / 256) * 256 + (((col % 8) / 4) * 32 + (col % 256) / 8) * 4 + col % 4;
+}
+__device__ __forceinline__ float dot8_ilp(uint4 w, const float *x) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+  float a[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+    a[j] = __uint_as_float(u[j] << 16) * x[2 * j] + __uint_as_float(u[j] & 0xffff0000u) * x[2 * j + 1];
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+template <int K>
+__device__ float smem_row_dot_ilp(const uint4 *row, const float *x, int lane) {
+  constexpr int V = K / 256;
+  float p[V];
+#pragma unroll
+  for (int i = 0; i < V; i++) p[i] = dot8_ilp(row[i * 32 + lane], x + (i * 32 + lane) * 8);
+#pragma unroll
+  for (int w = 1; w < V; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < V; i += 2 * w) p[i] += p[i + w];
+  return p[0];
+}
+template <int K, bool PERM = false>
+__device__ float smem_row_dot(const uint4 *row, const float *x, int lane) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < K / 256; i++) {
+    if (PERM) {
+      const float4 a = ((const float4 *)x)[(2 * i) * 32 + lane], c = ((const float4 *)x)[(2 * i + 1) * 32 + lane];
+      const float xv[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+      s += dot8(row[i * 32 + lane], xv);
+    } else {
+      s += dot8(row[i * 32 + lane], x + (i * 32 + lane) * 8);
+    }
+  }
+  return s;
+}
+
+// a consumer warp's rows of one slot: copied into registers, the slot handed back, then the dots
+template <int K, int CWARPS>
+__device__ __forceinline__ void early_rows(const uint8_t *slot, int j0, int n, int rbase, const Phase &P,
+                                           const float *xs, int lane, uint64_t *empty) {
+  constexpr int RPC = SLOT / (K * 2), PER = (RPC + CWARPS - 1) / CWARPS, V = K / 256;
+  uint4 w[PER][V];
+#pragma unroll
+  for (int q = 0; q < PER; q++)
+    if (j0 + q * CWARPS < n)
+#pragma unroll
+      for (int i = 0; i < V; i++) w[q][i] = ((const uint4 *)(slot + (j0 + q * CWARPS) * K * 2))[i * 32 + lane];
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty);
+#pragma unroll
+  for (int q = 0; q < PER; q++) {
+    const int j = j0 + q * CWARPS;
+    if (j < n) {
+      const int r = rbase + j;
+      const float *x = xs + (P.rows_per_x >= P.rows ? 0 : (r / P.rows_per_x) * I);
+      float v = 0.f;
+#pragma unroll
+      for (int i = 0; i < V; i++) v += dot8(w[q][i], x + (i * 32 + lane) * 8);
+      v = warp_sum(v);
+      if (lane == 0) P.out[r] = v;
+    }
+  }
+}
+
+// CWARPS consumer warps; COMPUTE false: the consumers only hand the slots back (the ring's own rate)
+// NS: the ring's depth in slots (at most NSLOT). VAR 1: the producer copies nothing and only marks
+// the slots full (the consumers' own rate, on stale bytes); VAR 2: each consumer warp copies its
+// rows of a slot into registers and hands the slot back before its arithmetic; VAR 3: the phase's
+// input vector loaded as float4, all of a thread's loads issued before its stores (VAR 0 loads it
+// a float at a time); VAR 4: VAR 3's load with VAR 1's empty producer; VAR 5: VAR 1 without the
+// input's load (the consumers' arithmetic alone); VAR 6: VAR 3 with each row's dot in independent
+// partial sums (no chain of K / 8 dependent FMAs); VAR 7: VAR 6 with the empty producer; VAR 8:
+// VAR 6 with the layer table (its weight pointers) copied into shared memory once (each phase
+// reads it; VAR 0-7 from global memory); VAR 9: VAR 8 with the empty producer.
+// SL: a slot's bytes (NS x SL at most NSLOT x SLOT)
+template <bool SYNC, bool ROUTE, int CWARPS = 8, bool COMPUTE = true, bool PERM = false, int NS = NSLOT,
+          int VAR = 0, int SL = SLOT>
+__global__ void __launch_bounds__((CWARPS + 1) * 32, 1)
+    ring_kernel(const Layer *layers, int nlayers, const uint4 *lm_head, Bufs b, int steps, int mask) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t *ring = smem;
+  float *xs = (float *)(smem + SLOT * NSLOT);
+  Layer *ls = (Layer *)(xs + (E * I > ATT ? E * I : ATT));
+  uint64_t *full = (uint64_t *)(smem + RING_SMEM - 2 * NSLOT * 8), *empty = full + NSLOT;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = gridDim.x, c = blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSLOT; i++) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, CWARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (VAR >= 8)
+    for (int i = threadIdx.x; i < nlayers; i += blockDim.x) ls[i] = layers[i];
+  __syncthreads();
+  if (VAR >= 8) layers = ls;
+  const int per_step = 6 * nlayers + 1;
+  unsigned g = 0;  // chunks through the ring so far (the same count on both sides)
+  for (int s = 0; s < steps; s++) {
+    for (int ph = 0; ph < per_step; ph++) {
+      const int l = ph / 6, p = ph < 6 * nlayers ? ph % 6 : 6;
+      const Phase P = phase_of(layers[l < nlayers ? l : 0], lm_head, b, p);
+      const int r0 = (int)((long)P.rows * c / G), r1 = (int)((long)P.rows * (c + 1) / G);
+      const int rpc = SL / (P.K * 2), nchunks = (r1 - r0 + rpc - 1) / rpc;
+      const unsigned done_before = (unsigned)(s * per_step + ph) * G;  // count when phase ph may start
+      if (warp == CWARPS) {  // the producer
+        if (lane == 0) {
+          if (SYNC && ROUTE && p == 4) wait_at_least(b.count, done_before);  // the router is done
+          for (int k = 0; k < nchunks; k++, g++) {
+            const int slot = g % NS, n = min(rpc, r1 - r0 - k * rpc);
+            mbar_wait(empty + slot, ((g / NS) & 1) ^ 1);
+            if (VAR == 1 || VAR == 4 || VAR == 5 || VAR == 7 || VAR == 9) mbar_arrive(full + slot);
+            else
+              bulk_load(ring + slot * SL, (const uint8_t *)P.W + (size_t)(r0 + k * rpc) * P.K * 2,
+                        n * P.K * 2, full + slot);
+          }
+        }
+        continue;
+      }
+      // the consumers: wait for the last phase everywhere (where mask's bit p is set: every CTA
+      // still arrives after every phase), load its output, compute from the ring
+      if (SYNC && ((mask >> p) & 1)) {
+        if (threadIdx.x == 0) wait_at_least(b.count, done_before);
+        asm volatile("bar.sync 1, %0;" ::"n"(CWARPS * 32) : "memory");
+      }
+      const int nx = P.rows_per_x >= P.rows ? P.K : E * I;
+      if (VAR == 3 || VAR == 4 || VAR >= 6) {
+        constexpr int Q = (E * I / 4 + CWARPS * 32 - 1) / (CWARPS * 32);
+        float4 t[Q];
+#pragma unroll
+        for (int q = 0; q < Q; q++) {
+          const int i = threadIdx.x + q * CWARPS * 32;
+          if (i < nx / 4) t[q] = __ldcg((const float4 *)P.x + i);
+        }
+#pragma unroll
+        for (int q = 0; q < Q; q++) {
+          const int i = threadIdx.x + q * CWARPS * 32;
+          if (i < nx / 4) ((float4 *)xs)[i] = t[q];
+        }
+      } else if (VAR != 5) {
+        for (int i = threadIdx.x; i < nx; i += CWARPS * 32) xs[PERM ? perm_pos(i) : i] = __ldcg(P.x + i);
+      }
+      asm volatile("bar.sync 1, %0;" ::"n"(CWARPS * 32) : "memory");
+      for (int k = 0; k < nchunks; k++, g++) {
+        const int slot = g % NS, n = min(rpc, r1 - r0 - k * rpc);
+        mbar_wait(full + slot, (g / NS) & 1);
+        if (VAR == 2) {
+          const int j0 = (warp + CWARPS - (k * rpc) % CWARPS) % CWARPS;
+          if (P.K == H) early_rows<H, CWARPS>(ring + slot * SL, j0, n, r0 + k * rpc, P, xs, lane, empty + slot);
+          else if (P.K == ATT) early_rows<ATT, CWARPS>(ring + slot * SL, j0, n, r0 + k * rpc, P, xs, lane, empty + slot);
+          else early_rows<I, CWARPS>(ring + slot * SL, j0, n, r0 + k * rpc, P, xs, lane, empty + slot);
+          continue;
+        }
+        for (int j = (warp + CWARPS - (k * rpc) % CWARPS) % CWARPS; COMPUTE && j < n; j += CWARPS) {
+          const int r = r0 + k * rpc + j;
+          const uint4 *row = (const uint4 *)(ring + slot * SL + j * P.K * 2);
+          const float *x = xs + (P.rows_per_x >= P.rows ? 0 : (r / P.rows_per_x) * I);
+          float v = VAR >= 6
+                        ? (P.K == H     ? smem_row_dot_ilp<H>(row, x, lane)
+                           : P.K == ATT ? smem_row_dot_ilp<ATT>(row, x, lane)
+                                        : smem_row_dot_ilp<I>(row, x, lane))
+                    : P.K == H   ? smem_row_dot<H, PERM>(row, x, lane)
+                    : P.K == ATT ? smem_row_dot<ATT, PERM>(row, x, lane)
+                                 : smem_row_dot<I, PERM>(row, x, lane);
+          v = warp_sum(v);
+          if (lane == 0) P.out[r] = v;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + slot);
+      }
+      if (SYNC) {
+        asm volatile("bar.sync 1, %0;" ::"n"(CWARPS * 32) : "memory");
+        if (threadIdx.x == 0) {
+          __threadfence();
+          atomicAdd(b.count, 1u);
+        }
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(THREADS, 1) barriers(unsigned *count, unsigned *gen, int n) {
   for (int i = 0; i < n; i++) grid_barrier(count, gen);
 }
@@ -490,7 +733,59 @@ int main(int argc, char **argv) {
                        {"two_rows_syncs_3", 8, 0x74}, {"two_rows_syncs_2", 8, 0x64},
                        {"two_rows_syncs_1", 8, 0x60}, {"dynamic_rows_syncs_6", 9, 0x7f},
                        {"dynamic_rows_syncs_1", 9, 0x60}, {"weights_before_x", 10, 0},
-                       {"weights_before_x_syncs_6", 10, 0x7f}};
+                       {"weights_before_x_syncs_6", 10, 0x7f}, {"ring_no_sync", 20, 0},
+                       {"ring_syncs_6", 21, 0x7f}, {"ring_syncs_6_route_wait", 22, 0x7f},
+                       {"ring_syncs_3", 21, 0x4b}, {"ring_syncs_2", 21, 0x49},
+                       {"ring_syncs_1", 21, 0x41}, {"ring_syncs_1_route_wait", 22, 0x41},
+                       {"ring_stream_only", 23, 0}, {"ring16_no_sync", 24, 0},
+                       {"ring16_syncs_6", 25, 0x7f}, {"ring16_syncs_1", 25, 0x41},
+                       {"ring_perm_no_sync", 26, 0}, {"ring_perm_syncs_6", 27, 0x7f},
+                       {"ring_perm_syncs_1", 27, 0x41}, {"ring_perm_syncs_6_route_wait", 28, 0x7f},
+                       {"ring_stream_only_6_slots", 29, 0}, {"ring_stream_only_3_slots", 30, 0},
+                       {"ring_consumers_only", 31, 0}, {"ring_early_no_sync", 32, 0},
+                       {"ring_early_syncs_6", 33, 0x7f}, {"ring_early_syncs_1", 33, 0x41},
+                       {"ring_early_syncs_6_route_wait", 34, 0x7f}, {"ring_x4_no_sync", 35, 0},
+                       {"ring_x4_syncs_6", 36, 0x7f}, {"ring_x4_syncs_1", 36, 0x41},
+                       {"ring_x4_syncs_6_route_wait", 37, 0x7f}, {"ring_x4_consumers_only", 38, 0},
+                       {"ring_consumers_only_no_x", 39, 0}, {"ring_ilp_no_sync", 40, 0},
+                       {"ring_ilp_syncs_6", 41, 0x7f}, {"ring_ilp_syncs_1", 41, 0x41},
+                       {"ring_ilp_syncs_6_route_wait", 42, 0x7f}, {"ring_ilp_consumers_only", 43, 0},
+                       {"ring_ls_no_sync", 44, 0}, {"ring_ls_syncs_6", 45, 0x7f}, {"ring_ls_syncs_1", 45, 0x41},
+                       {"ring_ls_syncs_6_route_wait", 46, 0x7f}, {"ring_ls_consumers_only", 47, 0},
+                       {"ring_ls_32k_no_sync", 48, 0}, {"ring_ls_32k_syncs_6", 49, 0x7f},
+                       {"ring_ls_32k_consumers_only", 50, 0}};
+  const bool only_ring = getenv("PROBE_ONLY_RING") != nullptr;  // the ring and two baselines
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 16>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true, 8, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, false, false, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, false, false, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, false, NSLOT, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true, 8, true, false, NSLOT, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, false, NSLOT, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true, 8, true, false, NSLOT, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 5>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, false, NSLOT, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true, 8, true, false, NSLOT, 6>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 7>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, false, NSLOT, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true, 8, true, false, NSLOT, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, NSLOT, 9>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, 6, 8, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, false, 6, 8, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, 6, 9, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
   const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
   const char *names[NROWS];
   double step_ms[NROWS];
@@ -504,6 +799,11 @@ int main(int argc, char **argv) {
   }
   for (int row = 0; row < NROWS; row++) {
     int mode = rowsv[row].mode, mask = rowsv[row].mask;
+    if (only_ring && mode < 20 && mode != 4 && mode != 7) {
+      step_ms[row] = 0;
+      names[row] = rowsv[row].name;
+      continue;
+    }
     names[row] = rowsv[row].name;
     auto launch = [&](int n) {
       if (mode >= 4) CHECK(cudaMemsetAsync(b.count, 0, 4));  // the growing counter starts at 0
@@ -517,6 +817,38 @@ int main(int argc, char **argv) {
       if (mode == 7) step_kernel<7><<<grid, THREADS>>>(dl, nlayers, lm, b, n);
       if (mode == 8) step_kernel<8><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask);
       if (mode == 10) step_kernel<10><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask);
+      if (mode >= 20) CHECK(cudaMemsetAsync(b.count, 0, 4));
+      if (mode == 20) ring_kernel<false, false><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 21) ring_kernel<true, false><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 22) ring_kernel<true, true><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 23) ring_kernel<false, false, 8, false><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 24) ring_kernel<false, false, 16><<<grid, 17 * 32, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 25) ring_kernel<true, false, 16><<<grid, 17 * 32, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 26) ring_kernel<false, false, 8, true, true><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 27) ring_kernel<true, false, 8, true, true><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 28) ring_kernel<true, true, 8, true, true><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 29) ring_kernel<false, false, 8, false, false, 6><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 30) ring_kernel<false, false, 8, false, false, 3><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 31) ring_kernel<false, false, 8, true, false, NSLOT, 1><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 32) ring_kernel<false, false, 8, true, false, NSLOT, 2><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 33) ring_kernel<true, false, 8, true, false, NSLOT, 2><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 34) ring_kernel<true, true, 8, true, false, NSLOT, 2><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 35) ring_kernel<false, false, 8, true, false, NSLOT, 3><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 36) ring_kernel<true, false, 8, true, false, NSLOT, 3><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 37) ring_kernel<true, true, 8, true, false, NSLOT, 3><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 38) ring_kernel<false, false, 8, true, false, NSLOT, 4><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 39) ring_kernel<false, false, 8, true, false, NSLOT, 5><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 40) ring_kernel<false, false, 8, true, false, NSLOT, 6><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 41) ring_kernel<true, false, 8, true, false, NSLOT, 6><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 42) ring_kernel<true, true, 8, true, false, NSLOT, 6><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 43) ring_kernel<false, false, 8, true, false, NSLOT, 7><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 44) ring_kernel<false, false, 8, true, false, NSLOT, 8><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 45) ring_kernel<true, false, 8, true, false, NSLOT, 8><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 46) ring_kernel<true, true, 8, true, false, NSLOT, 8><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 47) ring_kernel<false, false, 8, true, false, NSLOT, 9><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 48) ring_kernel<false, false, 8, true, false, 6, 8, 32768><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 49) ring_kernel<true, false, 8, true, false, 6, 8, 32768><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 50) ring_kernel<false, false, 8, true, false, 6, 9, 32768><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
       if (mode == 9) {
         CHECK(cudaMemsetAsync(rowctr, 0, ctr_bytes));
         step_kernel<9><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask, rowctr);
@@ -552,7 +884,8 @@ int main(int argc, char **argv) {
          copy_gbps, total / 1e9, layer_bytes / 1e6, lm_bytes / 1e6, roof_ms);
   printf("| variant | ms a step | us a layer | of roofline | GB/s |\n|---|---:|---:|---:|---:|\n");
   for (int m = 0; m < NROWS; m++)
-    printf("| %s | %.3f | %.1f | %.0f%% | %.0f |\n", names[m], step_ms[m],
+    if (step_ms[m] > 0)
+      printf("| %s | %.3f | %.1f | %.0f%% | %.0f |\n", names[m], step_ms[m],
            (step_ms[m] - lm_bytes / copy_gbps / 1e6) * 1e3 / nlayers, 100 * roof_ms / step_ms[m],
            total / (step_ms[m] / 1e3) / 1e9);
   FILE *f = fopen(out, "w");
@@ -561,9 +894,10 @@ int main(int argc, char **argv) {
             prop.name, copy_gbps, total, roof_ms);
     fprintf(f, " \"threads\": %d, \"ctas\": %d, \"empty_barrier_us\": %.3f, \"rows\": [", THREADS, grid,
             barrier_us);
-    for (int m = 0; m < NROWS; m++)
-      fprintf(f, "%s{\"variant\": \"%s\", \"ms_per_step\": %.4f, \"roofline_fraction\": %.4f}",
-              m ? ", " : "", names[m], step_ms[m], roof_ms / step_ms[m]);
+    for (int m = 0, k = 0; m < NROWS; m++)
+      if (step_ms[m] > 0)
+        fprintf(f, "%s{\"variant\": \"%s\", \"ms_per_step\": %.4f, \"roofline_fraction\": %.4f}",
+                k++ ? ", " : "", names[m], step_ms[m], roof_ms / step_ms[m]);
     fprintf(f, "]}\n");
     fclose(f);
   }
