@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from actors.arch import ArchConfig
-from actors.kernels import fused
+from actors.kernels import cpu_attention, fused
 from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
 from actors.kv_cache import KVCache, KVLayout, PagedContext, filled_blocks
 from actors.model import StageModel
@@ -402,7 +402,9 @@ class DecodeMirror:
     token longer), the mirror keeps those tensors and appends the token each sequence just
     wrote; any other step drops them and the next pure decode step gathers afresh. The slots
     below each context length hold what the gather returns, so attention (which masks the
-    rest) gives the same values, bit for bit.
+    rest) gives the same values, bit for bit. Where the C decode kernel serves the cache
+    (`actors.kernels.cpu_attention`, which reads the paged blocks in place) there is nothing to
+    keep: the mirror stays off.
     """
 
     def __init__(self, cache: KVCache) -> None:
@@ -422,7 +424,7 @@ class DecodeMirror:
         """Whether `step` runs over the mirror (a pure decode step of 2+ sequences); sets
         whether its layers extend last step's tensors or gather afresh."""
         lens, tables = step.context_lens, step.block_tables
-        if len(lens) < 2 or any(n != 1 for n in step.query_lens):
+        if len(lens) < 2 or any(n != 1 for n in step.query_lens) or self._kernel_serves():
             self.drop()
             return False
         prev = self.tables
@@ -438,6 +440,13 @@ class DecodeMirror:
         self.served, self.written = set(), {}
         self._pending = (tables, lens)
         return True
+
+    def _kernel_serves(self) -> bool:
+        """The C decode kernel reads the paged cache itself (`actors.kernels.cpu_attention`):
+        no padded copies to keep."""
+        layer = next(iter(self.cache.k), None)
+        v = self.cache.v[layer] if self.cache.v and layer is not None else None
+        return layer is not None and cpu_attention.serves(self.cache.k[layer], v)
 
     def end(self) -> None:
         """After the step's forward: keep the tensors only if every layer read them."""

@@ -2,7 +2,9 @@
 sequence decodes one token gathers all contexts at once (padded, masked) instead of one
 attention call per sequence. It must give the per-sequence path's results: the same greedy
 tokens and log-probabilities within float32 reordering, for GQA and MLA, and it must really be
-taken (a step of ragged contexts falls back, a batch-invariant engine never takes it).
+taken (a step of ragged contexts falls back, a batch-invariant engine never takes it). These
+are the paths where the C decode kernel cannot be built: it is switched off here
+(tests/actors/test_cpu_decode_attention.py tests the kernel).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine import Engine, SamplingParams
+from actors.kernels import cpu_attention
 from actors.layers import attention
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.test_engine import prompt
@@ -38,12 +41,14 @@ def generate(ckpt, *, batched: bool, calls: list | None = None):
 
     attention.BATCHED_DECODE[0] = batched
     attention._batched_decode = counted
+    cpu_attention.ENABLED[0] = False
     try:
         while engine.has_unfinished():
             for o in engine.step():
                 outs.setdefault(o.request_id, []).append(o)
     finally:
         attention.BATCHED_DECODE[0] = True
+        cpu_attention.ENABLED[0] = True
         attention._batched_decode = original
     return outs
 

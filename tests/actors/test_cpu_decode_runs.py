@@ -2,12 +2,14 @@
 new token each, beside prompt chunks in the same step) runs as one padded SDPA call
 (`attention._decode_run`) instead of one gather and one call per sequence; it must give the
 per-sequence results within float32 reordering, masked when the contexts differ in length.
+The SDPA forms are what runs where the C decode kernel cannot be built: it is off here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from actors.kernels import cpu_attention
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers import attention
 
@@ -51,10 +53,12 @@ def _attend(paged, q, *, runs: bool):
 
     attention.BATCHED_DECODE[0] = runs
     attention._decode_run = counted
+    cpu_attention.ENABLED[0] = False
     try:
         out = attention.paged_attend(q, paged, expand, scale=0.25, grouped=True)
     finally:
         attention.BATCHED_DECODE[0] = True
+        cpu_attention.ENABLED[0] = True
         attention._decode_run = original
     return out, calls
 

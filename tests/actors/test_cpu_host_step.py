@@ -64,11 +64,13 @@ def _mirror_step_selects(ckpt, *, write_through: bool, monkeypatch) -> tuple[int
     from torch.profiler import ProfilerActivity, profile
 
     from actors import runner as runner_module
+    from actors.kernels import cpu_attention
     from actors.kv_cache import PagedContext
     from actors.runner import LocalRunner
     from tests.actors.test_engine import prompt
     from tests.actors.test_kernels_decode import _step
 
+    monkeypatch.setattr(cpu_attention, "ENABLED", [False])  # the mirror serves SDPA's path only
     if not write_through:
         monkeypatch.setattr(runner_module.MirroredContext, "write", PagedContext.write)
     runner = LocalRunner.from_checkpoint(ckpt)

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from actors import runner as runner_module
 from actors.arch import ArchConfig
 from actors.engine import Engine, SamplingParams
+from actors.kernels import cpu_attention
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers import attention, experts
 from actors.layers.attention import GQAAttention, paged_attend
@@ -193,10 +194,12 @@ def _generate(ckpt, *, mirror_bytes: int, extended: list | None = None) -> dict:
     mirror.gather = gather
     saved = runner_module.MIRROR_MAX_BYTES
     runner_module.MIRROR_MAX_BYTES = mirror_bytes
-    try:
+    cpu_attention.ENABLED[0] = False  # the mirror serves SDPA's path only (the C kernel reads
+    try:  # the paged cache itself)
         return run_five(engine)
     finally:
         runner_module.MIRROR_MAX_BYTES = saved
+        cpu_attention.ENABLED[0] = True
 
 
 def run_five(engine: Engine) -> dict:

@@ -15,6 +15,7 @@ import pytest
 
 from actors import runner as runner_module
 from actors.engine import Engine
+from actors.kernels import cpu_attention
 from actors.runner import LocalRunner
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.test_cpu_prefill_speed_paths import run_five
@@ -79,11 +80,13 @@ def test_column_major_not_under_triton(ckpt, monkeypatch):
     assert all(_row_major(runner.model).values())
 
 
-def test_cpu_steps_run_in_inference_mode_with_the_same_values(ckpt):
+def test_cpu_steps_run_in_inference_mode_with_the_same_values(ckpt, monkeypatch):
     plain, _ = _switched("INFERENCE_MODE", False, lambda: _generate(ckpt))
     inferred, engine = _generate(ckpt)
     assert inferred == plain
-    # the decode mirror (kept across steps, extended in place) was made inside the mode
+    # the decode mirror (kept across steps, extended in place; SDPA's path, so without the C
+    # decode kernel) was made inside the mode
+    monkeypatch.setattr(cpu_attention, "ENABLED", [False])
     runner = engine.runner
     runner.allocate_kv(64, 4)
     seqs, tables = [prompt(6, 1), prompt(5, 2)], [[3, 7], [2, 5]]
