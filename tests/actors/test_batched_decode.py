@@ -4,7 +4,7 @@ attention call per sequence. It must give the per-sequence path's results: the s
 tokens and log-probabilities within float32 reordering, for GQA and MLA, and it must really be
 taken (a step of ragged contexts falls back, a batch-invariant engine never takes it). These
 are the paths where the C decode kernel cannot be built: it is switched off here
-(tests/actors/test_cpu_decode_attention.py tests the kernel).
+(tests/actors/test_cpu_paged_attention.py tests the kernel).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The engine's CPU paths (issue 13, bench/notes/cpu_engine_speed.md): paged attention through
 SDPA's CPU flash kernel (never the math kernel, which materialises the [heads, n, ctx] scores),
 its three mask forms equal bit for bit, and the routed experts as GEMMs over the busy experts only.
+SDPA is the path where the C kernel is off (`MOE_CPU_ATTENTION_KERNEL=0`, no compiler, MLA,
+sliding windows): these tests switch the kernel off (tests/actors/test_cpu_paged_attention.py
+tests the kernel).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from actors.engine import Engine, SamplingParams
+from actors.kernels import cpu_attention
 from actors.kv_cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.layers.attention import paged_attend
 from actors.layers.experts import grouped_swiglu
@@ -18,6 +22,11 @@ from tests.actors.test_engine import prompt
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 MATH = "aten::_scaled_dot_product_attention_math"
+
+
+@pytest.fixture(autouse=True)
+def _sdpa_only(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "ENABLED", [False])
 
 
 @pytest.fixture(scope="module")

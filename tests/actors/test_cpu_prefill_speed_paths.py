@@ -69,7 +69,8 @@ def _step(query_lens, context_lens, block_size=4):
     return torch.randn(t, 8, 16), (torch.cat(new_k), torch.cat(new_v)), paged
 
 
-def test_fresh_prompts_of_one_length_attend_in_one_call_equal_to_one_call_each():
+def test_fresh_prompts_of_one_length_attend_in_one_call_equal_to_one_call_each(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "ENABLED", [False])  # SDPA's path (the C kernel's: no runs)
     lens = (7, 7, 7, 5, 9, 9)
     q, written, paged = _step(lens, lens)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
