@@ -7,8 +7,10 @@ reads its paged cache, takes ~0.35. `cpu_paged_attention.c` is such a kernel: th
 each sequence (a decode token, a prompt chunk, a chunk after a prefix hit: any mix in one call),
 a task up to 16 new tokens of a sequence, each cache block read as one contiguous span, causal
 tiles of keys skipped, the scores of 16 keys summed at once (AVX-512) and the rest vectorised by
-the compiler for this CPU, each group of 4 query rows' sums of p V kept in registers: ~0.2 ms
-in the same decode step (BENCHMARKS.md, twelfth session).
+the compiler for this CPU, each group of 4 query rows' sums of p V kept in registers, a short
+context's K and V prefetched towards L2 as its task starts (in a real step the other layers
+have pushed them out of cache): ~0.36 ms a layer in the same decode step, ~0.18 with a warm
+cache (BENCHMARKS.md, twelfth session).
 
 It is compiled at first use (`cc -O3 -march=native -ffast-math -fopenmp`, ~0.3 s) into
 `$MOE_KERNEL_CACHE` (default ~/.cache/moe-orchestrator/cpu-kernels), keyed by the source, the

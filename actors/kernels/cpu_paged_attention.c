@@ -76,6 +76,22 @@ static inline __attribute__((always_inline)) void pv4(
 #endif
 
 #define QCHUNK 16
+#ifndef MOE_PREFETCH /* 0: none, 1: a block ahead, 2: + the keys of a short context, 3: + its values */
+#define MOE_PREFETCH 3
+#endif
+
+/* Software prefetch of n token rows of `floats` floats, `stride` floats apart: towards L1, or
+   L2 where `far`. */
+static inline void prefetch_rows(const float *p, int64_t n, int64_t stride, int64_t floats, int far)
+{
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t f = 0; f < floats; f += 16) {
+            if (far)
+                __builtin_prefetch(p + i * stride + f, 0, 2);
+            else
+                __builtin_prefetch(p + i * stride + f, 0, 3);
+        }
+}
 
 /* The rows of one task: tokens j0 .. j0 + jn of a sequence (row jj sees its first vis0 + jj
  * keys), KV heads h0 .. h0 + hn, G query heads each; row r = (jj * hn + h) * G + g. q and out
@@ -89,9 +105,25 @@ static inline __attribute__((always_inline)) void attend(
     int64_t vblk, int64_t vtok)
 {
     const int64_t R = jn * hn * G, L = vis0 + jn - 1, rows_tok = hn * G;
+    /* all of a short context towards L2 at once (a long one would push itself out) */
+    const int all = MOE_PREFETCH >= 2 && hn * (D + Dv) * (int64_t)sizeof(float) * L <= (256 << 10);
+    for (int64_t t0 = 0; all && t0 < L; t0 += BS) {
+        prefetch_rows(kc + blocks[t0 / BS] * kblk + h0 * D, L - t0 < BS ? L - t0 : BS, ktok,
+                      hn * D, 1);
+        if (MOE_PREFETCH >= 3)
+            prefetch_rows(vc + blocks[t0 / BS] * vblk + h0 * Dv, L - t0 < BS ? L - t0 : BS, vtok,
+                          hn * Dv, 1);
+    }
     for (int64_t t0 = 0; t0 < L; t0 += BS) {
         const int64_t n = L - t0 < BS ? L - t0 : BS;
         const float *kb = kc + blocks[t0 / BS] * kblk + h0 * D;
+        /* the cache is cold in a real step (the other layers ran since): ask for the next
+           block's keys, and this block's values for the sums of p V, while these are scored */
+        if (MOE_PREFETCH >= 1 && t0 + BS < L)
+            prefetch_rows(kc + blocks[t0 / BS + 1] * kblk + h0 * D,
+                          L - t0 - BS < BS ? L - t0 - BS : BS, ktok, hn * D, 0);
+        if (MOE_PREFETCH >= 1)
+            prefetch_rows(vc + blocks[t0 / BS] * vblk + h0 * Dv, n, vtok, hn * Dv, 1);
         int64_t i = 0;
 #ifdef __AVX512F__
         if (D % 16 == 0)
