@@ -126,9 +126,9 @@ def paged_attend(
     heads as they are (SDPA's `enable_gqa`, equal bit for bit to the repeated heads).
     Returns [T, h, dv].
     """
-    if not q.is_cuda and grouped and window is None:
-        if (o := _kernel_step(q, paged, scale)) is not None:
-            return o  # a CPU GQA step, any mix of prompts and decode tokens: the C kernel
+    kernel = not q.is_cuda and grouped and window is None
+    if kernel and (o := _kernel_step(q, paged, scale)) is not None:
+        return o  # a CPU GQA step, any mix of prompts and decode tokens: the C kernel
     if _batched_decode_suits(q, paged, window):
         return _batched_decode(q, paged, expand, scale, grouped=grouped)
     if not q.is_cuda:
@@ -324,14 +324,13 @@ def _kernel_step(q: torch.Tensor, paged: LayerKV, scale: float) -> torch.Tensor 
     if seqs is False:  # once a step: None where a prompt chunk's context is too long for it
         longest = cpu_attention.PROMPT_CONTEXT_MAX[0]
         pairs = zip(ctx.query_lens, ctx.context_lens, strict=True)
-        seqs = ctx.__dict__["_kernel_seqs"] = (
-            None
-            if any(n > 1 and c > longest for n, c in pairs)
-            else cpu_attention.Seqs.of(
+        seqs = None
+        if not any(n > 1 and c > longest for n, c in pairs):
+            seqs = cpu_attention.Seqs.of(
                 ctx._batch_table, ctx.context_lens, ctx.query_lens,
                 block_size=k.shape[1], num_blocks=k.shape[0],
             )  # fmt: skip
-        )
+        ctx.__dict__["_kernel_seqs"] = seqs
     return None if seqs is None else cpu_attention.paged_attention(q, k, v, seqs, scale)
 
 

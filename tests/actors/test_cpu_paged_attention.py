@@ -90,7 +90,9 @@ def test_kernel_equals_float64_attention_over_ragged_contexts(shape, lens):
     scale = q.shape[-1] ** -0.5
     ref = _reference(q, kc, vc, table, ctx, scale)
     for threads in (1, 2):
-        out = _with_threads(threads, lambda: cpu_attention.decode_attention(q, kc, vc, table, ctx, scale))
+        out = _with_threads(
+            threads, lambda: cpu_attention.decode_attention(q, kc, vc, table, ctx, scale)
+        )
         assert out is not None and out.shape == ref.shape
         torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
 
