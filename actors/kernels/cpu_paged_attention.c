@@ -76,6 +76,7 @@ static inline __attribute__((always_inline)) void pv4(
 #endif
 
 #define QCHUNK 16
+#define SCORES_ROW(L) (((L) + 15) / 16 * 16) /* a row of scratch scores: whole 16-key tiles */
 #ifndef MOE_PREFETCH /* 0: none, 1: a block ahead, 2: + the keys of a short context, 3: + its values */
 #define MOE_PREFETCH 3
 #endif
@@ -95,8 +96,9 @@ static inline void prefetch_rows(const float *p, int64_t n, int64_t stride, int6
 
 /* The rows of one task: tokens j0 .. j0 + jn of a sequence (row jj sees its first vis0 + jj
  * keys), KV heads h0 .. h0 + hn, G query heads each; row r = (jj * hn + h) * G + g. q and out
- * point at token j0's head 0; tokens are H * D (out: H * Dv) apart. Scratch s holds R * L
- * scores (L = vis0 + jn - 1, the longest row's keys), o R * Dv outputs. */
+ * point at token j0's head 0; tokens are H * D (out: H * Dv) apart. Scratch s holds R rows of
+ * Ls scores (L = vis0 + jn - 1, the longest row's keys, rounded up to whole tiles of 16), o
+ * R * Dv outputs. */
 static inline __attribute__((always_inline)) void attend(
     const float *restrict q, const float *restrict kc, const float *restrict vc,
     const int64_t *restrict blocks, int64_t vis0, int64_t jn, float *restrict out,
@@ -104,7 +106,7 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t D, const int64_t Dv, int64_t BS, float scale, int64_t kblk, int64_t ktok,
     int64_t vblk, int64_t vtok)
 {
-    const int64_t R = jn * hn * G, L = vis0 + jn - 1, rows_tok = hn * G;
+    const int64_t R = jn * hn * G, L = vis0 + jn - 1, Ls = SCORES_ROW(L), rows_tok = hn * G;
     /* all of a short context towards L2 at once (a long one would push itself out) */
     const int all = MOE_PREFETCH >= 2 && hn * (D + Dv) * (int64_t)sizeof(float) * L <= (256 << 10);
     for (int64_t t0 = 0; all && t0 < L; t0 += BS) {
@@ -126,8 +128,12 @@ static inline __attribute__((always_inline)) void attend(
             prefetch_rows(vc + blocks[t0 / BS] * vblk + h0 * Dv, n, vtok, hn * Dv, 1);
         int64_t i = 0;
 #ifdef __AVX512F__
+        /* whole 16-key tiles of the block, also where the task needs only the first keys of one
+           (the rest are in the block's storage, scored and never used): which path scores a key
+           depends on its place in its block only, not on the chunk, so a token gets the same
+           bits whatever chunk it is in */
         if (D % 16 == 0)
-            for (; i + 16 <= n; i += 16)
+            for (; i < n && i + 16 <= BS; i += 16)
                 for (int64_t jj = 0; jj < jn; ++jj) {
                     if (t0 + i >= vis0 + jj) /* none of these 16 keys is visible to token jj */
                         continue;
@@ -136,7 +142,7 @@ static inline __attribute__((always_inline)) void attend(
                             const int64_t r = (jj * hn + h) * G + g;
                             __m512 sc = scores16(q + jj * H * D + (h * G + g) * D,
                                                  kb + i * ktok + h * D, ktok, D);
-                            _mm512_storeu_ps(s + r * L + t0 + i, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+                            _mm512_storeu_ps(s + r * Ls + t0 + i, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
                         }
                 }
 #endif
@@ -149,14 +155,14 @@ static inline __attribute__((always_inline)) void attend(
                         const float *qq = q + jj * H * D + (h * G + g) * D;
                         float acc = 0.f;
                         for (int64_t d = 0; d < D; ++d) acc += qq[d] * kt[d];
-                        s[((jj * hn + h) * G + g) * L + t] = acc * scale;
+                        s[((jj * hn + h) * G + g) * Ls + t] = acc * scale;
                     }
                 }
         }
     }
     for (int64_t r = 0; r < R; ++r) {
         const int64_t len = vis0 + r / rows_tok;
-        float *sr = s + r * L, m = sr[0], sum = 0.f;
+        float *sr = s + r * Ls, m = sr[0], sum = 0.f;
         for (int64_t t = 1; t < len; ++t) m = sr[t] > m ? sr[t] : m;
         for (int64_t t = 0; t < len; ++t) {
             sr[t] = expf(sr[t] - m);
@@ -176,7 +182,7 @@ static inline __attribute__((always_inline)) void attend(
                     float *dst[4];
                     for (int64_t k = 0; k < 4; ++k) {
                         const int64_t g = g0 + k < G ? g0 + k : g0; /* missing rows: row g0 again */
-                        p[k] = s + ((jj * hn + h) * G + g) * L;
+                        p[k] = s + ((jj * hn + h) * G + g) * Ls;
                         dst[k] = g0 + k < G ? out + jj * H * Dv + (h * G + g) * Dv : o;
                     }
                     for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
@@ -205,7 +211,7 @@ static inline __attribute__((always_inline)) void attend(
                 for (int64_t h = 0; h < hn; ++h) {
                     const float *vt = vb + i * vtok + h * Dv;
                     for (int64_t g = 0; g < G; ++g) {
-                        const float p = s[(r + h * G + g) * L + t];
+                        const float p = s[(r + h * G + g) * Ls + t];
                         float *og = o + (r + h * G + g) * Dv;
                         for (int64_t d = 0; d < Dv; ++d) og[d] += p * vt[d];
                     }
@@ -253,12 +259,12 @@ int moe_paged_attention(
         const int64_t jn = nq[b] - j0 < QCHUNK ? nq[b] - j0 : QCHUNK;
         const int64_t vis0 = lens[b] - nq[b] + 1 + j0, L = vis0 + jn - 1;
         const int64_t R = jn * per_task * G;
-        float *s = malloc(sizeof(float) * (R * (L + Dv)));
+        float *s = malloc(sizeof(float) * (R * (SCORES_ROW(L) + Dv)));
         if (s == NULL) {
             failed = 1;
             continue;
         }
-        float *o = s + R * L;
+        float *o = s + R * SCORES_ROW(L);
         const float *qb = q + ((qstart[b] + j0) * H + h0 * G) * D;
         float *ob = out + ((qstart[b] + j0) * H + h0 * G) * Dv;
         const int64_t *blocks = table + b * T;

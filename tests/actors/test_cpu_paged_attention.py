@@ -131,7 +131,7 @@ def test_a_tokens_row_does_not_depend_on_its_chunk_or_batch():
     decode token) or beside other sequences: the same bits (prefix caching and chunked prefill
     do not change a sequence's results)."""
     n = 37
-    q, kc, vc, table, ctx = _case([n], nq=[n], block=4)
+    q, kc, vc, table, ctx = _case([n], nq=[n], block=16)  # full blocks: the 16-key vector path
     whole = cpu_attention.paged_attention(q, kc, vc, _seqs(table, ctx, [n], kc), 0.25)
     tail = cpu_attention.paged_attention(q[-9:], kc, vc, _seqs(table, ctx, [9], kc), 0.25)
     last = cpu_attention.paged_attention(q[-1:], kc, vc, _seqs(table, ctx, [1], kc), 0.25)
@@ -159,8 +159,9 @@ def test_a_prompt_token_never_reads_a_later_key():
     assert torch.equal(clean[37:], dirty[37:])  # the other sequence
 
 
-def test_slots_past_a_context_are_never_read():
-    """The tail of a sequence's last block and its padded table entries hold huge values."""
+def test_slots_past_a_context_never_reach_the_result():
+    """The tail of a sequence's last block and its padded table entries hold huge values (the
+    kernel may score a whole 16-key tile of a block; what lies past the context is not used)."""
     lens = [5, 40, 21]
     q, kc, vc, table, ctx = _case(lens, block=16)
     clean = cpu_attention.decode_attention(q, kc, vc, table, ctx, 0.2)
