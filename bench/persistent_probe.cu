@@ -755,6 +755,8 @@ int main(int argc, char **argv) {
                        {"ring_ls_32k_no_sync", 48, 0}, {"ring_ls_32k_syncs_6", 49, 0x7f},
                        {"ring_ls_32k_consumers_only", 50, 0}};
   const bool only_ring = getenv("PROBE_ONLY_RING") != nullptr;  // the ring and two baselines
+  // one row (a profiler's run): PROBE_ONLY_MODE=<mode> [PROBE_ONLY_MASK=<mask>]
+  const char *only_mode = getenv("PROBE_ONLY_MODE"), *only_mask = getenv("PROBE_ONLY_MASK");
   CHECK(cudaFuncSetAttribute(ring_kernel<false, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
   CHECK(cudaFuncSetAttribute(ring_kernel<true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
   CHECK(cudaFuncSetAttribute(ring_kernel<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
@@ -799,7 +801,8 @@ int main(int argc, char **argv) {
   }
   for (int row = 0; row < NROWS; row++) {
     int mode = rowsv[row].mode, mask = rowsv[row].mask;
-    if (only_ring && mode < 20 && mode != 4 && mode != 7) {
+    if ((only_ring && mode < 20 && mode != 4 && mode != 7) || (only_mode && mode != atoi(only_mode)) ||
+        (only_mode && mask != (only_mask ? (int)strtol(only_mask, nullptr, 0) : mask))) {
       step_ms[row] = 0;
       names[row] = rowsv[row].name;
       continue;
