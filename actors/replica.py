@@ -227,9 +227,17 @@ class Replica:
             node = ray.get(self.actors[0].rendezvous_host.remote(), timeout=self.timeout_s)
             if node != ray.util.get_node_ip_address():
                 host = node
-        self.rendezvous = Rendezvous.fresh(
-            backend=self.backend, host=host, timeout_s=self.timeout_s
-        )
+        if len(self.actors) > 1:  # rank 0 binds the store's port before anyone is told it
+            port = ray.get(
+                self.actors[0].host_store.remote(host, self.timeout_s), timeout=self.timeout_s
+            )
+            self.rendezvous = Rendezvous.hosted(
+                host, port, backend=self.backend, timeout_s=self.timeout_s
+            )
+        else:
+            self.rendezvous = Rendezvous.fresh(
+                backend=self.backend, host=host, timeout_s=self.timeout_s
+            )
         refs = [
             actor.build.remote(
                 layout=self.layout,

@@ -35,11 +35,20 @@ def shard_worker_actor():
             self.num_threads = num_threads
             self.worker = None
             self.channel = None
+            self._hosted = None  # the TCP store of the next build, when this is its rank 0
             self._lock = threading.Lock()
 
         def rendezvous_host(self) -> str:
             """This node's address, for a TCP store hosted by this actor (rank 0)."""
             return ray.util.get_node_ip_address()
+
+        def host_store(self, host: str, timeout_s: float) -> int:
+            """Host the next build's TCP store here (rank 0) on a port the OS picks; its port.
+            Kept until the next call (the build's rank 0 joins it)."""
+            from actors.comm.group import host_store
+
+            self._hosted = host_store(host, timeout_s)
+            return self._hosted.port
 
         def build(self, **kwargs: Any) -> dict[str, object]:
             """Close the previous worker (if any), then build `ShardWorker(**kwargs)`."""

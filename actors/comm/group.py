@@ -63,6 +63,19 @@ class Rendezvous:
             timeout_s=timeout_s,
         )
 
+    @classmethod
+    def hosted(
+        cls, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0
+    ) -> Rendezvous:
+        """A new world id at the store rank 0's process already hosts (`host_store`): no window
+        between choosing a free port and binding it, in which another socket can take it."""
+        return cls(
+            address=f"tcp://{host}:{port}",
+            world_id=uuid.uuid4().hex[:12],
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+
     @property
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.address.removeprefix("tcp://").rpartition(":")
@@ -269,6 +282,16 @@ class Group:
         return torch.device("cpu")
 
 
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A TCP store server on a port the OS picks, in this process (rank 0's): `init_world` of
+    rank 0 at `Rendezvous.hosted(host, store.port)` joins it (a multi-tenant store), so the
+    port is bound before anyone is told it. Keep the returned store until that build is done."""
+    return dist.TCPStore(
+        host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False, multi_tenant=True,
+    )  # fmt: skip
+
+
 def init_world(
     rendezvous: Rendezvous, *, rank: int, world_size: int, aborted: threading.Event | None = None
 ) -> Group:
@@ -284,8 +307,9 @@ def init_world(
     timeout = timedelta(seconds=rendezvous.timeout_s)
     host, port = rendezvous.host_port
     store = dist.TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
+        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+        multi_tenant=rank == 0,  # rank 0 joins the server its process hosts, if `host_store` ran
+    )  # fmt: skip
     prefixed = dist.PrefixStore(f"moe/{rendezvous.world_id}/", store)
     dist.init_process_group(
         rendezvous.backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from actors.comm import CollectiveTimeout, CommAborted, CommError, Rendezvous, init_world
+from actors.comm.group import host_store
 from actors.rank_runner import run_ranks
 
 SHORT_TIMEOUT_S = 5.0
@@ -99,3 +101,16 @@ def test_world_of_one_has_no_process_group():
     t = torch.arange(3.0)
     assert world.all_reduce(t) is t
     assert world.all_gather(t)[0] is t
+
+
+def test_a_hosted_rendezvous_holds_its_port_from_the_moment_it_is_named():
+    """`Replica.build` asks rank 0's process to host the store first (`host_store`), so no other
+    socket can take the port between choosing it and binding it (a free port only reported
+    free can be: seen as EADDRINUSE under load); rank 0's `init_world` then joins that server
+    (the replica tests build worlds this way)."""
+    hosted = host_store("127.0.0.1", 5.0)
+    rdv = Rendezvous.hosted("127.0.0.1", hosted.port, timeout_s=5.0)
+    assert rdv.host_port == ("127.0.0.1", hosted.port) and rdv.world_id
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(rdv.host_port)
+    assert Rendezvous.hosted("127.0.0.1", hosted.port).world_id != rdv.world_id
