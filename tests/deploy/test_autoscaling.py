@@ -7,6 +7,7 @@ import concurrent.futures
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -130,6 +131,22 @@ def _running_replicas(serve) -> int:
     return int(dep.replica_states.get("RUNNING", 0))
 
 
+def _wait_for_route(url: str, body: bytes, timeout_s: float = 30.0) -> None:
+    """Until the proxy answers the route: `serve.run` returns once the replica runs, and the
+    proxy can learn the route a moment later (a 404 under load in a rehearsal)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                if resp.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
 @pytest.mark.ray
 def test_replicas_rise_under_load_and_fall_after(ray_session, tmp_path_factory):
     """Serve's own rule alone would never scale here (target 100 ongoing requests per replica);
@@ -185,6 +202,7 @@ def test_replicas_rise_under_load_and_fall_after(ray_session, tmp_path_factory):
 
     try:
         assert _running_replicas(serve) == 1
+        _wait_for_route(url, body)
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             workers = [pool.submit(load) for _ in range(5)]
             deadline = time.monotonic() + 45
