@@ -521,7 +521,45 @@ __device__ __forceinline__ void early_rows(const uint8_t *slot, int j0, int n, i
   }
 }
 
-// CWARPS consumer warps; COMPUTE false: the consumers only hand the slots back (the ring's own rate)
+// VAR >= 10: a group of GROUP consecutive slots (waited together); the group's rows are dealt to
+// the warps round robin, and each warp issues all its rows' 16-byte loads before its first FMA.
+// Run with 7 consumer warps (256 threads: up to 255 registers a thread; with 9 warps ptxas caps
+// a thread at 168 and the rows in flight spill)
+constexpr int GROUP = 4;
+template <int K, int CWARPS, int NS, int SL, int GR = GROUP>
+__device__ __forceinline__ void group_rows(const uint8_t *ring, unsigned g, int gn, int k, int rpc,
+                                           int r0, int r1, const Phase &P, const float *xs, int warp,
+                                           int lane) {
+  constexpr int RPC = SL / (K * 2), PER = (GR * RPC + CWARPS - 1) / CWARPS, V = K / 256;
+  uint4 w[PER][V];
+  int rows[PER];
+#pragma unroll
+  for (int e = 0; e < PER; e++) {
+    const int idx = warp + e * CWARPS, q = idx / RPC, j = idx % RPC;
+    const int r = r0 + (k + q) * rpc + j;
+    rows[e] = (q < gn && r < r1) ? r : -1;
+    if (rows[e] >= 0) {
+      const uint4 *row = (const uint4 *)(ring + ((g + q) % NS) * SL + j * K * 2);
+#pragma unroll
+      for (int i = 0; i < V; i++) w[e][i] = row[i * 32 + lane];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < PER; e++) {
+    if (rows[e] < 0) continue;
+    const float *x = xs + (P.rows_per_x >= P.rows ? 0 : (rows[e] / P.rows_per_x) * I);
+    float part[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) part[i] = dot8_ilp(w[e][i], x + (i * 32 + lane) * 8);
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; i++) v += part[i];
+    v = warp_sum(v);
+    if (lane == 0) P.out[rows[e]] = v;
+  }
+}
+
+// CWARPS consumer warps; COMPUTE false// CWARPS consumer warps; COMPUTE false: the consumers only hand the slots back (the ring's own rate)
 // NS: the ring's depth in slots (at most NSLOT). VAR 1: the producer copies nothing and only marks
 // the slots full (the consumers' own rate, on stale bytes); VAR 2: each consumer warp copies its
 // rows of a slot into registers and hands the slot back before its arithmetic; VAR 3: the phase's
@@ -530,7 +568,8 @@ __device__ __forceinline__ void early_rows(const uint8_t *slot, int j0, int n, i
 // input's load (the consumers' arithmetic alone); VAR 6: VAR 3 with each row's dot in independent
 // partial sums (no chain of K / 8 dependent FMAs); VAR 7: VAR 6 with the empty producer; VAR 8:
 // VAR 6 with the layer table (its weight pointers) copied into shared memory once (each phase
-// reads it; VAR 0-7 from global memory); VAR 9: VAR 8 with the empty producer.
+// reads it; VAR 0-7 from global memory); VAR 9: VAR 8 with the empty producer; VAR 10: VAR 8 with
+// the slots consumed in groups (`group_rows`); VAR 11: VAR 10 with the empty producer.
 // SL: a slot's bytes (NS x SL at most NSLOT x SLOT)
 template <bool SYNC, bool ROUTE, int CWARPS = 8, bool COMPUTE = true, bool PERM = false, int NS = NSLOT,
           int VAR = 0, int SL = SLOT>
@@ -568,7 +607,7 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1)
           for (int k = 0; k < nchunks; k++, g++) {
             const int slot = g % NS, n = min(rpc, r1 - r0 - k * rpc);
             mbar_wait(empty + slot, ((g / NS) & 1) ^ 1);
-            if (VAR == 1 || VAR == 4 || VAR == 5 || VAR == 7 || VAR == 9) mbar_arrive(full + slot);
+            if (VAR == 1 || VAR == 4 || VAR == 5 || VAR == 7 || VAR == 9 || VAR == 11) mbar_arrive(full + slot);
             else
               bulk_load(ring + slot * SL, (const uint8_t *)P.W + (size_t)(r0 + k * rpc) * P.K * 2,
                         n * P.K * 2, full + slot);
@@ -600,6 +639,19 @@ __global__ void __launch_bounds__((CWARPS + 1) * 32, 1)
         for (int i = threadIdx.x; i < nx; i += CWARPS * 32) xs[PERM ? perm_pos(i) : i] = __ldcg(P.x + i);
       }
       asm volatile("bar.sync 1, %0;" ::"n"(CWARPS * 32) : "memory");
+      if (VAR >= 10) {  // groups of GROUP slots: each warp's rows of a group in flight at once
+        for (int k = 0; k < nchunks; k += GROUP) {
+          const int gn = min(GROUP, nchunks - k);
+          for (int q = 0; q < gn; q++) mbar_wait(full + (g + q) % NS, ((g + q) / NS) & 1);
+          if (P.K == H) group_rows<H, CWARPS, NS, SL, 2>(ring, g, gn, k, rpc, r0, r1, P, xs, warp, lane);
+          else if (P.K == ATT) group_rows<ATT, CWARPS, NS, SL, 2>(ring, g, gn, k, rpc, r0, r1, P, xs, warp, lane);
+          else group_rows<I, CWARPS, NS, SL, 2>(ring, g, gn, k, rpc, r0, r1, P, xs, warp, lane);
+          __syncwarp();
+          if (lane == 0)
+            for (int q = 0; q < gn; q++) mbar_arrive(empty + (g + q) % NS);
+          g += gn;
+        }
+      } else
       for (int k = 0; k < nchunks; k++, g++) {
         const int slot = g % NS, n = min(rpc, r1 - r0 - k * rpc);
         mbar_wait(full + slot, (g / NS) & 1);
@@ -753,7 +805,10 @@ int main(int argc, char **argv) {
                        {"ring_ls_no_sync", 44, 0}, {"ring_ls_syncs_6", 45, 0x7f}, {"ring_ls_syncs_1", 45, 0x41},
                        {"ring_ls_syncs_6_route_wait", 46, 0x7f}, {"ring_ls_consumers_only", 47, 0},
                        {"ring_ls_32k_no_sync", 48, 0}, {"ring_ls_32k_syncs_6", 49, 0x7f},
-                       {"ring_ls_32k_consumers_only", 50, 0}};
+                       {"ring_ls_32k_consumers_only", 50, 0}, {"ring_group_no_sync", 51, 0},
+                       {"ring_group_syncs_6", 52, 0x7f}, {"ring_group_syncs_1", 52, 0x41},
+                       {"ring_group_syncs_6_route_wait", 53, 0x7f}, {"ring_group_consumers_only", 54, 0},
+};
   const bool only_ring = getenv("PROBE_ONLY_RING") != nullptr;  // the ring and two baselines
   // one row (a profiler's run): PROBE_ONLY_MODE=<mode> [PROBE_ONLY_MASK=<mask>]
   const char *only_mode = getenv("PROBE_ONLY_MODE"), *only_mask = getenv("PROBE_ONLY_MASK");
@@ -788,6 +843,10 @@ int main(int argc, char **argv) {
   CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, 6, 8, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
   CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 8, true, false, 6, 8, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
   CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 8, true, false, 6, 9, 32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 7, true, false, NSLOT, 10>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, false, 7, true, false, NSLOT, 10>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<true, true, 7, true, false, NSLOT, 10>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
+  CHECK(cudaFuncSetAttribute(ring_kernel<false, false, 7, true, false, NSLOT, 11>, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_SMEM));
   const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
   const char *names[NROWS];
   double step_ms[NROWS];
@@ -852,6 +911,10 @@ int main(int argc, char **argv) {
       if (mode == 48) ring_kernel<false, false, 8, true, false, 6, 8, 32768><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
       if (mode == 49) ring_kernel<true, false, 8, true, false, 6, 8, 32768><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
       if (mode == 50) ring_kernel<false, false, 8, true, false, 6, 9, 32768><<<grid, RTHREADS, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 51) ring_kernel<false, false, 7, true, false, NSLOT, 10><<<grid, 8 * 32, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 52) ring_kernel<true, false, 7, true, false, NSLOT, 10><<<grid, 8 * 32, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 53) ring_kernel<true, true, 7, true, false, NSLOT, 10><<<grid, 8 * 32, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
+      if (mode == 54) ring_kernel<false, false, 7, true, false, NSLOT, 11><<<grid, 8 * 32, RING_SMEM>>>(dl, nlayers, lm, b, n, mask);
       if (mode == 9) {
         CHECK(cudaMemsetAsync(rowctr, 0, ctr_bytes));
         step_kernel<9><<<grid, THREADS>>>(dl, nlayers, lm, b, n, mask, rowctr);
