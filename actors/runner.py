@@ -402,7 +402,7 @@ class DecodeMirror:
     token longer), the mirror keeps those tensors and appends the token each sequence just
     wrote; any other step drops them and the next pure decode step gathers afresh. The slots
     below each context length hold what the gather returns, so attention (which masks the
-    rest) gives the same values, bit for bit. Where the C decode kernel serves the cache
+    rest) gives the same values, bit for bit. Where the C attention kernel serves the cache
     (`actors.kernels.cpu_attention`, which reads the paged blocks in place) there is nothing to
     keep: the mirror stays off.
     """
@@ -442,7 +442,7 @@ class DecodeMirror:
         return True
 
     def _kernel_serves(self) -> bool:
-        """The C decode kernel reads the paged cache itself (`actors.kernels.cpu_attention`):
+        """The C attention kernel reads the paged cache itself (`actors.kernels.cpu_attention`):
         no padded copies to keep."""
         layer = next(iter(self.cache.k), None)
         v = self.cache.v[layer] if self.cache.v and layer is not None else None
