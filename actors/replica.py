@@ -227,14 +227,14 @@ class Replica:
             node = ray.get(self.actors[0].rendezvous_host.remote(), timeout=self.timeout_s)
             if node != ray.util.get_node_ip_address():
                 host = node
-        if len(self.actors) > 1:  # rank 0 binds the store's port before anyone is told it
+            # rank 0 binds the store's port before anyone is told it
             port = ray.get(
                 self.actors[0].host_store.remote(host, self.timeout_s), timeout=self.timeout_s
             )
             self.rendezvous = Rendezvous.hosted(
                 host, port, backend=self.backend, timeout_s=self.timeout_s
             )
-        else:
+        else:  # one rank: no store (the id still names this build)
             self.rendezvous = Rendezvous.fresh(
                 backend=self.backend, host=host, timeout_s=self.timeout_s
             )

@@ -33,9 +33,13 @@ are checked again."""
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
     """`tcp://host:port` with a port the OS just reported free (bound and released)."""
+    return f"tcp://{host}:{_free_port(host)}"
+
+
+def _free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
+        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,19 +60,15 @@ class Rendezvous:
         cls, *, backend: str = "gloo", host: str = "127.0.0.1", timeout_s: float = 60.0
     ) -> Rendezvous:
         """A new address on a free port of `host` and a new world id."""
-        return cls(
-            address=free_tcp_address(host),
-            world_id=uuid.uuid4().hex[:12],
-            backend=backend,
-            timeout_s=timeout_s,
-        )
+        return cls.hosted(host, _free_port(host), backend=backend, timeout_s=timeout_s)
 
     @classmethod
     def hosted(
         cls, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0
     ) -> Rendezvous:
-        """A new world id at the store rank 0's process already hosts (`host_store`): no window
-        between choosing a free port and binding it, in which another socket can take it."""
+        """A new world id at `host:port`; given the port of the store rank 0's process already
+        hosts (`host_store`), there is no window between choosing a free port and binding it
+        in which another socket can take it (`fresh` has one)."""
         return cls(
             address=f"tcp://{host}:{port}",
             world_id=uuid.uuid4().hex[:12],
