@@ -1,0 +1,495 @@
+// Issue 8, round 19: the resident ring of round 18 with tensor-core consumers.
+//
+//   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o mma_ring_probe bench/mma_ring_probe.cu
+//   ./mma_ring_probe [out.json]          (MMA_ONLY=<row name> runs one row, for a profiler)
+//
+// Round 18 (`persistent_probe.cu`, ring_kernel) streamed one Qwen3-30B-A3B batch-1 decode step
+// (48 layers of q/k/v, a K/V read standing in for attention, o_proj, router, the 8 hit experts'
+// gate/up and down; the lm_head once) through a ring of shared-memory slots filled by one
+// producer warp a CTA (cp.async.bulk + mbarriers), with grid-wide syncs between the phases. The
+// ring alone streamed at 108% of the copy roofline, but the consumers (a warp a row, bf16 FMAs,
+// a five-shuffle reduction a row) ran barely faster than the stream, so a sync's stall was
+// never repaid: 66% with six syncs a layer. Here the consumers use mma.sync m16n8k16 (bf16 in,
+// fp32 accumulate): the weights are stored pre-tiled, each 16 x 16 block as one 512-byte
+// fragment in the order the instruction's A operand wants it (one 16-byte shared load a lane,
+// no conflicts, no ldmatrix), the input vector is B (every column the same vector), and the
+// reduction over k happens inside the MMA. A CTA's share of a phase is a contiguous range of
+// fragments (split-K where it cuts a 16-row block: partial sums meet in shared memory, then in
+// the output through red.global.add), so every CTA streams the same bytes in every phase.
+//
+// Rows: the ring's stream with no arithmetic; the consumers alone (the producer copies
+// nothing); the two together with no sync, with the growing counter's wait before all six
+// phases a layer, before one (q/k/v), and six with the producer waiting for the router before
+// the experts. Before timing, one synced step is checked against a host reference computed
+// from the same tiled weights (each phase from the GPU's own input to it). Prints a table and
+// writes JSON.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CHECK(x)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (x);                                                                 \
+    if (e_ != cudaSuccess) {                                                              \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(1);                                                                            \
+    }                                                                                     \
+  } while (0)
+
+constexpr int H = 2048, QKV = 5120, ATT = 4096, E = 8, I = 768, ROUTER = 128, VOCAB = 151936;
+constexpr int KV_ROWS = 1024 * 4 * 128 * 2 * 2 / (H * 2);  // 1K tokens of K and V as 2,048-wide rows
+constexpr int NL = 48;
+constexpr int SLOT = 16384, NSLOT = 12, FRAG = 512, FPS = SLOT / FRAG;  // 32 fragments a slot
+constexpr int CW = 8, THREADS = (CW + 1) * 32, FPW = FPS / CW;           // 4 fragments a warp a slot
+constexpr int XMAX = E * I > ATT ? E * I : ATT;                           // widest input (bf16)
+constexpr int ACC_MAX = 1280;                                             // rows a CTA touches in a phase
+// one layer's outputs (floats): q/k/v, attention (4,096 read by o_proj, 512 written), h, logits,
+// gate/up, down
+constexpr int O_QKV = 0, O_ATT = O_QKV + QKV, O_H = O_ATT + ATT, O_LOG = O_H + H, O_GU = O_LOG + ROUTER,
+              O_DN = O_GU + E * 2 * I, LB = O_DN + E * H, PARITY = NL * LB + VOCAB;
+constexpr int SMEM = NSLOT * SLOT + XMAX * 2 + ACC_MAX * 4 + 2 * NSLOT * 8;
+
+struct Layer {
+  const uint8_t *w[6];  // q/k/v, K/V, o_proj, router, gate/up, down (tiled)
+};
+
+struct Phase {
+  const uint8_t *W;
+  int rows, K, xrows;  // xrows: rows that share one input vector (the down phase: H, an expert's)
+  const float *x;
+  float *out;
+};
+
+__host__ __device__ inline void phase_dims(int p, int &rows, int &K, int &xrows) {
+  switch (p) {  // a switch, not a table: no stack frame in the kernel
+    case 0: rows = QKV, K = H; break;
+    case 1: rows = KV_ROWS, K = H; break;
+    case 2: rows = H, K = ATT; break;
+    case 3: rows = ROUTER, K = H; break;
+    case 4: rows = E * 2 * I, K = H; break;
+    case 5: rows = E * H, K = I; break;
+    default: rows = VOCAB, K = H;
+  }
+  xrows = p == 5 ? H : rows;
+}
+// where phase p (0-5) of a layer reads its input and writes its output, in the layer's block
+__host__ __device__ inline int in_off(int p) { return p == 1 ? O_QKV : p == 2 ? O_ATT : p == 5 ? O_GU : O_H; }
+__host__ __device__ inline int out_off(int p) {
+  return p == 0 ? O_QKV : p == 1 ? O_ATT : p == 2 ? O_H : p == 3 ? O_LOG : p == 4 ? O_GU : O_DN;
+}
+
+__device__ Phase phase_of(const Layer *layers, const uint8_t *lm, float *outs, const float *x0, int l, int p,
+                          int parity) {
+  float *base = outs + (size_t)parity * PARITY, *o = base + (size_t)l * LB;
+  Phase P;
+  phase_dims(p, P.rows, P.K, P.xrows);
+  if (p == 6) {
+    P.W = lm;
+    P.x = base + (size_t)(NL - 1) * LB + O_DN;
+    P.out = base + (size_t)NL * LB;
+  } else {
+    P.W = layers[l].w[p];
+    P.x = p ? o + in_off(p) : (l ? o - LB + O_DN : x0);
+    P.out = o + out_off(p);
+  }
+  return P;
+}
+
+__device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t *m, unsigned n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(m)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *m, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra W%=;\n}" ::"r"(sa(m)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *m) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(m)) : "memory");
+}
+__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *m) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(m)), "r"(bytes) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sa(dst)),
+      "l"(src), "r"(bytes), "r"(sa(m))
+      : "memory");
+}
+__device__ __forceinline__ void wait_at_least(unsigned *count, unsigned target) {
+  unsigned seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+  } while (seen < target);
+}
+__device__ __forceinline__ void mma(float (&c)[4], const uint4 &a, const uint2 &b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+}
+
+// A 16-row block's partial sums (two accumulators: consecutive MMAs do not wait on each other)
+// into the CTA's shared accumulator; every column of C holds the same dot, lanes 4g hold rows g
+// and g + 8.
+__device__ __forceinline__ void flush(float *acc, int local_row, float (&c0)[4], float (&c1)[4], int lane) {
+  if ((lane & 3) == 0) {
+    atomicAdd(acc + local_row + lane / 4, c0[0] + c1[0]);
+    atomicAdd(acc + local_row + lane / 4 + 8, c0[2] + c1[2]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; i++) c0[i] = c1[i] = 0.f;
+}
+
+// VAR 0: the consumers' MMAs on the streamed fragments; 1: the producer copies nothing (the
+// consumers' own rate on stale slots); 2: the consumers hand each slot straight back (the
+// stream's own rate). SYNC: each CTA arrives on the growing counter after every phase, and the
+// consumers wait for the last phase everywhere before the phases `mask` names (bit p: phase p,
+// bit 6 the lm_head). ROUTE: the producer waits for the router phase everywhere before it
+// issues a layer's expert weights.
+template <bool SYNC, bool ROUTE, int VAR>
+__global__ void __launch_bounds__(THREADS, 1)
+    mma_ring(const Layer *layers, const uint8_t *lm, float *outs, const float *x0, unsigned *count, int steps,
+             int mask) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t *ring = smem;
+  uint32_t *xs = (uint32_t *)(smem + NSLOT * SLOT);  // bf16 pairs, in the B operand's order
+  float *acc = (float *)(xs + XMAX / 2);
+  uint64_t *full = (uint64_t *)(acc + ACC_MAX), *empty = full + NSLOT;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = gridDim.x, c = blockIdx.x;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSLOT; i++) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, CW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int i = threadIdx.x; i < ACC_MAX; i += THREADS) acc[i] = 0.f;
+  __syncthreads();
+  const int per_step = 6 * NL + 1;
+  unsigned g = 0;  // slots through the ring so far (the same count on both sides)
+  for (int s = 0; s < steps; s++) {
+    for (int ph = 0; ph < per_step; ph++) {
+      const int l = ph < 6 * NL ? ph / 6 : NL - 1, p = ph < 6 * NL ? ph % 6 : 6;
+      const Phase P = phase_of(layers, lm, outs, x0, l, p, s & 1);
+      const int KS = P.K / 16, F = P.rows / 16 * KS;
+      const int f0 = (int)((long)F * c / G), f1 = (int)((long)F * (c + 1) / G), nf = f1 - f0;
+      const int nchunks = (nf + FPS - 1) / FPS;
+      const unsigned done_before = (unsigned)(s * per_step + ph) * G;  // arrivals before phase ph may start
+      if (warp == CW) {  // the producer
+        if (lane == 0) {
+          if (SYNC && ROUTE && p == 4) wait_at_least(count, done_before);  // the router is done
+          for (int k = 0; k < nchunks; k++, g++) {
+            const int slot = g % NSLOT, n = min(FPS, nf - k * FPS);
+            mbar_wait(empty + slot, ((g / NSLOT) & 1) ^ 1);
+            if (VAR == 1)
+              mbar_arrive(full + slot);
+            else
+              bulk_load(ring + slot * SLOT, P.W + (size_t)(f0 + k * FPS) * FRAG, n * FRAG, full + slot);
+          }
+        }
+        continue;
+      }
+      if (SYNC && ((mask >> p) & 1)) {
+        if (threadIdx.x == 0) wait_at_least(count, done_before);
+        asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+      }
+      if (ph == 0) {  // the last step is done everywhere: zero this CTA's share of its outputs
+        float4 *z = (float4 *)(outs + (size_t)((s + 1) & 1) * PARITY);  // (the next step's)
+        const int n4 = PARITY / 4, a = (int)((long)n4 * c / G), e = (int)((long)n4 * (c + 1) / G);
+        for (int i = a + threadIdx.x; i < e; i += CW * 32) z[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      // the input: fp32 from L2, as bf16 pairs where a lane's B fragment reads them: k-step ks,
+      // lane quad t holds {x[16ks + 2t], x[16ks + 2t + 1]} and {x[16ks + 8 + 2t], x[16ks + 9 + 2t]}
+      const int nx = P.xrows >= P.rows ? P.K : (P.rows / P.xrows) * I;
+      if (VAR != 2)
+        for (int q = threadIdx.x; q < nx / 2; q += CW * 32) {
+          const float2 v = __ldcg((const float2 *)P.x + q);
+          const int ks = q / 8, j = q % 8, t = j & 3, half = j >> 2;
+          __nv_bfloat162 b2 = __floats2bfloat162_rn(v.x, v.y);
+          xs[(ks * 4 + t) * 2 + half] = *(uint32_t *)&b2;
+        }
+      asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+      const int rb0 = f0 / KS;  // the first 16-row block this CTA touches
+      int cur = -1;
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < nchunks; k++, g++) {
+        const int slot = g % NSLOT;
+        mbar_wait(full + slot, (g / NSLOT) & 1);
+        if (VAR != 2) {
+          const int j0 = warp * FPW, fb = f0 + k * FPS + j0;
+          uint4 a[FPW];
+          uint2 b[FPW];
+#pragma unroll
+          for (int i = 0; i < FPW; i++) {
+            const int f = fb + i;
+            if (f < f1) {
+              const int rb = f / KS, ks = f % KS;
+              const int xk = P.xrows >= P.rows ? 0 : (rb * 16 / P.xrows) * (I / 16);
+              a[i] = ((const uint4 *)(ring + slot * SLOT + (j0 + i) * FRAG))[lane];
+              b[i] = ((const uint2 *)xs)[(xk + ks) * 4 + (lane & 3)];
+            }
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + slot);  // the slot's bytes are in registers
+#pragma unroll
+          for (int i = 0; i < FPW; i++) {
+            const int f = fb + i;
+            if (f < f1) {
+              const int rb = f / KS;
+              if (rb != cur) {
+                if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
+                cur = rb;
+              }
+              if (i & 1)
+                mma(c1, a[i], b[i]);
+              else
+                mma(c0, a[i], b[i]);
+            }
+          }
+        } else {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(empty + slot);
+        }
+      }
+      if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
+      asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+      // the CTA's partial rows into the output (blocks shared with a neighbour meet there)
+      const int nrows = nf ? ((f1 - 1) / KS - rb0 + 1) * 16 : 0;
+      for (int i = threadIdx.x; i < nrows; i += CW * 32) {
+        if (VAR != 2) atomicAdd(P.out + rb0 * 16 + i, acc[i]);
+        acc[i] = 0.f;
+      }
+      if (SYNC) {
+        asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
+        if (threadIdx.x == 0) {
+          __threadfence();
+          atomicAdd(count, 1u);
+        }
+      } else {
+        asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");  // acc is zero before the next phase
+      }
+    }
+  }
+}
+
+// bf16 weights of magnitude 2^-6..2^-5 with random signs: a 2,048-wide dot of unit inputs is ~1
+__global__ void fill(uint32_t *p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    const uint32_t a = ((h & 1u) << 15) | 0x3c80u | ((h >> 1) & 0x7fu);
+    const uint32_t b = (((h >> 8) & 1u) << 15) | 0x3c80u | ((h >> 9) & 0x7fu);
+    p[i] = (b << 16) | a;
+  }
+}
+
+// ---- host reference ----
+static float bf16_to_f(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+static uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+// y = W x over the tiled layout: fragment (rb, ks), lane = 4 g + t, register r = rh + 2 kh, half h:
+// row 16 rb + g + 8 rh, column 16 ks + 8 kh + 2 t + h
+static std::vector<double> host_gemv(const std::vector<uint16_t> &w, int p, const std::vector<float> &x) {
+  int rows, K, xrows;
+  phase_dims(p, rows, K, xrows);
+  std::vector<double> y(rows, 0.0);
+  const int KS = K / 16;
+  for (int rb = 0; rb < rows / 16; rb++) {
+    const int xo = xrows >= rows ? 0 : (rb * 16 / xrows) * I;
+    for (int ks = 0; ks < KS; ks++) {
+      const uint16_t *f = w.data() + ((size_t)rb * KS + ks) * (FRAG / 2);
+      for (int lane = 0; lane < 32; lane++)
+        for (int r = 0; r < 4; r++)
+          for (int h = 0; h < 2; h++) {
+            const int row = rb * 16 + lane / 4 + 8 * (r & 1), col = ks * 16 + 8 * (r >> 1) + 2 * (lane & 3) + h;
+            const float xv = bf16_to_f(f_to_bf16(x[xo + col]));
+            y[row] += (double)bf16_to_f(f[lane * 8 + r * 2 + h]) * xv;
+          }
+    }
+  }
+  return y;
+}
+
+int main(int argc, char **argv) {
+  const char *out = argc > 1 ? argv[1] : "mma_ring_probe.json";
+  const char *only = getenv("MMA_ONLY");
+  const int steps = 20;
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  size_t per_layer[6], layer_bytes = 0;
+  for (int p = 0; p < 6; p++) {
+    int rows, K, xr;
+    phase_dims(p, rows, K, xr);
+    per_layer[p] = (size_t)rows * K * 2;
+    layer_bytes += per_layer[p];
+  }
+  const size_t lm_bytes = (size_t)VOCAB * H * 2, total = layer_bytes * NL + lm_bytes;
+  uint8_t *w;
+  CHECK(cudaMalloc(&w, total));
+  fill<<<1024, 256>>>((uint32_t *)w, total / 4, 12345u);
+  std::vector<Layer> hl(NL);
+  uint8_t *q = w;
+  for (int l = 0; l < NL; l++)
+    for (int p = 0; p < 6; p++) {
+      hl[l].w[p] = q;
+      q += per_layer[p];
+    }
+  const uint8_t *lm = q;
+  Layer *dl;
+  CHECK(cudaMalloc(&dl, sizeof(Layer) * NL));
+  CHECK(cudaMemcpy(dl, hl.data(), sizeof(Layer) * NL, cudaMemcpyHostToDevice));
+  float *outs, *x0;
+  CHECK(cudaMalloc(&outs, (size_t)2 * PARITY * 4));
+  CHECK(cudaMalloc(&x0, H * 4));
+  std::vector<float> hx0(H);
+  for (int i = 0; i < H; i++) hx0[i] = (i * 7919 % 13) / 6.0f - 1.0f;
+  CHECK(cudaMemcpy(x0, hx0.data(), H * 4, cudaMemcpyHostToDevice));
+  unsigned *count;
+  CHECK(cudaMalloc(&count, 4));
+
+  // the copy rate: 2 GiB device to device, bytes read and written
+  const size_t cb = (size_t)1 << 31;
+  uint8_t *a0, *a1;
+  CHECK(cudaMalloc(&a0, cb));
+  CHECK(cudaMalloc(&a1, cb));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; i++) CHECK(cudaMemcpy(a1, a0, cb, cudaMemcpyDeviceToDevice));
+  CHECK(cudaEventRecord(e0));
+  for (int i = 0; i < 10; i++) CHECK(cudaMemcpy(a1, a0, cb, cudaMemcpyDeviceToDevice));
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  float ms;
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  const double copy_gbps = 2.0 * cb * 10 / (ms / 1e3) / 1e9, roof_ms = total / copy_gbps / 1e6;
+  CHECK(cudaFree(a0));
+  CHECK(cudaFree(a1));
+
+  const int grid = prop.multiProcessorCount;
+#define SET(...) CHECK(cudaFuncSetAttribute(mma_ring<__VA_ARGS__>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))
+  SET(false, false, 0);
+  SET(false, false, 1);
+  SET(false, false, 2);
+  SET(true, false, 0);
+  SET(true, true, 0);
+  struct Row {
+    const char *name;
+    int mode, mask;
+  };
+  const Row rowsv[] = {{"mma_stream_only", 2, 0},     {"mma_consumers_only", 1, 0},
+                       {"mma_no_sync", 0, 0},         {"mma_syncs_6", 10, 0x7f},
+                       {"mma_syncs_1", 10, 0x41},     {"mma_syncs_6_route_wait", 11, 0x7f}};
+  auto launch = [&](int mode, int mask, int n) {
+    CHECK(cudaMemsetAsync(count, 0, 4));
+    CHECK(cudaMemsetAsync(outs, 0, (size_t)PARITY * 4));  // parity 0; a step zeroes the other
+    if (mode == 0) mma_ring<false, false, 0><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+    if (mode == 1) mma_ring<false, false, 1><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+    if (mode == 2) mma_ring<false, false, 2><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+    if (mode == 10) mma_ring<true, false, 0><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+    if (mode == 11) mma_ring<true, true, 0><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+  };
+
+  // correctness: one synced step, each checked phase against the host from the GPU's own input
+  launch(10, 0x7f, 1);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<float> ho(PARITY);
+  CHECK(cudaMemcpy(ho.data(), outs, (size_t)PARITY * 4, cudaMemcpyDeviceToHost));
+  struct Check {
+    int l, p;
+    double rel;
+  };
+  std::vector<Check> checks = {{0, 0, 0}, {0, 1, 0}, {0, 2, 0}, {0, 3, 0}, {0, 4, 0}, {0, 5, 0}, {1, 0, 0}, {NL - 1, 6, 0}};
+  double worst = 0;
+  for (auto &ck : checks) {
+    int rows, K, xr;
+    phase_dims(ck.p, rows, K, xr);
+    const size_t bytes = (size_t)rows * K * 2;
+    std::vector<uint16_t> hw(bytes / 2);
+    CHECK(cudaMemcpy(hw.data(), ck.p == 6 ? lm : hl[ck.l].w[ck.p], bytes, cudaMemcpyDeviceToHost));
+    std::vector<float> x;
+    if (ck.p == 0 && ck.l == 0)
+      x = hx0;
+    else if (ck.p == 0)
+      x.assign(ho.begin() + (size_t)(ck.l - 1) * LB + O_DN, ho.begin() + (size_t)(ck.l - 1) * LB + O_DN + E * H);
+    else if (ck.p == 6)
+      x.assign(ho.begin() + (size_t)(NL - 1) * LB + O_DN, ho.begin() + (size_t)(NL - 1) * LB + O_DN + E * H);
+    else
+      x.assign(ho.begin() + (size_t)ck.l * LB + in_off(ck.p), ho.begin() + (size_t)ck.l * LB + in_off(ck.p) + XMAX);
+    const std::vector<double> ref = host_gemv(hw, ck.p, x);
+    const float *got = ho.data() + (ck.p == 6 ? (size_t)NL * LB : (size_t)ck.l * LB + out_off(ck.p));
+    double err = 0, mag = 0;
+    for (int r = 0; r < rows; r++) {
+      err = fmax(err, fabs(got[r] - ref[r]));
+      mag = fmax(mag, fabs(ref[r]));
+    }
+    ck.rel = mag > 0 ? err / mag : (err > 0 ? 1.0 : 0.0);
+    if (mag == 0) ck.rel = 1.0;  // an all-zero reference would check nothing
+    worst = fmax(worst, ck.rel);
+    printf("check layer %d phase %d: max |err| / max |ref| = %.2e (max |ref| %.3g)\n", ck.l, ck.p, ck.rel, mag);
+  }
+  const bool ok = worst < 2e-3;
+  printf("correctness: %s (worst %.2e, tolerance 2e-3)\n", ok ? "ok" : "FAILED", worst);
+
+  const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
+  double step_ms[NROWS];
+  for (int r = 0; r < NROWS; r++) {
+    step_ms[r] = 0;
+    if (only && strcmp(only, rowsv[r].name)) continue;
+    launch(rowsv[r].mode, rowsv[r].mask, 2);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    float best = 1e30f;
+    for (int rep = 0; rep < 3; rep++) {
+      CHECK(cudaEventRecord(e0));
+      launch(rowsv[r].mode, rowsv[r].mask, steps);
+      CHECK(cudaEventRecord(e1));
+      CHECK(cudaEventSynchronize(e1));
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      best = ms < best ? ms : best;
+    }
+    step_ms[r] = best / steps;
+  }
+  printf("device %s, %d CTAs of %d threads, %d bytes of shared memory each\n", prop.name, grid, THREADS, SMEM);
+  printf("copy %.0f GB/s; bytes a step %.3f GB (48 layers x %.1f MB + lm_head %.0f MB); roofline %.3f ms\n", copy_gbps,
+         total / 1e9, layer_bytes / 1e6, lm_bytes / 1e6, roof_ms);
+  printf("| variant | ms a step | of roofline | GB/s |\n|---|---:|---:|---:|\n");
+  for (int r = 0; r < NROWS; r++)
+    if (step_ms[r] > 0)
+      printf("| %s | %.3f | %.0f%% | %.0f |\n", rowsv[r].name, step_ms[r], 100 * roof_ms / step_ms[r],
+             total / (step_ms[r] / 1e3) / 1e9);
+  FILE *f = fopen(out, "w");
+  if (f) {
+    fprintf(f, "{\"device\": \"%s\", \"copy_GBps\": %.1f, \"bytes_per_step\": %zu, \"roofline_ms\": %.4f,", prop.name,
+            copy_gbps, total, roof_ms);
+    fprintf(f, " \"ctas\": %d, \"threads\": %d, \"correct\": %s, \"worst_rel_err\": %.3e, \"rows\": [", grid, THREADS,
+            ok ? "true" : "false", worst);
+    for (int r = 0, k = 0; r < NROWS; r++)
+      if (step_ms[r] > 0)
+        fprintf(f, "%s{\"variant\": \"%s\", \"ms_per_step\": %.4f, \"roofline_fraction\": %.4f}", k++ ? ", " : "",
+                rowsv[r].name, step_ms[r], roof_ms / step_ms[r]);
+    fprintf(f, "]}\n");
+    fclose(f);
+  }
+  return ok ? 0 : 2;
+}
