@@ -218,35 +218,37 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
       const int rb0 = f0 / KS;  // the first 16-row block this CTA touches
+      // this warp's first fragment of the current slot, as (16-row block, k-step): kept by
+      // increments (a division by the runtime K costs ~20 dependent instructions; one a phase)
+      int rbw = (f0 + warp * FPW) / KS, ksw = f0 + warp * FPW - rbw * KS;
+      const int xsh = P.xrows >= P.rows ? 30 : 7;  // the down phase: 128 blocks (2,048 rows) an expert
       int cur = -1;
       float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
       for (int k = 0; k < nchunks; k++, g++) {
-        const int slot = g % NSLOT;
+        const int slot = g % NSLOT, fb = f0 + k * FPS + warp * FPW;
         mbar_wait(full + slot, (g / NSLOT) & 1);
         if (VAR != 2) {
-          const int j0 = warp * FPW, fb = f0 + k * FPS + j0;
           uint4 a[FPW];
           uint2 b[FPW];
+          int rbs[FPW];
 #pragma unroll
           for (int i = 0; i < FPW; i++) {
-            const int f = fb + i;
-            if (f < f1) {
-              const int rb = f / KS, ks = f % KS;
-              const int xk = P.xrows >= P.rows ? 0 : (rb * 16 / P.xrows) * (I / 16);
-              a[i] = ((const uint4 *)(ring + slot * SLOT + (j0 + i) * FRAG))[lane];
-              b[i] = ((const uint2 *)xs)[(xk + ks) * 4 + (lane & 3)];
+            int rb = rbw, ks = ksw + i;
+            if (ks >= KS) ks -= KS, rb++;  // FPW < KS: at most one block boundary
+            rbs[i] = rb;
+            if (fb + i < f1) {
+              a[i] = ((const uint4 *)(ring + slot * SLOT + (warp * FPW + i) * FRAG))[lane];
+              b[i] = ((const uint2 *)xs)[((rb >> xsh) * (I / 16) + ks) * 4 + (lane & 3)];
             }
           }
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + slot);  // the slot's bytes are in registers
 #pragma unroll
           for (int i = 0; i < FPW; i++) {
-            const int f = fb + i;
-            if (f < f1) {
-              const int rb = f / KS;
-              if (rb != cur) {
+            if (fb + i < f1) {
+              if (rbs[i] != cur) {
                 if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
-                cur = rb;
+                cur = rbs[i];
               }
               if (i & 1)
                 mma(c1, a[i], b[i]);
@@ -258,6 +260,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + slot);
         }
+        ksw += FPS;  // the next slot: FPS < KS, so at most one block boundary
+        if (ksw >= KS) ksw -= KS, rbw++;
       }
       if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
       asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
