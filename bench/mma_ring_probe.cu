@@ -20,7 +20,9 @@
 // Rows: the ring's stream with no arithmetic; the consumers alone (the producer copies
 // nothing); the two together with no sync, with the growing counter's wait before all six
 // phases a layer, before one (q/k/v), and six with the producer waiting for the router before
-// the experts. Before timing, one synced step is checked against a host reference computed
+// the experts; the same with slots of 32 and 64 KB; rows that leave out the hand-offs or the
+// input load to split the consumers' time. Before timing, one synced step of each slot size is
+// checked against a host reference computed
 // from the same tiled weights (each phase from the GPU's own input to it). Prints a table and
 // writes JSON.
 #include <cuda_bf16.h>
@@ -45,8 +47,8 @@
 constexpr int H = 2048, QKV = 5120, ATT = 4096, E = 8, I = 768, ROUTER = 128, VOCAB = 151936;
 constexpr int KV_ROWS = 1024 * 4 * 128 * 2 * 2 / (H * 2);  // 1K tokens of K and V as 2,048-wide rows
 constexpr int NL = 48;
-constexpr int SLOT = 16384, NSLOT = 12, FRAG = 512, FPS = SLOT / FRAG;  // 32 fragments a slot
-constexpr int CW = 8, THREADS = (CW + 1) * 32, FPW = FPS / CW;           // 4 fragments a warp a slot
+constexpr int SLOT = 16384, NSLOT = 12, FRAG = 512;  // the ring: 192 KB, 12 slots of 16 KB by default
+constexpr int CW = 8, THREADS = (CW + 1) * 32;       // 8 consumer warps and the producer
 constexpr int XMAX = E * I > ATT ? E * I : ATT;                           // widest input (bf16)
 constexpr int ACC_MAX = 1280;                                             // rows a CTA touches in a phase
 // one layer's outputs (floats): q/k/v, attention (4,096 read by o_proj, 512 written), h, logits,
@@ -150,11 +152,14 @@ __device__ __forceinline__ void flush(float *acc, int local_row, float (&c0)[4],
 
 // VAR 0: the consumers' MMAs on the streamed fragments; 1: the producer copies nothing (the
 // consumers' own rate on stale slots); 2: the consumers hand each slot straight back (the
-// stream's own rate). SYNC: each CTA arrives on the growing counter after every phase, and the
-// consumers wait for the last phase everywhere before the phases `mask` names (bit p: phase p,
-// bit 6 the lm_head). ROUTE: the producer waits for the router phase everywhere before it
+// stream's own rate); 3: 1 and 2 together (the slot hand-offs alone); 4: no producer and no
+// hand-offs, the consumers compute on stale slots (their arithmetic and per-phase work); 5: 4
+// without the input's load and the output's atomics (the slots' arithmetic alone). SL: a slot's
+// bytes (the ring stays NSLOT x SLOT). SYNC: each CTA arrives on the growing counter after every
+// phase, and the consumers wait for the last phase everywhere before the phases `mask` names
+// (bit p: phase p, bit 6 the lm_head). ROUTE: the producer waits for the router phase everywhere before it
 // issues a layer's expert weights.
-template <bool SYNC, bool ROUTE, int VAR>
+template <bool SYNC, bool ROUTE, int VAR, int SL = SLOT>
 __global__ void __launch_bounds__(THREADS, 1)
     mma_ring(const Layer *layers, const uint8_t *lm, float *outs, const float *x0, unsigned *count, int steps,
              int mask) {
@@ -163,6 +168,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint32_t *xs = (uint32_t *)(smem + NSLOT * SLOT);  // bf16 pairs, in the B operand's order
   float *acc = (float *)(xs + XMAX / 2);
   uint64_t *full = (uint64_t *)(acc + ACC_MAX), *empty = full + NSLOT;
+  constexpr int NS = NSLOT * SLOT / SL, FPS = SL / FRAG, FPW = FPS / CW;  // FPW fragments a warp a slot
+  const bool copy = VAR == 0 || VAR == 2, wait = VAR <= 3, mmas = VAR != 2 && VAR != 3;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = gridDim.x, c = blockIdx.x;
   if (threadIdx.x == 0) {
     for (int i = 0; i < NSLOT; i++) {
@@ -186,13 +193,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (warp == CW) {  // the producer
         if (lane == 0) {
           if (SYNC && ROUTE && p == 4) wait_at_least(count, done_before);  // the router is done
-          for (int k = 0; k < nchunks; k++, g++) {
-            const int slot = g % NSLOT, n = min(FPS, nf - k * FPS);
-            mbar_wait(empty + slot, ((g / NSLOT) & 1) ^ 1);
-            if (VAR == 1)
+          for (int k = 0; wait && k < nchunks; k++, g++) {
+            const int slot = g % NS, n = min(FPS, nf - k * FPS);
+            mbar_wait(empty + slot, ((g / NS) & 1) ^ 1);
+            if (!copy)
               mbar_arrive(full + slot);
             else
-              bulk_load(ring + slot * SLOT, P.W + (size_t)(f0 + k * FPS) * FRAG, n * FRAG, full + slot);
+              bulk_load(ring + slot * SL, P.W + (size_t)(f0 + k * FPS) * FRAG, n * FRAG, full + slot);
           }
         }
         continue;
@@ -209,7 +216,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       // the input: fp32 from L2, as bf16 pairs where a lane's B fragment reads them: k-step ks,
       // lane quad t holds {x[16ks + 2t], x[16ks + 2t + 1]} and {x[16ks + 8 + 2t], x[16ks + 9 + 2t]}
       const int nx = P.xrows >= P.rows ? P.K : (P.rows / P.xrows) * I;
-      if (VAR != 2)
+      if (mmas && VAR != 5)
         for (int q = threadIdx.x; q < nx / 2; q += CW * 32) {
           const float2 v = __ldcg((const float2 *)P.x + q);
           const int ks = q / 8, j = q % 8, t = j & 3, half = j >> 2;
@@ -225,9 +232,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       int cur = -1;
       float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
       for (int k = 0; k < nchunks; k++, g++) {
-        const int slot = g % NSLOT, fb = f0 + k * FPS + warp * FPW;
-        mbar_wait(full + slot, (g / NSLOT) & 1);
-        if (VAR != 2) {
+        const int slot = g % NS, fb = f0 + k * FPS + warp * FPW;
+        if (wait) mbar_wait(full + slot, (g / NS) & 1);
+        if (mmas) {
           uint4 a[FPW];
           uint2 b[FPW];
           int rbs[FPW];
@@ -237,12 +244,12 @@ __global__ void __launch_bounds__(THREADS, 1)
             if (ks >= KS) ks -= KS, rb++;  // FPW < KS: at most one block boundary
             rbs[i] = rb;
             if (fb + i < f1) {
-              a[i] = ((const uint4 *)(ring + slot * SLOT + (warp * FPW + i) * FRAG))[lane];
+              a[i] = ((const uint4 *)(ring + slot * SL + (warp * FPW + i) * FRAG))[lane];
               b[i] = ((const uint2 *)xs)[((rb >> xsh) * (I / 16) + ks) * 4 + (lane & 3)];
             }
           }
           __syncwarp();
-          if (lane == 0) mbar_arrive(empty + slot);  // the slot's bytes are in registers
+          if (wait && lane == 0) mbar_arrive(empty + slot);  // the slot's bytes are in registers
 #pragma unroll
           for (int i = 0; i < FPW; i++) {
             if (fb + i < f1) {
@@ -260,15 +267,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + slot);
         }
-        ksw += FPS;  // the next slot: FPS < KS, so at most one block boundary
-        if (ksw >= KS) ksw -= KS, rbw++;
+        for (ksw += FPS; ksw >= KS; ksw -= KS) rbw++;  // the next slot
       }
       if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
       asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
       // the CTA's partial rows into the output (blocks shared with a neighbour meet there)
       const int nrows = nf ? ((f1 - 1) / KS - rb0 + 1) * 16 : 0;
       for (int i = threadIdx.x; i < nrows; i += CW * 32) {
-        if (VAR != 2) atomicAdd(P.out + rb0 * 16 + i, acc[i]);
+        if (mmas && VAR != 5) atomicAdd(P.out + rb0 * 16 + i, acc[i]);
         acc[i] = 0.f;
       }
       if (SYNC) {
@@ -390,67 +396,82 @@ int main(int argc, char **argv) {
   CHECK(cudaFree(a1));
 
   const int grid = prop.multiProcessorCount;
-#define SET(...) CHECK(cudaFuncSetAttribute(mma_ring<__VA_ARGS__>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))
-  SET(false, false, 0);
-  SET(false, false, 1);
-  SET(false, false, 2);
-  SET(true, false, 0);
-  SET(true, true, 0);
+  typedef void (*Kern)(const Layer *, const uint8_t *, float *, const float *, unsigned *, int, int);
+  struct Mode {
+    int mode;
+    Kern fn;
+  };
+  const Mode kerns[] = {{0, mma_ring<false, false, 0>},         {1, mma_ring<false, false, 1>},
+                        {2, mma_ring<false, false, 2>},         {3, mma_ring<false, false, 3>},
+                        {4, mma_ring<false, false, 4>},         {5, mma_ring<false, false, 5>},
+                        {10, mma_ring<true, false, 0>},         {11, mma_ring<true, true, 0>},
+                        {20, mma_ring<false, false, 1, 32768>}, {21, mma_ring<false, false, 0, 32768>},
+                        {22, mma_ring<true, false, 0, 32768>},  {23, mma_ring<true, true, 0, 32768>},
+                        {30, mma_ring<false, false, 1, 65536>}, {31, mma_ring<false, false, 0, 65536>},
+                        {32, mma_ring<true, false, 0, 65536>}};
+  for (const Mode &m : kerns) CHECK(cudaFuncSetAttribute(m.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   struct Row {
     const char *name;
     int mode, mask;
   };
-  const Row rowsv[] = {{"mma_stream_only", 2, 0},     {"mma_consumers_only", 1, 0},
-                       {"mma_no_sync", 0, 0},         {"mma_syncs_6", 10, 0x7f},
-                       {"mma_syncs_1", 10, 0x41},     {"mma_syncs_6_route_wait", 11, 0x7f}};
+  const Row rowsv[] = {{"mma_stream_only", 2, 0},          {"mma_consumers_only", 1, 0},
+                       {"mma_handoffs_only", 3, 0},        {"mma_consumers_no_handoff", 4, 0},
+                       {"mma_slot_arithmetic_only", 5, 0}, {"mma_no_sync", 0, 0},
+                       {"mma_syncs_6", 10, 0x7f},          {"mma_syncs_1", 10, 0x41},
+                       {"mma_syncs_6_route_wait", 11, 0x7f}, {"mma32k_consumers_only", 20, 0},
+                       {"mma32k_no_sync", 21, 0},          {"mma32k_syncs_6", 22, 0x7f},
+                       {"mma32k_syncs_1", 22, 0x41},       {"mma32k_syncs_6_route_wait", 23, 0x7f},
+                       {"mma64k_consumers_only", 30, 0},   {"mma64k_no_sync", 31, 0},
+                       {"mma64k_syncs_6", 32, 0x7f},       {"mma64k_syncs_1", 32, 0x41}};
   auto launch = [&](int mode, int mask, int n) {
     CHECK(cudaMemsetAsync(count, 0, 4));
     CHECK(cudaMemsetAsync(outs, 0, (size_t)PARITY * 4));  // parity 0; a step zeroes the other
-    if (mode == 0) mma_ring<false, false, 0><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
-    if (mode == 1) mma_ring<false, false, 1><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
-    if (mode == 2) mma_ring<false, false, 2><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
-    if (mode == 10) mma_ring<true, false, 0><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
-    if (mode == 11) mma_ring<true, true, 0><<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+    for (const Mode &m : kerns)
+      if (m.mode == mode) m.fn<<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
   };
 
   // correctness: one synced step, each checked phase against the host from the GPU's own input
-  launch(10, 0x7f, 1);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  std::vector<float> ho(PARITY);
-  CHECK(cudaMemcpy(ho.data(), outs, (size_t)PARITY * 4, cudaMemcpyDeviceToHost));
-  struct Check {
-    int l, p;
-    double rel;
-  };
-  std::vector<Check> checks = {{0, 0, 0}, {0, 1, 0}, {0, 2, 0}, {0, 3, 0}, {0, 4, 0}, {0, 5, 0}, {1, 0, 0}, {NL - 1, 6, 0}};
   double worst = 0;
-  for (auto &ck : checks) {
-    int rows, K, xr;
-    phase_dims(ck.p, rows, K, xr);
-    const size_t bytes = (size_t)rows * K * 2;
-    std::vector<uint16_t> hw(bytes / 2);
-    CHECK(cudaMemcpy(hw.data(), ck.p == 6 ? lm : hl[ck.l].w[ck.p], bytes, cudaMemcpyDeviceToHost));
-    std::vector<float> x;
-    if (ck.p == 0 && ck.l == 0)
-      x = hx0;
-    else if (ck.p == 0)
-      x.assign(ho.begin() + (size_t)(ck.l - 1) * LB + O_DN, ho.begin() + (size_t)(ck.l - 1) * LB + O_DN + E * H);
-    else if (ck.p == 6)
-      x.assign(ho.begin() + (size_t)(NL - 1) * LB + O_DN, ho.begin() + (size_t)(NL - 1) * LB + O_DN + E * H);
-    else
-      x.assign(ho.begin() + (size_t)ck.l * LB + in_off(ck.p), ho.begin() + (size_t)ck.l * LB + in_off(ck.p) + XMAX);
-    const std::vector<double> ref = host_gemv(hw, ck.p, x);
-    const float *got = ho.data() + (ck.p == 6 ? (size_t)NL * LB : (size_t)ck.l * LB + out_off(ck.p));
-    double err = 0, mag = 0;
-    for (int r = 0; r < rows; r++) {
-      err = fmax(err, fabs(got[r] - ref[r]));
-      mag = fmax(mag, fabs(ref[r]));
+  for (int mode : {10, 22, 32}) {
+    launch(mode, 0x7f, 1);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> ho(PARITY);
+    CHECK(cudaMemcpy(ho.data(), outs, (size_t)PARITY * 4, cudaMemcpyDeviceToHost));
+    struct Check {
+      int l, p;
+      double rel;
+    };
+    std::vector<Check> checks = {{0, 0, 0}, {0, 1, 0}, {0, 2, 0}, {0, 3, 0},
+                                 {0, 4, 0}, {0, 5, 0}, {1, 0, 0}, {NL - 1, 6, 0}};
+    for (auto &ck : checks) {
+      int rows, K, xr;
+      phase_dims(ck.p, rows, K, xr);
+      const size_t bytes = (size_t)rows * K * 2;
+      std::vector<uint16_t> hw(bytes / 2);
+      CHECK(cudaMemcpy(hw.data(), ck.p == 6 ? lm : hl[ck.l].w[ck.p], bytes, cudaMemcpyDeviceToHost));
+      std::vector<float> x;
+      if (ck.p == 0 && ck.l == 0)
+        x = hx0;
+      else if (ck.p == 0)
+        x.assign(ho.begin() + (size_t)(ck.l - 1) * LB + O_DN, ho.begin() + (size_t)(ck.l - 1) * LB + O_DN + E * H);
+      else if (ck.p == 6)
+        x.assign(ho.begin() + (size_t)(NL - 1) * LB + O_DN, ho.begin() + (size_t)(NL - 1) * LB + O_DN + E * H);
+      else
+        x.assign(ho.begin() + (size_t)ck.l * LB + in_off(ck.p), ho.begin() + (size_t)ck.l * LB + in_off(ck.p) + XMAX);
+      const std::vector<double> ref = host_gemv(hw, ck.p, x);
+      const float *got = ho.data() + (ck.p == 6 ? (size_t)NL * LB : (size_t)ck.l * LB + out_off(ck.p));
+      double err = 0, mag = 0;
+      for (int r = 0; r < rows; r++) {
+        err = fmax(err, fabs(got[r] - ref[r]));
+        mag = fmax(mag, fabs(ref[r]));
+      }
+      ck.rel = mag > 0 ? err / mag : (err > 0 ? 1.0 : 0.0);
+      if (mag == 0) ck.rel = 1.0;  // an all-zero reference would check nothing
+      worst = fmax(worst, ck.rel);
+      printf("check (kernel %d) layer %d phase %d: max |err| / max |ref| = %.2e (max |ref| %.3g)\n", mode, ck.l,
+           ck.p, ck.rel, mag);
     }
-    ck.rel = mag > 0 ? err / mag : (err > 0 ? 1.0 : 0.0);
-    if (mag == 0) ck.rel = 1.0;  // an all-zero reference would check nothing
-    worst = fmax(worst, ck.rel);
-    printf("check layer %d phase %d: max |err| / max |ref| = %.2e (max |ref| %.3g)\n", ck.l, ck.p, ck.rel, mag);
   }
   const bool ok = worst < 2e-3;
   printf("correctness: %s (worst %.2e, tolerance 2e-3)\n", ok ? "ok" : "FAILED", worst);
