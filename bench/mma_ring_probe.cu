@@ -20,7 +20,7 @@
 // Rows: the ring's stream with no arithmetic; the consumers alone (the producer copies
 // nothing); the two together with no sync, with the growing counter's wait before all six
 // phases a layer, before one (q/k/v), and six with the producer waiting for the router before
-// the experts; the same with slots of 32 and 64 KB; rows that leave out the hand-offs or the
+// the experts; the same with slots of 8 KB; rows that leave out the hand-offs or the
 // input load to split the consumers' time. Before timing, one synced step of each slot size is
 // checked against a host reference computed
 // from the same tiled weights (each phase from the GPU's own input to it). Prints a table and
@@ -55,7 +55,8 @@ constexpr int ACC_MAX = 1280;                                             // row
 // gate/up, down
 constexpr int O_QKV = 0, O_ATT = O_QKV + QKV, O_H = O_ATT + ATT, O_LOG = O_H + H, O_GU = O_LOG + ROUTER,
               O_DN = O_GU + E * 2 * I, LB = O_DN + E * H, PARITY = NL * LB + VOCAB;
-constexpr int SMEM = NSLOT * SLOT + XMAX * 2 + ACC_MAX * 4 + 2 * NSLOT * 8;
+constexpr int MAXNS = 2 * NSLOT;  // mbarriers for slots down to 8 KB
+constexpr int SMEM = NSLOT * SLOT + XMAX * 2 + ACC_MAX * 4 + 2 * MAXNS * 8;
 
 struct Layer {
   const uint8_t *w[6];  // q/k/v, K/V, o_proj, router, gate/up, down (tiled)
@@ -138,16 +139,14 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint4 &a, const uint2 &
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
 }
 
-// A 16-row block's partial sums (two accumulators: consecutive MMAs do not wait on each other)
-// into the CTA's shared accumulator; every column of C holds the same dot, lanes 4g hold rows g
-// and g + 8.
-__device__ __forceinline__ void flush(float *acc, int local_row, float (&c0)[4], float (&c1)[4], int lane) {
+// A 16-row block's partial sums (two accumulator chains: consecutive MMAs do not wait on each
+// other) into the CTA's shared accumulator; every column of C holds the same dot, lanes 4g hold
+// rows g and g + 8.
+__device__ __forceinline__ void flush(float *acc, int local_row, const float (&c)[2][4], int lane) {
   if ((lane & 3) == 0) {
-    atomicAdd(acc + local_row + lane / 4, c0[0] + c1[0]);
-    atomicAdd(acc + local_row + lane / 4 + 8, c0[2] + c1[2]);
+    atomicAdd(acc + local_row + lane / 4, c[0][0] + c[1][0]);
+    atomicAdd(acc + local_row + lane / 4 + 8, c[0][2] + c[1][2]);
   }
-#pragma unroll
-  for (int i = 0; i < 4; i++) c0[i] = c1[i] = 0.f;
 }
 
 // VAR 0: the consumers' MMAs on the streamed fragments; 1: the producer copies nothing (the
@@ -167,18 +166,20 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint8_t *ring = smem;
   uint32_t *xs = (uint32_t *)(smem + NSLOT * SLOT);  // bf16 pairs, in the B operand's order
   float *acc = (float *)(xs + XMAX / 2);
-  uint64_t *full = (uint64_t *)(acc + ACC_MAX), *empty = full + NSLOT;
+  uint64_t *full = (uint64_t *)(acc + ACC_MAX), *empty = full + MAXNS;
   constexpr int NS = NSLOT * SLOT / SL, FPS = SL / FRAG, FPW = FPS / CW;  // FPW fragments a warp a slot
+  static_assert(FPS < I / 16, "a slot may cross at most one 16-row block boundary of any phase");
   const bool copy = VAR == 0 || VAR == 2, wait = VAR <= 3, mmas = VAR != 2 && VAR != 3;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = gridDim.x, c = blockIdx.x;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < NSLOT; i++) {
+    for (int i = 0; i < NS; i++) {
       mbar_init(full + i, 1);
       mbar_init(empty + i, CW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   for (int i = threadIdx.x; i < ACC_MAX; i += THREADS) acc[i] = 0.f;
+  for (int i = threadIdx.x; i < NSLOT * SLOT / 16; i += THREADS) ((uint4 *)ring)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
   const int per_step = 6 * NL + 1;
   unsigned g = 0;  // slots through the ring so far (the same count on both sides)
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int l = ph < 6 * NL ? ph / 6 : NL - 1, p = ph < 6 * NL ? ph % 6 : 6;
       const Phase P = phase_of(layers, lm, outs, x0, l, p, s & 1);
       const int KS = P.K / 16, F = P.rows / 16 * KS;
-      const int f0 = (int)((long)F * c / G), f1 = (int)((long)F * (c + 1) / G), nf = f1 - f0;
+      const int f0 = (int)((unsigned)F * c / G), f1 = (int)((unsigned)F * (c + 1) / G), nf = f1 - f0;  // F x G < 2^32
       const int nchunks = (nf + FPS - 1) / FPS;
       const unsigned done_before = (unsigned)(s * per_step + ph) * G;  // arrivals before phase ph may start
       if (warp == CW) {  // the producer
@@ -216,63 +217,75 @@ __global__ void __launch_bounds__(THREADS, 1)
       // the input: fp32 from L2, as bf16 pairs where a lane's B fragment reads them: k-step ks,
       // lane quad t holds {x[16ks + 2t], x[16ks + 2t + 1]} and {x[16ks + 8 + 2t], x[16ks + 9 + 2t]}
       const int nx = P.xrows >= P.rows ? P.K : (P.rows / P.xrows) * I;
-      if (mmas && VAR != 5)
-        for (int q = threadIdx.x; q < nx / 2; q += CW * 32) {
-          const float2 v = __ldcg((const float2 *)P.x + q);
-          const int ks = q / 8, j = q % 8, t = j & 3, half = j >> 2;
-          __nv_bfloat162 b2 = __floats2bfloat162_rn(v.x, v.y);
-          xs[(ks * 4 + t) * 2 + half] = *(uint32_t *)&b2;
+      if (mmas && VAR != 5) {  // all of a thread's loads before its stores
+        constexpr int QN = (XMAX / 2 + CW * 32 - 1) / (CW * 32);
+        float2 v[QN];
+#pragma unroll
+        for (int j = 0; j < QN; j++) {
+          const int q = threadIdx.x + j * CW * 32;
+          if (q < nx / 2) v[j] = __ldcg((const float2 *)P.x + q);
         }
+#pragma unroll
+        for (int j = 0; j < QN; j++) {
+          const int q = threadIdx.x + j * CW * 32, ks = q / 8, t = q & 3, half = (q >> 2) & 1;
+          __nv_bfloat162 b2 = __floats2bfloat162_rn(v[j].x, v[j].y);
+          if (q < nx / 2) xs[(ks * 4 + t) * 2 + half] = *(uint32_t *)&b2;
+        }
+      }
       asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
-      const int rb0 = f0 / KS;  // the first 16-row block this CTA touches
+      const int rb0 = f0 / KS, rbl = nf ? (f1 - 1) / KS : rb0;  // the first and last 16-row blocks
       // this warp's first fragment of the current slot, as (16-row block, k-step): kept by
       // increments (a division by the runtime K costs ~20 dependent instructions; one a phase)
       int rbw = (f0 + warp * FPW) / KS, ksw = f0 + warp * FPW - rbw * KS;
       const int xsh = P.xrows >= P.rows ? 30 : 7;  // the down phase: 128 blocks (2,048 rows) an expert
-      int cur = -1;
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      // two sets of two accumulator chains: A for block rbw, B for rbw + 1 (a slot of FPS < KS
+      // fragments crosses at most one block boundary). Every fragment goes through both with B's
+      // operand zeroed in the set it is not in: no branch and no register moves between MMAs.
+      float cA[2][4] = {}, cB[2][4] = {};
       for (int k = 0; k < nchunks; k++, g++) {
         const int slot = g % NS, fb = f0 + k * FPS + warp * FPW;
         if (wait) mbar_wait(full + slot, (g / NS) & 1);
         if (mmas) {
           uint4 a[FPW];
-          uint2 b[FPW];
-          int rbs[FPW];
+          uint2 bA[FPW], bB[FPW];
 #pragma unroll
           for (int i = 0; i < FPW; i++) {
             int rb = rbw, ks = ksw + i;
-            if (ks >= KS) ks -= KS, rb++;  // FPW < KS: at most one block boundary
-            rbs[i] = rb;
-            if (fb + i < f1) {
-              a[i] = ((const uint4 *)(ring + slot * SL + (warp * FPW + i) * FRAG))[lane];
-              b[i] = ((const uint2 *)xs)[((rb >> xsh) * (I / 16) + ks) * 4 + (lane & 3)];
-            }
+            const bool next = ks >= KS;
+            if (next) ks -= KS, rb++;
+            a[i] = ((const uint4 *)(ring + slot * SL + (warp * FPW + i) * FRAG))[lane];
+            const uint2 b = ((const uint2 *)xs)[((rb >> xsh) * (I / 16) + ks) * 4 + (lane & 3)];
+            const bool valid = fb + i < f1;  // past it: stale bytes, multiplied by zero
+            bA[i] = valid && !next ? b : make_uint2(0, 0);
+            bB[i] = valid && next ? b : make_uint2(0, 0);
           }
           __syncwarp();
           if (wait && lane == 0) mbar_arrive(empty + slot);  // the slot's bytes are in registers
 #pragma unroll
           for (int i = 0; i < FPW; i++) {
-            if (fb + i < f1) {
-              if (rbs[i] != cur) {
-                if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
-                cur = rbs[i];
-              }
-              if (i & 1)
-                mma(c1, a[i], b[i]);
-              else
-                mma(c0, a[i], b[i]);
-            }
+            mma(cA[i & 1], a[i], bA[i]);
+            mma(cB[i & 1], a[i], bB[i]);
           }
         } else {
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + slot);
         }
-        for (ksw += FPS; ksw >= KS; ksw -= KS) rbw++;  // the next slot
+        int nrb = rbw;
+        for (ksw += FPS; ksw >= KS; ksw -= KS) nrb++;  // the next slot's first fragment
+        if (nrb != rbw) {  // block rbw is done for this warp: A out, B becomes A
+          if (mmas) flush(acc, (rbw - rb0) * 16, cA, lane);
+#pragma unroll
+          for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) cA[j][i] = cB[j][i], cB[j][i] = 0.f;
+          rbw = nrb;
+        }
       }
-      if (cur >= 0) flush(acc, (cur - rb0) * 16, c0, c1, lane);
+      if (mmas && rbw <= rbl) flush(acc, (rbw - rb0) * 16, cA, lane);
+      if (mmas && rbw + 1 <= rbl) flush(acc, (rbw + 1 - rb0) * 16, cB, lane);
       asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
       // the CTA's partial rows into the output (blocks shared with a neighbour meet there)
-      const int nrows = nf ? ((f1 - 1) / KS - rb0 + 1) * 16 : 0;
+      const int nrows = nf ? (rbl - rb0 + 1) * 16 : 0;
       for (int i = threadIdx.x; i < nrows; i += CW * 32) {
         if (mmas && VAR != 5) atomicAdd(P.out + rb0 * 16 + i, acc[i]);
         acc[i] = 0.f;
@@ -405,10 +418,8 @@ int main(int argc, char **argv) {
                         {2, mma_ring<false, false, 2>},         {3, mma_ring<false, false, 3>},
                         {4, mma_ring<false, false, 4>},         {5, mma_ring<false, false, 5>},
                         {10, mma_ring<true, false, 0>},         {11, mma_ring<true, true, 0>},
-                        {20, mma_ring<false, false, 1, 32768>}, {21, mma_ring<false, false, 0, 32768>},
-                        {22, mma_ring<true, false, 0, 32768>},  {23, mma_ring<true, true, 0, 32768>},
-                        {30, mma_ring<false, false, 1, 65536>}, {31, mma_ring<false, false, 0, 65536>},
-                        {32, mma_ring<true, false, 0, 65536>}};
+                        {20, mma_ring<false, false, 1, 8192>},  {21, mma_ring<false, false, 0, 8192>},
+                        {22, mma_ring<true, false, 0, 8192>},   {23, mma_ring<true, true, 0, 8192>}};
   for (const Mode &m : kerns) CHECK(cudaFuncSetAttribute(m.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   struct Row {
     const char *name;
@@ -418,11 +429,9 @@ int main(int argc, char **argv) {
                        {"mma_handoffs_only", 3, 0},        {"mma_consumers_no_handoff", 4, 0},
                        {"mma_slot_arithmetic_only", 5, 0}, {"mma_no_sync", 0, 0},
                        {"mma_syncs_6", 10, 0x7f},          {"mma_syncs_1", 10, 0x41},
-                       {"mma_syncs_6_route_wait", 11, 0x7f}, {"mma32k_consumers_only", 20, 0},
-                       {"mma32k_no_sync", 21, 0},          {"mma32k_syncs_6", 22, 0x7f},
-                       {"mma32k_syncs_1", 22, 0x41},       {"mma32k_syncs_6_route_wait", 23, 0x7f},
-                       {"mma64k_consumers_only", 30, 0},   {"mma64k_no_sync", 31, 0},
-                       {"mma64k_syncs_6", 32, 0x7f},       {"mma64k_syncs_1", 32, 0x41}};
+                       {"mma_syncs_6_route_wait", 11, 0x7f}, {"mma8k_consumers_only", 20, 0},
+                       {"mma8k_no_sync", 21, 0},           {"mma8k_syncs_6", 22, 0x7f},
+                       {"mma8k_syncs_1", 22, 0x41},        {"mma8k_syncs_6_route_wait", 23, 0x7f}};
   auto launch = [&](int mode, int mask, int n) {
     CHECK(cudaMemsetAsync(count, 0, 4));
     CHECK(cudaMemsetAsync(outs, 0, (size_t)PARITY * 4));  // parity 0; a step zeroes the other
@@ -432,7 +441,7 @@ int main(int argc, char **argv) {
 
   // correctness: one synced step, each checked phase against the host from the GPU's own input
   double worst = 0;
-  for (int mode : {10, 22, 32}) {
+  for (int mode : {10, 22}) {
     launch(mode, 0x7f, 1);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
