@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   for (int i = threadIdx.x; i < NSLOT * SLOT / 16; i += THREADS) ((uint4 *)ring)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
   const int per_step = 6 * NL + 1;
-  unsigned g = 0;  // slots through the ring so far (the same count on both sides)
+  int slot = 0, par = 0;  // the next slot of the ring and its pass parity (the same on both sides)
   for (int s = 0; s < steps; s++) {
     for (int ph = 0; ph < per_step; ph++) {
       const int l = ph < 6 * NL ? ph / 6 : NL - 1, p = ph < 6 * NL ? ph % 6 : 6;
@@ -194,13 +194,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (warp == CW) {  // the producer
         if (lane == 0) {
           if (SYNC && ROUTE && p == 4) wait_at_least(count, done_before);  // the router is done
-          for (int k = 0; wait && k < nchunks; k++, g++) {
-            const int slot = g % NS, n = min(FPS, nf - k * FPS);
-            mbar_wait(empty + slot, ((g / NS) & 1) ^ 1);
+          for (int k = 0; wait && k < nchunks; k++) {
+            const int n = min(FPS, nf - k * FPS);
+            mbar_wait(empty + slot, par ^ 1);
             if (!copy)
               mbar_arrive(full + slot);
             else
               bulk_load(ring + slot * SL, P.W + (size_t)(f0 + k * FPS) * FRAG, n * FRAG, full + slot);
+            if (++slot == NS) slot = 0, par ^= 1;
           }
         }
         continue;
@@ -242,10 +243,25 @@ __global__ void __launch_bounds__(THREADS, 1)
       // fragments crosses at most one block boundary). Every fragment goes through both with B's
       // operand zeroed in the set it is not in: no branch and no register moves between MMAs.
       float cA[2][4] = {}, cB[2][4] = {};
-      for (int k = 0; k < nchunks; k++, g++) {
-        const int slot = g % NS, fb = f0 + k * FPS + warp * FPW;
-        if (wait) mbar_wait(full + slot, (g / NS) & 1);
-        if (mmas) {
+      const uint2 *xsw = (const uint2 *)xs + (lane & 3);  // this lane's B pairs
+      int xbase = (rbw >> xsh) * (I / 16) * 4;             // the input of block rbw
+      for (int k = 0; k < nchunks; k++) {
+        const int fb = f0 + k * FPS + warp * FPW;
+        if (wait) mbar_wait(full + slot, par);
+        if (mmas && ksw + FPW <= KS && fb + FPW <= f1) {  // the common case: all in block rbw, all valid
+          const uint4 *as = (const uint4 *)(ring + slot * SL + warp * FPW * FRAG) + lane;
+          uint4 a[FPW];
+          uint2 b[FPW];
+#pragma unroll
+          for (int i = 0; i < FPW; i++) {
+            a[i] = as[i * 32];
+            b[i] = xsw[xbase + (ksw + i) * 4];
+          }
+          __syncwarp();
+          if (wait && lane == 0) mbar_arrive(empty + slot);
+#pragma unroll
+          for (int i = 0; i < FPW; i++) mma(cA[i & 1], a[i], b[i]);
+        } else if (mmas) {
           uint4 a[FPW];
           uint2 bA[FPW], bB[FPW];
 #pragma unroll
@@ -270,6 +286,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           __syncwarp();
           if (lane == 0) mbar_arrive(empty + slot);
         }
+        if (++slot == NS) slot = 0, par ^= 1;
         int nrb = rbw;
         for (ksw += FPS; ksw >= KS; ksw -= KS) nrb++;  // the next slot's first fragment
         if (nrb != rbw) {  // block rbw is done for this warp: A out, B becomes A
@@ -279,6 +296,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
             for (int i = 0; i < 4; i++) cA[j][i] = cB[j][i], cB[j][i] = 0.f;
           rbw = nrb;
+          xbase = (rbw >> xsh) * (I / 16) * 4;
         }
       }
       if (mmas && rbw <= rbl) flush(acc, (rbw - rb0) * 16, cA, lane);
