@@ -20,7 +20,7 @@
 // Rows: the ring's stream with no arithmetic; the consumers alone (the producer copies
 // nothing); the two together with no sync, with the growing counter's wait before all six
 // phases a layer, before one (q/k/v), and six with the producer waiting for the router before
-// the experts; the same with slots of 8 KB; rows that leave out the hand-offs or the
+// the experts; the same with slots of 32 KB and with 16 consumer warps; rows that leave out the hand-offs or the
 // input load to split the consumers' time. Before timing, one synced step of each slot size is
 // checked against a host reference computed
 // from the same tiled weights (each phase from the GPU's own input to it). Prints a table and
@@ -48,7 +48,6 @@ constexpr int H = 2048, QKV = 5120, ATT = 4096, E = 8, I = 768, ROUTER = 128, VO
 constexpr int KV_ROWS = 1024 * 4 * 128 * 2 * 2 / (H * 2);  // 1K tokens of K and V as 2,048-wide rows
 constexpr int NL = 48;
 constexpr int SLOT = 16384, NSLOT = 12, FRAG = 512;  // the ring: 192 KB, 12 slots of 16 KB by default
-constexpr int CW = 8, THREADS = (CW + 1) * 32;       // 8 consumer warps and the producer
 constexpr int XMAX = E * I > ATT ? E * I : ATT;                           // widest input (bf16)
 constexpr int ACC_MAX = 1280;                                             // rows a CTA touches in a phase
 // one layer's outputs (floats): q/k/v, attention (4,096 read by o_proj, 512 written), h, logits,
@@ -156,10 +155,10 @@ __device__ __forceinline__ void flush(float *acc, int local_row, const float (&c
 // without the input's load and the output's atomics (the slots' arithmetic alone). SL: a slot's
 // bytes (the ring stays NSLOT x SLOT). SYNC: each CTA arrives on the growing counter after every
 // phase, and the consumers wait for the last phase everywhere before the phases `mask` names
-// (bit p: phase p, bit 6 the lm_head). ROUTE: the producer waits for the router phase everywhere before it
+// (bit p: phase p, bit 6 the lm_head). CW: consumer warps (the producer is one more). ROUTE: the producer waits for the router phase everywhere before it
 // issues a layer's expert weights.
-template <bool SYNC, bool ROUTE, int VAR, int SL = SLOT>
-__global__ void __launch_bounds__(THREADS, 1)
+template <bool SYNC, bool ROUTE, int VAR, int SL = SLOT, int CW = 8>
+__global__ void __launch_bounds__((CW + 1) * 32, 1)
     mma_ring(const Layer *layers, const uint8_t *lm, float *outs, const float *x0, unsigned *count, int steps,
              int mask) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -168,7 +167,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   float *acc = (float *)(xs + XMAX / 2);
   uint64_t *full = (uint64_t *)(acc + ACC_MAX), *empty = full + MAXNS;
   constexpr int NS = NSLOT * SLOT / SL, FPS = SL / FRAG, FPW = FPS / CW;  // FPW fragments a warp a slot
-  static_assert(FPS < I / 16, "a slot may cross at most one 16-row block boundary of any phase");
+  static_assert(FPW < I / 16, "a warp's fragments of a slot cross at most one 16-row block boundary");
   const bool copy = VAR == 0 || VAR == 2, wait = VAR <= 3, mmas = VAR != 2 && VAR != 3;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = gridDim.x, c = blockIdx.x;
   if (threadIdx.x == 0) {
@@ -178,8 +177,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  for (int i = threadIdx.x; i < ACC_MAX; i += THREADS) acc[i] = 0.f;
-  for (int i = threadIdx.x; i < NSLOT * SLOT / 16; i += THREADS) ((uint4 *)ring)[i] = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < ACC_MAX; i += (CW + 1) * 32) acc[i] = 0.f;
+  for (int i = threadIdx.x; i < NSLOT * SLOT / 16; i += (CW + 1) * 32) ((uint4 *)ring)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
   const int per_step = 6 * NL + 1;
   int slot = 0, par = 0;  // the next slot of the ring and its pass parity (the same on both sides)
@@ -289,13 +288,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (++slot == NS) slot = 0, par ^= 1;
         int nrb = rbw;
         for (ksw += FPS; ksw >= KS; ksw -= KS) nrb++;  // the next slot's first fragment
-        if (nrb != rbw) {  // block rbw is done for this warp: A out, B becomes A
-          if (mmas) flush(acc, (rbw - rb0) * 16, cA, lane);
+        if (nrb != rbw) {
+          for (; rbw < nrb; rbw++) {  // block rbw is done for this warp: A out, B becomes A
+            if (mmas) flush(acc, (rbw - rb0) * 16, cA, lane);
 #pragma unroll
-          for (int j = 0; j < 2; j++)
+            for (int j = 0; j < 2; j++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) cA[j][i] = cB[j][i], cB[j][i] = 0.f;
-          rbw = nrb;
+              for (int i = 0; i < 4; i++) cA[j][i] = cB[j][i], cB[j][i] = 0.f;
+          }
           xbase = (rbw >> xsh) * (I / 16) * 4;
         }
       }
@@ -431,13 +431,19 @@ int main(int argc, char **argv) {
   struct Mode {
     int mode;
     Kern fn;
+    int cw;  // consumer warps
   };
-  const Mode kerns[] = {{0, mma_ring<false, false, 0>},         {1, mma_ring<false, false, 1>},
-                        {2, mma_ring<false, false, 2>},         {3, mma_ring<false, false, 3>},
-                        {4, mma_ring<false, false, 4>},         {5, mma_ring<false, false, 5>},
-                        {10, mma_ring<true, false, 0>},         {11, mma_ring<true, true, 0>},
-                        {20, mma_ring<false, false, 1, 8192>},  {21, mma_ring<false, false, 0, 8192>},
-                        {22, mma_ring<true, false, 0, 8192>},   {23, mma_ring<true, true, 0, 8192>}};
+  const Mode kerns[] = {
+      {0, mma_ring<false, false, 0>, 8},          {1, mma_ring<false, false, 1>, 8},
+      {2, mma_ring<false, false, 2>, 8},          {3, mma_ring<false, false, 3>, 8},
+      {4, mma_ring<false, false, 4>, 8},          {5, mma_ring<false, false, 5>, 8},
+      {10, mma_ring<true, false, 0>, 8},          {11, mma_ring<true, true, 0>, 8},
+      {20, mma_ring<false, false, 1, 32768>, 8},  {21, mma_ring<false, false, 0, 32768>, 8},
+      {22, mma_ring<true, false, 0, 32768>, 8},   {23, mma_ring<true, true, 0, 32768>, 8},
+      {30, mma_ring<false, false, 1, SLOT, 16>, 16}, {31, mma_ring<false, false, 0, SLOT, 16>, 16},
+      {32, mma_ring<true, false, 0, SLOT, 16>, 16},  {33, mma_ring<true, true, 0, SLOT, 16>, 16},
+      {40, mma_ring<false, false, 1, 32768, 16>, 16}, {41, mma_ring<false, false, 0, 32768, 16>, 16},
+      {42, mma_ring<true, false, 0, 32768, 16>, 16},  {43, mma_ring<true, true, 0, 32768, 16>, 16}};
   for (const Mode &m : kerns) CHECK(cudaFuncSetAttribute(m.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   struct Row {
     const char *name;
@@ -447,19 +453,29 @@ int main(int argc, char **argv) {
                        {"mma_handoffs_only", 3, 0},        {"mma_consumers_no_handoff", 4, 0},
                        {"mma_slot_arithmetic_only", 5, 0}, {"mma_no_sync", 0, 0},
                        {"mma_syncs_6", 10, 0x7f},          {"mma_syncs_1", 10, 0x41},
-                       {"mma_syncs_6_route_wait", 11, 0x7f}, {"mma8k_consumers_only", 20, 0},
-                       {"mma8k_no_sync", 21, 0},           {"mma8k_syncs_6", 22, 0x7f},
-                       {"mma8k_syncs_1", 22, 0x41},        {"mma8k_syncs_6_route_wait", 23, 0x7f}};
+                       {"mma_syncs_6_route_wait", 11, 0x7f}};
+  std::vector<Row> rowsx(rowsv, rowsv + sizeof(rowsv) / sizeof(rowsv[0]));
+  const char *shapes[3] = {"mma32k", "mma16w", "mma32k16w"};
+  for (int v = 0; v < 3; v++) {
+    const int m = 20 + 10 * v;
+    static char names[3][5][48];
+    const char *what[5] = {"consumers_only", "no_sync", "syncs_6", "syncs_1", "syncs_6_route_wait"};
+    const int modes[5] = {m, m + 1, m + 2, m + 2, m + 3}, masks[5] = {0, 0, 0x7f, 0x41, 0x7f};
+    for (int j = 0; j < 5; j++) {
+      snprintf(names[v][j], sizeof(names[v][j]), "%s_%s", shapes[v], what[j]);
+      rowsx.push_back({names[v][j], modes[j], masks[j]});
+    }
+  }
   auto launch = [&](int mode, int mask, int n) {
     CHECK(cudaMemsetAsync(count, 0, 4));
     CHECK(cudaMemsetAsync(outs, 0, (size_t)PARITY * 4));  // parity 0; a step zeroes the other
     for (const Mode &m : kerns)
-      if (m.mode == mode) m.fn<<<grid, THREADS, SMEM>>>(dl, lm, outs, x0, count, n, mask);
+      if (m.mode == mode) m.fn<<<grid, (m.cw + 1) * 32, SMEM>>>(dl, lm, outs, x0, count, n, mask);
   };
 
   // correctness: one synced step, each checked phase against the host from the GPU's own input
   double worst = 0;
-  for (int mode : {10, 22}) {
+  for (int mode : {10, 22, 32, 42}) {
     launch(mode, 0x7f, 1);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
@@ -503,18 +519,19 @@ int main(int argc, char **argv) {
   const bool ok = worst < 2e-3;
   printf("correctness: %s (worst %.2e, tolerance 2e-3)\n", ok ? "ok" : "FAILED", worst);
 
-  const int NROWS = sizeof(rowsv) / sizeof(rowsv[0]);
-  double step_ms[NROWS];
+  const int NROWS = (int)rowsx.size();
+  const Row *rows = rowsx.data();
+  std::vector<double> step_ms(NROWS);
   for (int r = 0; r < NROWS; r++) {
     step_ms[r] = 0;
-    if (only && strcmp(only, rowsv[r].name)) continue;
-    launch(rowsv[r].mode, rowsv[r].mask, 2);
+    if (only && strcmp(only, rows[r].name)) continue;
+    launch(rows[r].mode, rows[r].mask, 2);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     float best = 1e30f;
     for (int rep = 0; rep < 3; rep++) {
       CHECK(cudaEventRecord(e0));
-      launch(rowsv[r].mode, rowsv[r].mask, steps);
+      launch(rows[r].mode, rows[r].mask, steps);
       CHECK(cudaEventRecord(e1));
       CHECK(cudaEventSynchronize(e1));
       CHECK(cudaEventElapsedTime(&ms, e0, e1));
@@ -522,24 +539,26 @@ int main(int argc, char **argv) {
     }
     step_ms[r] = best / steps;
   }
-  printf("device %s, %d CTAs of %d threads, %d bytes of shared memory each\n", prop.name, grid, THREADS, SMEM);
+  printf("device %s, %d CTAs of 288 (8 consumer warps) or 544 threads, %d bytes of shared memory each\n", prop.name,
+         grid, SMEM);
   printf("copy %.0f GB/s; bytes a step %.3f GB (48 layers x %.1f MB + lm_head %.0f MB); roofline %.3f ms\n", copy_gbps,
          total / 1e9, layer_bytes / 1e6, lm_bytes / 1e6, roof_ms);
   printf("| variant | ms a step | of roofline | GB/s |\n|---|---:|---:|---:|\n");
   for (int r = 0; r < NROWS; r++)
     if (step_ms[r] > 0)
-      printf("| %s | %.3f | %.0f%% | %.0f |\n", rowsv[r].name, step_ms[r], 100 * roof_ms / step_ms[r],
+      printf("| %s | %.3f | %.0f%% | %.0f |\n", rows[r].name, step_ms[r], 100 * roof_ms / step_ms[r],
              total / (step_ms[r] / 1e3) / 1e9);
   FILE *f = fopen(out, "w");
   if (f) {
     fprintf(f, "{\"device\": \"%s\", \"copy_GBps\": %.1f, \"bytes_per_step\": %zu, \"roofline_ms\": %.4f,", prop.name,
             copy_gbps, total, roof_ms);
-    fprintf(f, " \"ctas\": %d, \"threads\": %d, \"correct\": %s, \"worst_rel_err\": %.3e, \"rows\": [", grid, THREADS,
-            ok ? "true" : "false", worst);
+    fprintf(f, " \"ctas\": %d, \"threads_8_consumer_warps\": %d, \"correct\": %s, \"worst_rel_err\": %.3e,", grid,
+            288, ok ? "true" : "false", worst);
+    fprintf(f, " \"rows\": [");
     for (int r = 0, k = 0; r < NROWS; r++)
       if (step_ms[r] > 0)
         fprintf(f, "%s{\"variant\": \"%s\", \"ms_per_step\": %.4f, \"roofline_fraction\": %.4f}", k++ ? ", " : "",
-                rowsv[r].name, step_ms[r], roof_ms / step_ms[r]);
+                rows[r].name, step_ms[r], roof_ms / step_ms[r]);
     fprintf(f, "]}\n");
     fclose(f);
   }
