@@ -20,7 +20,9 @@
 // Rows: the ring's stream with no arithmetic; the consumers alone (the producer copies
 // nothing); the two together with no sync, with the growing counter's wait before all six
 // phases a layer, before one (q/k/v), and six with the producer waiting for the router before
-// the experts; the same with slots of 32 KB and with 16 consumer warps; rows that leave out the hand-offs or the
+// the experts (with waits before four phases a layer: a layer whose q/k/v and attention share a
+// phase and whose router is folded into o_proj's; and before one); the same with slots of 32 KB
+// and with 16 consumer warps; rows that leave out the hand-offs or the
 // input load to split the consumers' time. Before timing, one synced step of each slot size is
 // checked against a host reference computed
 // from the same tiled weights (each phase from the GPU's own input to it). Prints a table and
@@ -453,7 +455,9 @@ int main(int argc, char **argv) {
                        {"mma_handoffs_only", 3, 0},        {"mma_consumers_no_handoff", 4, 0},
                        {"mma_slot_arithmetic_only", 5, 0}, {"mma_no_sync", 0, 0},
                        {"mma_syncs_6", 10, 0x7f},          {"mma_syncs_1", 10, 0x41},
-                       {"mma_syncs_6_route_wait", 11, 0x7f}};
+                       {"mma_syncs_6_route_wait", 11, 0x7f}, {"mma_syncs_4_route_wait", 11, 0x75},
+                       {"mma_syncs_1_route_wait", 11, 0x41}, {"mma32k16w_syncs_4_route_wait", 43, 0x75},
+                       {"mma32k16w_syncs_1_route_wait", 43, 0x41}};
   std::vector<Row> rowsx(rowsv, rowsv + sizeof(rowsv) / sizeof(rowsv[0]));
   const char *shapes[3] = {"mma32k", "mma16w", "mma32k16w"};
   for (int v = 0; v < 3; v++) {
