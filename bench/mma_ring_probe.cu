@@ -157,9 +157,12 @@ __device__ __forceinline__ void flush(float *acc, int local_row, const float (&c
 // without the input's load and the output's atomics (the slots' arithmetic alone). SL: a slot's
 // bytes (the ring stays NSLOT x SLOT). SYNC: each CTA arrives on the growing counter after every
 // phase, and the consumers wait for the last phase everywhere before the phases `mask` names
-// (bit p: phase p, bit 6 the lm_head). CW: consumer warps (the producer is one more). ROUTE: the producer waits for the router phase everywhere before it
-// issues a layer's expert weights.
-template <bool SYNC, bool ROUTE, int VAR, int SL = SLOT, int CW = 8>
+// (bit p: phase p, bit 6 the lm_head). CW: consumer warps (the producer is one more). OPT bit 0:
+// the consumers do not reload the input after a wait (stale input: the bound of an input that
+// arrives with its flag); bit 1: the arrival is one `red.release.gpu` (no `__threadfence`).
+// ROUTE: the producer waits for the router phase everywhere before it issues a layer's expert
+// weights.
+template <bool SYNC, bool ROUTE, int VAR, int SL = SLOT, int CW = 8, int OPT = 0>
 __global__ void __launch_bounds__((CW + 1) * 32, 1)
     mma_ring(const Layer *layers, const uint8_t *lm, float *outs, const float *x0, unsigned *count, int steps,
              int mask) {
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__((CW + 1) * 32, 1)
       // the input: fp32 from L2, as bf16 pairs where a lane's B fragment reads them: k-step ks,
       // lane quad t holds {x[16ks + 2t], x[16ks + 2t + 1]} and {x[16ks + 8 + 2t], x[16ks + 9 + 2t]}
       const int nx = P.xrows >= P.rows ? P.K : (P.rows / P.xrows) * I;
-      if (mmas && VAR != 5) {  // all of a thread's loads before its stores
+      if (mmas && VAR != 5 && !(OPT & 1)) {  // all of a thread's loads before its stores
         constexpr int QN = (XMAX / 2 + CW * 32 - 1) / (CW * 32);
         float2 v[QN];
 #pragma unroll
@@ -313,8 +316,12 @@ __global__ void __launch_bounds__((CW + 1) * 32, 1)
       if (SYNC) {
         asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");
         if (threadIdx.x == 0) {
-          __threadfence();
-          atomicAdd(count, 1u);
+          if (OPT & 2) {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(count) : "memory");
+          } else {
+            __threadfence();
+            atomicAdd(count, 1u);
+          }
         }
       } else {
         asm volatile("bar.sync 1, %0;" ::"n"(CW * 32) : "memory");  // acc is zero before the next phase
@@ -445,7 +452,11 @@ int main(int argc, char **argv) {
       {30, mma_ring<false, false, 1, SLOT, 16>, 16}, {31, mma_ring<false, false, 0, SLOT, 16>, 16},
       {32, mma_ring<true, false, 0, SLOT, 16>, 16},  {33, mma_ring<true, true, 0, SLOT, 16>, 16},
       {40, mma_ring<false, false, 1, 32768, 16>, 16}, {41, mma_ring<false, false, 0, 32768, 16>, 16},
-      {42, mma_ring<true, false, 0, 32768, 16>, 16},  {43, mma_ring<true, true, 0, 32768, 16>, 16}};
+      {42, mma_ring<true, false, 0, 32768, 16>, 16},  {43, mma_ring<true, true, 0, 32768, 16>, 16},
+      {50, mma_ring<true, false, 0, SLOT, 8, 1>, 8},  {51, mma_ring<true, true, 0, SLOT, 8, 1>, 8},
+      {52, mma_ring<true, false, 0, SLOT, 8, 2>, 8},  {53, mma_ring<true, true, 0, SLOT, 8, 2>, 8},
+      {60, mma_ring<true, false, 0, 32768, 16, 1>, 16}, {61, mma_ring<true, true, 0, 32768, 16, 1>, 16},
+      {62, mma_ring<true, false, 0, 32768, 16, 2>, 16}, {63, mma_ring<true, true, 0, 32768, 16, 2>, 16}};
   for (const Mode &m : kerns) CHECK(cudaFuncSetAttribute(m.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   struct Row {
     const char *name;
@@ -459,6 +470,12 @@ int main(int argc, char **argv) {
                        {"mma_syncs_1_route_wait", 11, 0x41}, {"mma32k16w_syncs_4_route_wait", 43, 0x75},
                        {"mma32k16w_syncs_1_route_wait", 43, 0x41}};
   std::vector<Row> rowsx(rowsv, rowsv + sizeof(rowsv) / sizeof(rowsv[0]));
+  const Row opts[] = {{"noreload_syncs_6", 50, 0x7f},         {"noreload_syncs_6_route_wait", 51, 0x7f},
+                      {"noreload_syncs_4_route_wait", 51, 0x75}, {"release_syncs_6", 52, 0x7f},
+                      {"release_syncs_6_route_wait", 53, 0x7f}, {"release_syncs_4_route_wait", 53, 0x75},
+                      {"32k16w_noreload_syncs_6", 60, 0x7f},    {"32k16w_noreload_syncs_4_route_wait", 61, 0x75},
+                      {"32k16w_release_syncs_6", 62, 0x7f},     {"32k16w_release_syncs_4_route_wait", 63, 0x75}};
+  rowsx.insert(rowsx.end(), opts, opts + sizeof(opts) / sizeof(opts[0]));
   const char *shapes[3] = {"mma32k", "mma16w", "mma32k16w"};
   for (int v = 0; v < 3; v++) {
     const int m = 20 + 10 * v;
@@ -479,7 +496,7 @@ int main(int argc, char **argv) {
 
   // correctness: one synced step, each checked phase against the host from the GPU's own input
   double worst = 0;
-  for (int mode : {10, 22, 32, 42}) {
+  for (int mode : {10, 22, 32, 42, 52, 62}) {
     launch(mode, 0x7f, 1);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
