@@ -37,14 +37,7 @@
 #include <cstring>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
+#include "probe_common.cuh"
 
 constexpr int H = 2048, QKV = 5120, ATT = 4096, E = 8, I = 768, ROUTER = 128, VOCAB = 151936;
 constexpr int KV_ROWS = 1024 * 4 * 128 * 2 * 2 / (H * 2);  // 1K tokens of K and V as 2,048-wide rows
@@ -105,33 +98,6 @@ __device__ Phase phase_of(const Layer *layers, const uint8_t *lm, float *outs, c
   return P;
 }
 
-__device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t *m, unsigned n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(m)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *m, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra W%=;\n}" ::"r"(sa(m)),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *m) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(m)) : "memory");
-}
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *m) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(m)), "r"(bytes) : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(sa(dst)),
-      "l"(src), "r"(bytes), "r"(sa(m))
-      : "memory");
-}
-__device__ __forceinline__ void wait_at_least(unsigned *count, unsigned target) {
-  unsigned seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-  } while (seen < target);
-}
 __device__ __forceinline__ void mma(float (&c)[4], const uint4 &a, const uint2 &b) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -416,24 +382,11 @@ int main(int argc, char **argv) {
   unsigned *count;
   CHECK(cudaMalloc(&count, 4));
 
-  // the copy rate: 2 GiB device to device, bytes read and written
-  const size_t cb = (size_t)1 << 31;
-  uint8_t *a0, *a1;
-  CHECK(cudaMalloc(&a0, cb));
-  CHECK(cudaMalloc(&a1, cb));
+  const double copy_gbps = copy_rate_gbps(), roof_ms = total / copy_gbps / 1e6;
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; i++) CHECK(cudaMemcpy(a1, a0, cb, cudaMemcpyDeviceToDevice));
-  CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < 10; i++) CHECK(cudaMemcpy(a1, a0, cb, cudaMemcpyDeviceToDevice));
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
   float ms;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  const double copy_gbps = 2.0 * cb * 10 / (ms / 1e3) / 1e9, roof_ms = total / copy_gbps / 1e6;
-  CHECK(cudaFree(a0));
-  CHECK(cudaFree(a1));
 
   const int grid = prop.multiProcessorCount;
   typedef void (*Kern)(const Layer *, const uint8_t *, float *, const float *, unsigned *, int, int);

@@ -36,14 +36,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
+#include "probe_common.cuh"
 
 constexpr int H = 2048, QKV = 5120, ATT = 4096, E = 8, I = 768, ROUTER = 128, VOCAB = 151936;
 constexpr int KV_BYTES = 1024 * 4 * 128 * 2 * 2;  // 1K tokens x 4 KV heads x 128 x (K, V) x bf16
@@ -407,30 +400,6 @@ constexpr int RTHREADS = 9 * 32;  // the default: 8 consumer warps and the produ
 constexpr int LMAX = 48;  // VAR >= 8 keep the layer table in shared memory
 constexpr int RING_SMEM = SLOT * NSLOT + (E * I > ATT ? E * I : ATT) * 4 + LMAX * sizeof(Layer) + 2 * NSLOT * 8;
 
-__device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t *m, unsigned n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(sa(m)), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t *m, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W%=: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra W%=;\n}" ::"r"(sa(m)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t *m) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sa(m)) : "memory");
-}
-__device__ __forceinline__ void bulk_load(void *dst, const void *src, unsigned bytes, uint64_t *m) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sa(m)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(m)) : "memory");
-}
-__device__ __forceinline__ void wait_at_least(unsigned *count, unsigned target) {
-  unsigned seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-  } while (seen < target);
-}
-
 struct Phase {
   const uint4 *W;
   int rows, K, rows_per_x;
@@ -745,24 +714,11 @@ int main(int argc, char **argv) {
   CHECK(cudaMemset(sync, 0, 8));
   b.count = sync; b.gen = sync + 1;
 
-  // the copy rate: 2 GiB device to device, bytes read and written
-  size_t cb = (size_t)1 << 31;
-  uint8_t *c0, *c1;
-  CHECK(cudaMalloc(&c0, cb));
-  CHECK(cudaMalloc(&c1, cb));
+  const double copy_gbps = copy_rate_gbps();
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; i++) CHECK(cudaMemcpy(c1, c0, cb, cudaMemcpyDeviceToDevice));
-  CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < 10; i++) CHECK(cudaMemcpy(c1, c0, cb, cudaMemcpyDeviceToDevice));
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
   float ms;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  double copy_gbps = 2.0 * cb * 10 / (ms / 1e3) / 1e9;
-  CHECK(cudaFree(c0));
-  CHECK(cudaFree(c1));
 
   int grid = prop.multiProcessorCount, per_sm = 0;
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, step_kernel<1>, THREADS, 0));
