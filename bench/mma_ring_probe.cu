@@ -18,15 +18,14 @@
 // the output through red.global.add), so every CTA streams the same bytes in every phase.
 //
 // Rows: the ring's stream with no arithmetic; the consumers alone (the producer copies
-// nothing); the two together with no sync, with the growing counter's wait before all six
-// phases a layer, before one (q/k/v), and six with the producer waiting for the router before
-// the experts (with waits before four phases a layer: a layer whose q/k/v and attention share a
-// phase and whose router is folded into o_proj's; and before one); the same with slots of 32 KB
-// and with 16 consumer warps; rows that leave out the hand-offs or the
-// input load to split the consumers' time. Before timing, one synced step of each slot size is
-// checked against a host reference computed
-// from the same tiled weights (each phase from the GPU's own input to it). Prints a table and
-// writes JSON.
+// nothing), without the hand-offs, and their slot arithmetic alone; the two together with no
+// sync; with the growing counter's wait before all six phases a layer, and before one (q/k/v);
+// with the producer also waiting for the router before the experts, before six, four (a layer
+// whose q/k/v and attention share a phase and whose router is folded into o_proj's) and one;
+// the same with 32 KB slots and with 16 consumer warps; and two bounds on a dependency's cost
+// (no input reload after a wait; a release reduction as the arrival). Before timing, one synced
+// step of each kernel shape is checked against a host reference computed from the same tiled
+// weights (each phase from the GPU's own input to it). Prints a table and writes JSON.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
