@@ -123,12 +123,14 @@ APP = "moe-test-autoscale"
 PREFIX = "/moescale"
 
 
-def _running_replicas(serve, states: tuple[str, ...] = ("RUNNING",)) -> int:
+def _replica_states(serve) -> dict[str, int]:
     status = serve.status().applications.get(APP)
-    if status is None:
-        return 0
-    dep = status.deployments["ModelServer"]
-    return sum(int(dep.replica_states.get(state, 0)) for state in states)
+    return {} if status is None else dict(status.deployments["ModelServer"].replica_states)
+
+
+def _running_replicas(serve, states: tuple[str, ...] = ("RUNNING",)) -> int:
+    seen = _replica_states(serve)
+    return sum(int(seen.get(state, 0)) for state in states)
 
 
 # A replica Serve has decided to add and is starting counts as added: on this loaded 2-core box a
@@ -213,12 +215,12 @@ def test_replicas_rise_under_load_and_fall_after(ray_session, tmp_path_factory):
             deadline = time.monotonic() + 45
             peak, states = 1, {}
             while time.monotonic() < deadline and peak < 2:
-                peak = max(peak, _running_replicas(serve, LIVE))
-                states = serve.status().applications[APP].deployments["ModelServer"].replica_states
+                states = _replica_states(serve)
+                peak = max(peak, sum(int(states.get(state, 0)) for state in LIVE))
                 time.sleep(0.5)
             stop.set()
             assert sum(w.result() for w in workers) > 0
-        assert peak >= 2, f"no second replica under load; last replica states {dict(states)}"
+        assert peak >= 2, f"no second replica under load; last replica states {states}"
         deadline = time.monotonic() + 90
         while _running_replicas(serve, (*LIVE, "STOPPING")) > 1:
             assert time.monotonic() < deadline, "replicas did not fall back to 1"
