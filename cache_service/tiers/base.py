@@ -42,8 +42,8 @@ class PutResult:
     stored: list[bool]
     """Per item: True when newly stored, False when it was already present or was rejected."""
     evicted: list[tuple[BlockKey, bytes]] = field(default_factory=list)
-    """Blocks that left the tier (evicted, or rejected because they cannot fit); the store demotes
-    them to the next tier down."""
+    """Blocks that left the tier (evicted, or rejected because they cannot fit or the tier could
+    not be reached); the store demotes them to the next tier down."""
 
 
 class Tier(ABC):

@@ -376,16 +376,22 @@ class RedisTier(Tier):
 
         stored = self._call("put", work, None)
         if stored is None:
-            return PutResult(stored=[False] * len(items))
+            # Redis is down or the call failed: the blocks were not taken, so hand them back as
+            # rejected; the store passes them on to the tier below (a block the host tier evicted
+            # into a failing Redis would otherwise be gone).
+            return PutResult(stored=[False] * len(items), evicted=items)
         evicted = self._enforce_budget() if self._last_totals[0] > self.capacity_bytes else []
         return PutResult(stored=stored, evicted=evicted)
 
     def _enforce_budget(self) -> list[tuple[BlockKey, bytes]]:
-        """Evict LRU blocks of the LRU runs until the namespace total fits the budget."""
+        """Evict LRU blocks of the LRU runs until the namespace total fits the budget.
+
+        The rounds that completed before a fault are still returned, so that the store demotes
+        the blocks they removed from Redis."""
+        out: list[tuple[BlockKey, bytes]] = []
 
         def work(client: Any) -> list[tuple[BlockKey, bytes]]:
             sha = self._sha(client, "EVICT_LRU")
-            out: list[tuple[BlockKey, bytes]] = []
             used = int(client.hget(self._meta, "bytes") or 0)
             for _ in range(_EVICT_ROUNDS):
                 over = used - self.capacity_bytes
@@ -399,6 +405,12 @@ class RedisTier(Tier):
                 freed, count, left, pairs = client.execute_command(
                     "EVALSHA", sha, 2, index, sizes, over, self._value_prefix(run), 1
                 )
+                run_bytes = bytes.fromhex(run)
+                gone = [bytes.fromhex(member.decode()) for member in pairs[::2]]
+                for digest, value in zip(gone, pairs[1::2], strict=True):
+                    out.append((BlockKey(digest=digest, run=run_bytes), value))
+                self._forget_refreshed(gone)
+                self.metrics.evictions.labels(tier=self.name).inc(int(count))
                 pipe = client.pipeline(transaction=False)
                 pipe.execute_command("HINCRBY", self._meta, "bytes", -int(freed))
                 pipe.execute_command("HINCRBY", self._meta, "blocks", -int(count))
@@ -406,15 +418,9 @@ class RedisTier(Tier):
                     pipe.execute_command("ZREM", self._runs, run)
                 used, blocks = (int(v) for v in pipe.execute()[:2])
                 self._last_totals = (used, blocks)
-                run_bytes = bytes.fromhex(run)
-                gone = [bytes.fromhex(member.decode()) for member in pairs[::2]]
-                for digest, value in zip(gone, pairs[1::2], strict=True):
-                    out.append((BlockKey(digest=digest, run=run_bytes), value))
-                self._forget_refreshed(gone)
-                self.metrics.evictions.labels(tier=self.name).inc(int(count))
             return out
 
-        return self._call("evict", work, [])
+        return self._call("evict", work, out)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         keys = list(keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 
 from cache_service.store import TieredCache
 from tests.cache_service.kv_blocks import block_for, keys_for, namespace
@@ -69,4 +70,61 @@ def test_cut_connection_then_restore_and_restart():
             assert cache.tiers[1].contains([keys[45]]) == [True]
     finally:
         proxy.close()
+        server.cleanup()
+
+
+def test_blocks_demoted_into_a_cut_redis_go_on_to_disk(tmp_path):
+    """host -> Redis -> disk with Redis cut: what the host evicts must not vanish with Redis."""
+    server = RedisServer().start()
+    proxy = TcpProxy(server.port)
+    try:
+        url = f"redis://127.0.0.1:{proxy.port}/0?{OPTS}"
+        keys = keys_for(60)
+        blocks = [block_for(k, i) for i, k in enumerate(keys)]
+        with TieredCache.from_urls(
+            ["host://", url, f"file://{tmp_path}/kv"],
+            capacities=[10 * BLOCK, 1000 * BLOCK, 1000 * BLOCK],
+            namespace=namespace(),
+        ) as cache:
+            cache.put_many(list(zip(keys[:20], blocks[:20], strict=True)))
+            assert cache.tiers[1].contains(keys[:10]) == [True] * 10  # demoted into Redis
+            proxy.cut()
+            # Each put evicts 10 blocks from the host into the cut Redis (a failed call, then an
+            # open breaker): they go on to the disk tier instead.
+            for start in range(20, 60, 10):
+                batch = list(zip(keys[start : start + 10], blocks[start : start + 10], strict=True))
+                assert cache.put_many(batch) == [True] * 10
+            host, disk = cache.tiers[0], cache.tiers[2]
+            assert host.contains(keys[50:]) == [True] * 10
+            assert disk.contains(keys[10:50]) == [True] * 40
+            got = cache.get_many(keys[10:])
+            assert got == blocks[10:]  # every block since the cut is still served
+    finally:
+        proxy.close()
+        server.cleanup()
+
+
+def test_blocks_an_interrupted_redis_eviction_removed_still_go_to_disk(tmp_path):
+    """Redis evicts a run (its script removes the blocks), then the bookkeeping after it fails:
+    the removed blocks must still reach the disk tier. The fault is real: this server's default
+    user may not run ZREM, which the tier sends once a run is empty."""
+    server = RedisServer().start()
+    try:
+        redis.Redis(port=server.port).execute_command("ACL", "SETUSER", "default", "-zrem")
+        url = f"redis://127.0.0.1:{server.port}/0?{OPTS}"
+        seqs = [keys_for(10, seed=s) for s in range(4)]  # four runs of ten blocks
+        with TieredCache.from_urls(
+            ["host://", url, f"file://{tmp_path}/kv"],
+            capacities=[10 * BLOCK, 20 * BLOCK, 1000 * BLOCK],
+            namespace=namespace(),
+        ) as cache:
+            for s, keys in enumerate(seqs):
+                cache.put_many([(k, block_for(k, 10 * s + i)) for i, k in enumerate(keys)])
+            # run 0 went host -> Redis, then Redis evicted it to make room for run 2
+            redis_tier, disk = cache.tiers[1], cache.tiers[2]
+            assert redis_tier.contains(seqs[0]) == [False] * 10
+            assert cache.metrics.value("moe_kv_tier_errors_total", tier="redis") >= 1
+            assert disk.contains(seqs[0]) == [True] * 10
+            assert cache.get_many(seqs[0]) == [block_for(k, i) for i, k in enumerate(seqs[0])]
+    finally:
         server.cleanup()
