@@ -3,11 +3,13 @@ blocks of 16 tokens, 256 MB of payload) put and read back in chunks through host
 
 Bounded memory: the context is never built in one message; each chunk of 2,500 blocks is encoded,
 put, and dropped. The host and Redis tiers hold a few MiB; the disk takes the bulk. RSS growth of
-the test process must stay far below the 256 MB of KV that passed through it.
+the test process must stay far below the 256 MB of KV that passed through it: what it keeps is the
+tiers' index of 62,500 blocks (~20 MiB), not their payload.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 
 import pytest
@@ -21,9 +23,18 @@ pytestmark = pytest.mark.redis
 BLOCKS = 62_500
 CHUNK = 2_500
 MiB = 1 << 20
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _LIBC.malloc_trim  # noqa: B018 (glibc only)
+except (OSError, AttributeError):
+    _LIBC = None
 
 
 def _rss_bytes() -> int:
+    """Resident bytes after glibc hands its free pages back: what the process holds, not what
+    its allocator keeps for reuse (~60-80 MiB here after 10 MB chunks, and it varies run to run)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -43,8 +54,12 @@ def test_one_million_tokens_round_trip_with_bounded_memory(redis_url, tmp_path):
     keys = keys_for(BLOCKS, seed=11)
     assert len(keys) * 16 == 1_000_000
     block_bytes = len(encode_block(_chunk_tensor(0, 1)[0], key=keys[0]))
+    # Each chunk moves ~10 MB through Redis in one call: a generous socket timeout, so that a
+    # loaded box does not turn the round trip into a fault test (blocks a failed call leaves
+    # behind go on to disk, but one that timed out after Redis took it is then held twice).
+    url = f"{redis_url}{'&' if '?' in redis_url else '?'}timeout_s=10"
     cache = TieredCache.from_urls(
-        ["host://", redis_url, f"file://{tmp_path}/kv"],
+        ["host://", url, f"file://{tmp_path}/kv"],
         capacities=[4 * MiB, 8 * MiB, BLOCKS * block_bytes + 16 * MiB],
         namespace=ns,
     )
@@ -77,7 +92,7 @@ def test_one_million_tokens_round_trip_with_bounded_memory(redis_url, tmp_path):
             del got, expected
             peak = max(peak, _rss_bytes())
         total = BLOCKS * block_bytes
-        assert peak - baseline < 96 * MiB, (
+        assert peak - baseline < 64 * MiB, (
             f"RSS grew {(peak - baseline) / MiB:.0f} MiB for {total / MiB:.0f} MiB of KV"
         )
     finally:
