@@ -110,7 +110,8 @@ def test_blocks_an_interrupted_redis_eviction_removed_still_go_to_disk(tmp_path)
     user may not run ZREM, which the tier sends once a run is empty."""
     server = RedisServer().start()
     try:
-        redis.Redis(port=server.port).execute_command("ACL", "SETUSER", "default", "-zrem")
+        with redis.Redis(port=server.port) as admin:
+            admin.execute_command("ACL", "SETUSER", "default", "-zrem")
         url = f"redis://127.0.0.1:{server.port}/0?{OPTS}"
         seqs = [keys_for(10, seed=s) for s in range(4)]  # four runs of ten blocks
         with TieredCache.from_urls(
