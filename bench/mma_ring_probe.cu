@@ -1,4 +1,5 @@
-// Issue 8, round 19: the resident ring of round 18 with tensor-core consumers.
+// Issue 8, rounds 19-20: the resident ring of round 18 with tensor-core consumers; round 20 adds
+// two of the real step's own dependencies (the top-k after the router wait, the attention's merge).
 //
 //   nvcc -O3 -gencode=arch=compute_90a,code=sm_90a -o mma_ring_probe bench/mma_ring_probe.cu
 //   ./mma_ring_probe [out.json]          (MMA_ONLY=<row name> runs one row, for a profiler)
@@ -124,9 +125,14 @@ __device__ __forceinline__ void flush(float *acc, int local_row, const float (&c
 // phase, and the consumers wait for the last phase everywhere before the phases `mask` names
 // (bit p: phase p, bit 6 the lm_head). CW: consumer warps (the producer is one more). OPT bit 0:
 // the consumers do not reload the input after a wait (stale input: the bound of an input that
-// arrives with its flag); bit 1: the arrival is one `red.release.gpu` (no `__threadfence`).
-// ROUTE: the producer waits for the router phase everywhere before it issues a layer's expert
-// weights.
+// arrives with its flag); bit 1: the arrival is one `red.release.gpu` (no `__threadfence`); bit 2
+// (round 20): after the router wait the producer warp reads the 128 router logits, picks the top
+// 8 and addresses the experts' weights through the ranks it found (they sort to the stored order,
+// so the bytes are the same; the dependency is the real one); bit 3 (round 20): a layer has a
+// seventh phase after the attention's, with no weights: the merge of split attention, one more
+// all-to-all dependency (it loads the attention's output as its input; its wait and o_proj's
+// follow mask bit 2). ROUTE: the producer waits for the router phase everywhere before it issues
+// a layer's expert weights.
 template <bool SYNC, bool ROUTE, int VAR, int SL = SLOT, int CW = 8, int OPT = 0>
 __global__ void __launch_bounds__((CW + 1) * 32, 1)
     mma_ring(const Layer *layers, const uint8_t *lm, float *outs, const float *x0, unsigned *count, int steps,
@@ -150,26 +156,74 @@ __global__ void __launch_bounds__((CW + 1) * 32, 1)
   for (int i = threadIdx.x; i < ACC_MAX; i += (CW + 1) * 32) acc[i] = 0.f;
   for (int i = threadIdx.x; i < NSLOT * SLOT / 16; i += (CW + 1) * 32) ((uint4 *)ring)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
-  const int per_step = 6 * NL + 1;
+  constexpr bool TOPK = OPT & 4, MERGE = OPT & 8;
+  constexpr int PL = MERGE ? 7 : 6;  // phases a layer
+  const int per_step = PL * NL + 1;
   int slot = 0, par = 0;  // the next slot of the ring and its pass parity (the same on both sides)
+  unsigned remap = 0x76543210u;  // TOPK: the stored slot of each chosen expert, 4 bits each
   for (int s = 0; s < steps; s++) {
     for (int ph = 0; ph < per_step; ph++) {
-      const int l = ph < 6 * NL ? ph / 6 : NL - 1, p = ph < 6 * NL ? ph % 6 : 6;
-      const Phase P = phase_of(layers, lm, outs, x0, l, p, s & 1);
+      const int l = ph < PL * NL ? ph / PL : NL - 1, pp = ph < PL * NL ? ph % PL : PL;
+      const bool merge = MERGE && pp == 2;  // the null phase: phase 2's input, no rows
+      const int p = pp == PL ? 6 : MERGE && pp > 2 ? pp - 1 : pp;
+      Phase P = phase_of(layers, lm, outs, x0, l, p, s & 1);
+      if (merge) P.rows = 0;
       const int KS = P.K / 16, F = P.rows / 16 * KS;
       const int f0 = (int)((unsigned)F * c / G), f1 = (int)((unsigned)F * (c + 1) / G), nf = f1 - f0;  // F x G < 2^32
       const int nchunks = (nf + FPS - 1) / FPS;
       const unsigned done_before = (unsigned)(s * per_step + ph) * G;  // arrivals before phase ph may start
       if (warp == CW) {  // the producer
+        if (SYNC && ROUTE && p == 4 && lane == 0) wait_at_least(count, done_before);  // the router is done
+        if (TOPK && p == 4) {  // the whole warp: top 8 of the 128 logits, then their ranks
+          __syncwarp();
+          const float *lg = outs + (size_t)(s & 1) * PARITY + (size_t)l * LB + O_LOG;
+          float v[ROUTER / 32];
+#pragma unroll
+          for (int j = 0; j < ROUTER / 32; j++) v[j] = __ldcg(lg + lane + 32 * j);
+          int picked[E];
+#pragma unroll
+          for (int r = 0; r < E; r++) {
+            float bv = -INFINITY;
+            int bi = ROUTER;
+#pragma unroll
+            for (int j = 0; j < ROUTER / 32; j++)
+              if (v[j] > bv) bv = v[j], bi = lane + 32 * j;
+#pragma unroll
+            for (int off = 16; off; off >>= 1) {
+              const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+              const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+              if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+            }
+            picked[r] = bi;
+#pragma unroll
+            for (int j = 0; j < ROUTER / 32; j++)
+              if (bi == lane + 32 * j) v[j] = -INFINITY;
+          }
+          remap = 0;
+#pragma unroll
+          for (int r = 0; r < E; r++) {  // the expert of rank k is stored in slot k
+            int rank = 0;
+#pragma unroll
+            for (int q = 0; q < E; q++) rank += picked[q] < picked[r];
+            remap |= (unsigned)rank << (4 * rank);
+          }
+        }
         if (lane == 0) {
-          if (SYNC && ROUTE && p == 4) wait_at_least(count, done_before);  // the router is done
+          // fragments an expert (gate/up: 1,536 rows x 2,048; down: 2,048 rows x 768)
+          const int fpe = p == 4 ? 2 * I / 16 * (H / 16) : H / 16 * (I / 16);
           for (int k = 0; wait && k < nchunks; k++) {
-            const int n = min(FPS, nf - k * FPS);
+            const int n = min(FPS, nf - k * FPS), fi = f0 + k * FPS;
+            size_t at = (size_t)fi;
+            if (TOPK && (p == 4 || p == 5)) {  // a chunk that crosses into the next expert reads on:
+              // right, as the ranks sort to the stored order
+              const int e = fi / fpe;
+              at = (size_t)((remap >> (4 * e)) & 15u) * fpe + (fi - e * fpe);
+            }
             mbar_wait(empty + slot, par ^ 1);
             if (!copy)
               mbar_arrive(full + slot);
             else
-              bulk_load(ring + slot * SL, P.W + (size_t)(f0 + k * FPS) * FRAG, n * FRAG, full + slot);
+              bulk_load(ring + slot * SL, P.W + at * FRAG, n * FRAG, full + slot);
             if (++slot == NS) slot = 0, par ^= 1;
           }
         }
@@ -408,7 +462,10 @@ int main(int argc, char **argv) {
       {50, mma_ring<true, false, 0, SLOT, 8, 1>, 8},  {51, mma_ring<true, true, 0, SLOT, 8, 1>, 8},
       {52, mma_ring<true, false, 0, SLOT, 8, 2>, 8},  {53, mma_ring<true, true, 0, SLOT, 8, 2>, 8},
       {60, mma_ring<true, false, 0, 32768, 16, 1>, 16}, {61, mma_ring<true, true, 0, 32768, 16, 1>, 16},
-      {62, mma_ring<true, false, 0, 32768, 16, 2>, 16}, {63, mma_ring<true, true, 0, 32768, 16, 2>, 16}};
+      {62, mma_ring<true, false, 0, 32768, 16, 2>, 16}, {63, mma_ring<true, true, 0, 32768, 16, 2>, 16},
+      {70, mma_ring<true, true, 0, SLOT, 8, 4>, 8},     {71, mma_ring<true, true, 0, SLOT, 8, 12>, 8},
+      {72, mma_ring<true, true, 0, 32768, 16, 4>, 16},  {73, mma_ring<true, true, 0, 32768, 16, 12>, 16},
+      {74, mma_ring<true, false, 0, SLOT, 8, 8>, 8}};
   for (const Mode &m : kerns) CHECK(cudaFuncSetAttribute(m.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   struct Row {
     const char *name;
@@ -428,6 +485,14 @@ int main(int argc, char **argv) {
                       {"32k16w_noreload_syncs_6", 60, 0x7f},    {"32k16w_noreload_syncs_4_route_wait", 61, 0x75},
                       {"32k16w_release_syncs_6", 62, 0x7f},     {"32k16w_release_syncs_4_route_wait", 63, 0x75}};
   rowsx.insert(rowsx.end(), opts, opts + sizeof(opts) / sizeof(opts[0]));
+  // round 20: the real step's own dependencies (the top-k after the router wait, the attention's merge)
+  const Row real[] = {{"merge_syncs_7", 74, 0x7f},
+                      {"topk_syncs_6_route_wait", 70, 0x7f},
+                      {"topk_merge_syncs_7_route_wait", 71, 0x7f},
+                      {"topk_merge_syncs_5_route_wait", 71, 0x75},
+                      {"32k16w_topk_syncs_4_route_wait", 72, 0x75},
+                      {"32k16w_topk_merge_syncs_5_route_wait", 73, 0x75}};
+  rowsx.insert(rowsx.end(), real, real + sizeof(real) / sizeof(real[0]));
   const char *shapes[3] = {"mma32k", "mma16w", "mma32k16w"};
   for (int v = 0; v < 3; v++) {
     const int m = 20 + 10 * v;
@@ -448,7 +513,7 @@ int main(int argc, char **argv) {
 
   // correctness: one synced step, each checked phase against the host from the GPU's own input
   double worst = 0;
-  for (int mode : {10, 22, 32, 42, 52, 62}) {
+  for (int mode : {10, 22, 32, 42, 52, 62, 71, 73}) {
     launch(mode, 0x7f, 1);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
