@@ -465,7 +465,8 @@ int main(int argc, char **argv) {
       {62, mma_ring<true, false, 0, 32768, 16, 2>, 16}, {63, mma_ring<true, true, 0, 32768, 16, 2>, 16},
       {70, mma_ring<true, true, 0, SLOT, 8, 4>, 8},     {71, mma_ring<true, true, 0, SLOT, 8, 12>, 8},
       {72, mma_ring<true, true, 0, 32768, 16, 4>, 16},  {73, mma_ring<true, true, 0, 32768, 16, 12>, 16},
-      {74, mma_ring<true, false, 0, SLOT, 8, 8>, 8}};
+      {74, mma_ring<true, false, 0, SLOT, 8, 8>, 8},    {75, mma_ring<true, false, 0, 32768, 16, 8>, 16},
+      {76, mma_ring<true, false, 0, 32768, 16, 9>, 16}, {77, mma_ring<true, true, 0, 32768, 16, 13>, 16}};
   for (const Mode &m : kerns) CHECK(cudaFuncSetAttribute(m.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   struct Row {
     const char *name;
@@ -491,7 +492,12 @@ int main(int argc, char **argv) {
                       {"topk_merge_syncs_7_route_wait", 71, 0x7f},
                       {"topk_merge_syncs_5_route_wait", 71, 0x75},
                       {"32k16w_topk_syncs_4_route_wait", 72, 0x75},
-                      {"32k16w_topk_merge_syncs_5_route_wait", 73, 0x75}};
+                      {"32k16w_topk_merge_syncs_5_route_wait", 73, 0x75},
+                      // the experts known before the router (a perfect predictor), and the no-reload bounds
+                      {"32k16w_merge_syncs_5", 75, 0x75},
+                      {"32k16w_merge_syncs_7", 75, 0x7f},
+                      {"32k16w_noreload_merge_syncs_5", 76, 0x75},
+                      {"32k16w_noreload_topk_merge_syncs_5_route_wait", 77, 0x75}};
   rowsx.insert(rowsx.end(), real, real + sizeof(real) / sizeof(real[0]));
   const char *shapes[3] = {"mma32k", "mma16w", "mma32k16w"};
   for (int v = 0; v < 3; v++) {
@@ -513,7 +519,7 @@ int main(int argc, char **argv) {
 
   // correctness: one synced step, each checked phase against the host from the GPU's own input
   double worst = 0;
-  for (int mode : {10, 22, 32, 42, 52, 62, 71, 73}) {
+  for (int mode : {10, 22, 32, 42, 52, 62, 71, 73, 75}) {
     launch(mode, 0x7f, 1);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
