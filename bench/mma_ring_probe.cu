@@ -24,7 +24,9 @@
 // with the producer also waiting for the router before the experts, before six, four (a layer
 // whose q/k/v and attention share a phase and whose router is folded into o_proj's) and one;
 // the same with 32 KB slots and with 16 consumer warps; and two bounds on a dependency's cost
-// (no input reload after a wait; a release reduction as the arrival). Before timing, one synced
+// (no input reload after a wait; a release reduction as the arrival); round 20: the producer's
+// top-k after the router wait, the attention's merge as a seventh phase, both together, and the
+// merge with the experts known before the router (a perfect predictor). Before timing, one synced
 // step of each kernel shape is checked against a host reference computed from the same tiled
 // weights (each phase from the GPU's own input to it). Prints a table and writes JSON.
 #include <cuda_bf16.h>
