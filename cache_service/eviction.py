@@ -156,15 +156,19 @@ class AttentionPolicy(EvictionPolicy):
         # Step 1: pop live items, least mass then oldest first; stale items are dropped.
         # Step 2: protected blocks are skipped; every live item popped goes back afterwards (the
         # tier forgets the victims it really evicts, which makes their items stale).
+        # A key can have two live items (a change that left its mass as it was pushes an equal
+        # one): the second is dropped, so no key is chosen twice.
         chosen: list[BlockKey] = []
         popped: list[tuple[float, int, BlockKey]] = []
+        seen: set[BlockKey] = set()
         freed = 0
         while self._heap and freed < need_bytes:
             item = heapq.heappop(self._heap)
             mass, tick, key = item
             entry = self._entries.get(key)
-            if entry is None or entry.mass != mass or entry.tick != tick:
+            if entry is None or entry.mass != mass or entry.tick != tick or key in seen:
                 continue
+            seen.add(key)
             popped.append(item)
             if self.protected(key):
                 continue
