@@ -6,10 +6,15 @@ name exists, so put-if-absent holds across threads *and* processes, and readers 
 partial file (filesystems without hard links fall back to `os.replace`). At open the directory is
 scanned to rebuild the byte accounting. Processes sharing one directory each enforce the budget
 over the blocks they know (their own writes plus the scan at open).
+
+A filesystem fault (disk full, an I/O error, a path that is not a file) is a tier fault like a
+Redis one: counted in `moe_kv_tier_errors_total`, logged, and answered as a miss (get) or a
+rejected block (put, handed back for the tier below); it never raises to the caller.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
@@ -27,6 +32,7 @@ from cache_service.namespace import CacheNamespace
 from cache_service.tiers.base import PutResult, Tier
 
 _SUFFIX = ".kvb"
+log = logging.getLogger(__name__)
 
 
 class DiskTier(Tier):
@@ -72,9 +78,11 @@ class DiskTier(Tier):
                 continue
             for entry in os.scandir(sub):
                 if entry.name.endswith(_SUFFIX) and len(entry.name) == 32 + len(_SUFFIX):
-                    self._adopt(
-                        BlockKey(digest=bytes.fromhex(entry.name[:32])), entry.stat().st_size
-                    )
+                    try:  # (another process may evict it meanwhile; a foreign name is skipped)
+                        digest, size = bytes.fromhex(entry.name[:32]), entry.stat().st_size
+                    except (ValueError, OSError):
+                        continue
+                    self._adopt(BlockKey(digest=digest), size)
 
     def _adopt(self, key: BlockKey, size: int) -> None:
         if key not in self._sizes:
@@ -82,13 +90,25 @@ class DiskTier(Tier):
             self._used += size
             self._policy.admit(key, size)
 
+    def _fault(self, op: str, key: BlockKey, exc: OSError) -> None:
+        self.metrics.errors.labels(tier=self.name).inc()
+        log.warning("disk tier %s: %s of block %s failed: %s", self.root, op, key.hex, exc)
+
     def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for key in keys:
-            data = _read(self._path(key))
+            path = self._path(key)
+            try:
+                data = _read(path)
+            except OSError as exc:
+                self._fault("read", key, exc)
+                out.append(None)
+                continue
             with self._lock:
                 if data is None:
-                    self._forget_locked(key)
+                    # (a put may have written it since the read: forget it only if still absent)
+                    if key in self._sizes and not path.exists():
+                        self._forget_locked(key)
                 else:
                     self._adopt(key, len(data))
                     self._policy.touch(key)
@@ -114,7 +134,13 @@ class DiskTier(Tier):
                     evicted.append((key, data))
                     stored.append(False)
                     continue
-                created = self._write(key, data)
+                try:
+                    created = self._write(key, data)
+                except OSError as exc:
+                    self._fault("write", key, exc)
+                    evicted.append((key, data))  # rejected: the store passes it on
+                    stored.append(False)
+                    continue
                 self._adopt(key, size)
             stored.append(created)
             if created:
@@ -146,8 +172,15 @@ class DiskTier(Tier):
     def _evict_locked(self, need: int) -> list[tuple[BlockKey, bytes]]:
         out = []
         for victim in self._policy.victims(need):
-            data = _read(self._path(victim))
-            self._unlink(victim)
+            try:
+                data = _read(self._path(victim))
+            except OSError as exc:
+                self._fault("read", victim, exc)
+                data = None
+            try:
+                self._unlink(victim)
+            except OSError as exc:
+                self._fault("unlink", victim, exc)
             self._forget_locked(victim)
             if data is not None:
                 out.append((victim, data))
@@ -195,7 +228,8 @@ class DiskTier(Tier):
 
 
 def _read(path: Path) -> bytes | None:
-    """The file's bytes through mmap, None when absent (evicted, or never written)."""
+    """The file's bytes through mmap, None when absent (evicted, or never written); other
+    filesystem errors raise OSError."""
     try:
         with path.open("rb") as handle:
             size = os.fstat(handle.fileno()).st_size
