@@ -128,7 +128,7 @@ class DiskTier(Tier):
                     continue
                 need = self._used + size - self.capacity_bytes
                 self._policy.note(key)
-                if need > 0:
+                if need > 0 and size <= self.capacity_bytes:  # (a larger block passes on)
                     evicted.extend(self._evict_locked(need))
                 if self._used + size > self.capacity_bytes:
                     evicted.append((key, data))

@@ -69,11 +69,13 @@ class MemoryTier(Tier):
                     policy.touch(key)
                     stored.append(False)
                     continue
-                # Step 1: make room (the policy may refuse: sinks and windows are protected).
+                # Step 1: make room (the policy may refuse: sinks and windows are protected); a
+                # block larger than the whole tier is passed on without evicting anything.
                 need = self._used + size - self.capacity_bytes
                 policy.note(key)
                 if need > 0:
-                    evicted.extend(self._evict_locked(need))
+                    if size <= self.capacity_bytes:
+                        evicted.extend(self._evict_locked(need))
                     if self._used + size > self.capacity_bytes:
                         evicted.append((key, data))
                         stored.append(False)

@@ -267,3 +267,17 @@ def test_host_tier_keeps_the_object_or_a_private_copy():
             assert got == block and (got is block) is same
     with pytest.raises(CacheConfigError):
         TieredCache.from_urls(["host://?copy=yes"], capacities=[BLOCK], namespace=namespace())
+
+
+def test_a_block_larger_than_a_tier_passes_on_without_flushing_it(tmp_path):
+    keys = keys_for(3)
+    with _cache(tmp_path) as cache:
+        cache.put_many([(k, block_for(k, i)) for i, k in enumerate(keys[:2])])
+        device, host, disk = cache.tiers
+        assert device.contains(keys[:2]) == [True, True]
+        big = encode_block(torch.zeros(4 * BLOCK, dtype=torch.uint8), key=keys[2])
+        assert len(big) > host.capacity_bytes
+        cache.put(keys[2], big)  # (False: the top tier did not store it)
+        assert device.contains(keys[:2]) == [True, True]  # nothing was evicted for it
+        assert host.block_count() == 0 and disk.contains([keys[2]]) == [True]
+        assert cache.get(keys[2]) == big
