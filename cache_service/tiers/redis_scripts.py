@@ -46,32 +46,27 @@ out[2] = added_blocks
 return out
 """
 
-# Evict the least recently used blocks of one run until ARGV[1] bytes are freed.
-# ARGV: need_bytes, value key prefix, return_values (1/0). Returns
-# {freed_bytes, freed_blocks, blocks_left_in_run, {member, value, member, value, ...}}.
-EVICT_LRU = """
+# The least recently used blocks of one run that free ARGV[1] bytes, with their values; it
+# changes nothing (an eviction deletes them afterwards with DELETE, once the caller holds the
+# values: a reply lost on the way cannot take blocks with it).
+# ARGV: need_bytes, value key prefix. Returns {member, value, member, value, ...}; the value is
+# nil where the block's value is gone (expired) but it is still indexed.
+PEEK_LRU = """
 local need = tonumber(ARGV[1])
-local freed, count = 0, 0
+local freed, start = 0, 0
 local out = {}
 while freed < need do
-  local popped = redis.call('ZPOPMIN', KEYS[1], 1)
-  if #popped == 0 then break end
-  local member = popped[1]
-  local size = tonumber(redis.call('HGET', KEYS[2], member) or '0')
-  redis.call('HDEL', KEYS[2], member)
-  local key = ARGV[2] .. member
-  if ARGV[3] == '1' then
-    local value = redis.call('GET', key)
-    if value then
-      out[#out + 1] = member
-      out[#out + 1] = value
-    end
+  local batch = redis.call('ZRANGE', KEYS[1], start, start + 63)
+  if #batch == 0 then break end
+  for _, member in ipairs(batch) do
+    if freed >= need then break end
+    out[#out + 1] = member
+    out[#out + 1] = redis.call('GET', ARGV[2] .. member)
+    freed = freed + tonumber(redis.call('HGET', KEYS[2], member) or '0')
   end
-  redis.call('UNLINK', key)
-  freed = freed + size
-  count = count + 1
+  start = start + 64
 end
-return {freed, count, redis.call('ZCARD', KEYS[1]), out}
+return out
 """
 
 # Delete given blocks of one run. ARGV: value key prefix, member_1, member_2, ...

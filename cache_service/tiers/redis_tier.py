@@ -386,12 +386,13 @@ class RedisTier(Tier):
     def _enforce_budget(self) -> list[tuple[BlockKey, bytes]]:
         """Evict LRU blocks of the LRU runs until the namespace total fits the budget.
 
-        The rounds that completed before a fault are still returned, so that the store demotes
-        the blocks they removed from Redis."""
+        Each round reads the victims and their values first (PEEK_LRU, which changes nothing),
+        then deletes them (DELETE): whatever fails after the read, the blocks it names are
+        returned for the store to demote, also when the call as a whole fails."""
         out: list[tuple[BlockKey, bytes]] = []
 
         def work(client: Any) -> list[tuple[BlockKey, bytes]]:
-            sha = self._sha(client, "EVICT_LRU")
+            peek, delete = self._sha(client, "PEEK_LRU"), self._sha(client, "DELETE")
             used = int(client.hget(self._meta, "bytes") or 0)
             for _ in range(_EVICT_ROUNDS):
                 over = used - self.capacity_bytes
@@ -402,13 +403,19 @@ class RedisTier(Tier):
                     break
                 run = oldest[0].decode()
                 index, sizes = self._index_keys(run)
-                freed, count, left, pairs = client.execute_command(
-                    "EVALSHA", sha, 2, index, sizes, over, self._value_prefix(run), 1
-                )
+                prefix = self._value_prefix(run)
+                pairs = client.execute_command("EVALSHA", peek, 2, index, sizes, over, prefix)
+                members = pairs[::2]
                 run_bytes = bytes.fromhex(run)
-                gone = [bytes.fromhex(member.decode()) for member in pairs[::2]]
+                gone = [bytes.fromhex(member.decode()) for member in members]
                 for digest, value in zip(gone, pairs[1::2], strict=True):
-                    out.append((BlockKey(digest=digest, run=run_bytes), value))
+                    if value is not None:
+                        out.append((BlockKey(digest=digest, run=run_bytes), value))
+                freed = count = left = 0
+                if members:
+                    freed, count, _, left = client.execute_command(
+                        "EVALSHA", delete, 2, index, sizes, prefix, *members
+                    )
                 self._forget_refreshed(gone)
                 self.metrics.evictions.labels(tier=self.name).inc(int(count))
                 pipe = client.pipeline(transaction=False)

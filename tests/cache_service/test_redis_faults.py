@@ -105,13 +105,13 @@ def test_blocks_demoted_into_a_cut_redis_go_on_to_disk(tmp_path):
 
 
 def test_blocks_an_interrupted_redis_eviction_removed_still_go_to_disk(tmp_path):
-    """Redis evicts a run (its script removes the blocks), then the bookkeeping after it fails:
+    """Redis evicts a run: the delete removes the blocks and then fails (as a lost reply would):
     the removed blocks must still reach the disk tier. The fault is real: this server's default
-    user may not run ZREM, which the tier sends once a run is empty."""
+    user may not run ZCARD, the last command of the delete script, after its deletions."""
     server = RedisServer().start()
     try:
         with redis.Redis(port=server.port) as admin:
-            admin.execute_command("ACL", "SETUSER", "default", "-zrem")
+            admin.execute_command("ACL", "SETUSER", "default", "-zcard")
         url = f"redis://127.0.0.1:{server.port}/0?{OPTS}"
         seqs = [keys_for(10, seed=s) for s in range(4)]  # four runs of ten blocks
         with TieredCache.from_urls(
