@@ -47,6 +47,7 @@ from deploy.limits import (
 from deploy.model_server import ModelServer
 from deploy.openai_protocol import (
     MAX_BODY_BYTES,
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
@@ -185,6 +186,13 @@ class OpenAIIngress:
         else:
             prompts = req.prompts()
             budget_param = "max_tokens"
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise ProtocolError(
+                400,
+                f"the request asks for {len(prompts)} prompts x n={req.n} = "
+                f"{len(prompts) * req.n} choices; the limit is {MAX_CHOICES}",
+                param="prompt" if len(prompts) > 1 else "n",
+            )
         jobs = []
         for prompt in prompts:
             for j in range(req.n):

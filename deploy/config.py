@@ -23,6 +23,7 @@ the field (`serve.yaml: engine.block_size: ...`); `to_serve_config(cfg)` returns
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,8 +72,8 @@ def parse_size(value: int | str, field: str) -> int:
         amount = float(number)
     except ValueError:
         raise ValueError(f"{field}={value!r} is not a size like 512, 64K, 8G") from None
-    if amount < 0:
-        raise ValueError(f"{field}={value!r} must be >= 0")
+    if not math.isfinite(amount) or amount < 0:
+        raise ValueError(f"{field}={value!r} must be a finite size >= 0")
     return int(amount * units[unit])
 
 
@@ -378,6 +379,10 @@ def load_serve_config(path: str | Path) -> ServeConfig:
         text = path.read_text()
     except OSError as exc:
         raise InputError(f"{path}: cannot read the serve config ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{path}: the serve config is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

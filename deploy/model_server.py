@@ -63,8 +63,16 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """The prompt token ids of a chat request (the checkpoint's chat template)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    """The prompt token ids of a chat request (the checkpoint's chat template); a template that
+    refuses the messages (roles that must alternate, no template at all) is a 400."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError) as exc:
+        raise ProtocolError(
+            400, f"the model's chat template refused the messages: {exc}", param="messages"
+        ) from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

@@ -34,6 +34,13 @@ MAX_COMPLETION_LOGPROBS = 5
 """OpenAI's limit on `logprobs` of /v1/completions."""
 MAX_CHAT_TOP_LOGPROBS = 20
 """OpenAI's limit on `top_logprobs` of /v1/chat/completions."""
+MAX_CHOICES = 256
+"""Most choices one request may ask for (prompts x n): each is an engine job of its own."""
+MAX_TOP_K = 2**31 - 1
+"""Largest `top_k` (the engine packs it into a 32-bit field; any value over the vocabulary
+means no filter)."""
+_ECHO_CHARS = 100
+"""How much of an offending value an error message repeats."""
 
 
 class ProtocolError(Exception):
@@ -77,7 +84,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
     """Extension: 0 = no top-k filter."""
     n: int = Field(default=1, ge=1, le=8)
     stream: bool = False
@@ -226,7 +233,9 @@ def parse_request(body: bytes, kind: Literal["completion", "chat"]) -> _Request:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(400, f"request body is not valid JSON: {exc}") from None
+        raise ProtocolError(400, f"request body is not valid JSON: {_short(exc)}") from None
+    except RecursionError:
+        raise ProtocolError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ProtocolError(400, f"request body must be a JSON object, got {type(data).__name__}")
     cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
@@ -238,9 +247,19 @@ def parse_request(body: bytes, kind: Literal["completion", "chat"]) -> _Request:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
             raise ProtocolError(400, f"'{param}' is a required property", param=param) from None
+        if param is None:  # a check across fields: its message names them
+            raise ProtocolError(400, f"invalid request: {_short(msg)}") from None
         raise ProtocolError(
-            400, f"invalid '{param}': {msg} (got {err.get('input')!r})", param=param
+            400,
+            f"invalid '{param}': {_short(msg)} (got {_short(repr(err.get('input')))})",
+            param=param,
         ) from None
+
+
+def _short(text: object) -> str:
+    """An error message's echo of client input, cut to _ECHO_CHARS characters."""
+    text = str(text)
+    return text if len(text) <= _ECHO_CHARS else f"{text[:_ECHO_CHARS]}... ({len(text)} chars)"
 
 
 def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int, param: str) -> None:

@@ -55,6 +55,10 @@ def serve_command(
 
     from deploy.config import load_serve_config, parse_serve_config, to_serve_config
 
+    if as_json and not print_serve_config:
+        raise typer.BadParameter(
+            "--json only applies with --print-serve-config", param_hint="--json"
+        )
     cfg = load_serve_config(config)
     overrides = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     if overrides:  # validated like the file's own values

@@ -119,6 +119,13 @@ def test_missing_model_and_bad_files(tmp_path):
     top.write_text("- 1\n")
     with pytest.raises(InputError, match="expected a mapping"):
         load_serve_config(top)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"model: {path: demo}\n\xff\xfe\n")
+    with pytest.raises(InputError, match=r"binary\.yaml: the serve config is not UTF-8"):
+        load_serve_config(binary)
+    for size in ("inf", "1e400", "infG", "nan"):
+        with pytest.raises(InputError, match="must be a finite size"):
+            parse_serve_config(_base(engine={"kv_memory": size}), origin="x")
 
 
 def test_default_policy_leaves_serve_policy_in_place():
@@ -148,6 +155,9 @@ def test_moectl_serve_bad_input_is_one_line_exit_2(moectl, tmp_path):
     bad.write_text("model: {path: demo}\nengine: {block_size: -4}\n")
     code, _, err = moectl("serve", "-c", bad, "--print-serve-config")
     assert code == 2 and "engine.block_size" in err
+    # --json alone used to be ignored, and the server started
+    code, _, err = moectl("serve", "-c", EXAMPLE, "--json")
+    assert code == 2 and "--print-serve-config" in err
 
 
 def test_disaggregated_example_yields_two_pools_with_their_router():

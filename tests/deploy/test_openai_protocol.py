@@ -92,6 +92,8 @@ def test_valid_requests_parse():
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
         ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
         ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+        # the engine packs top_k into 32 bits: a larger one failed every request on its replica
+        ({"model": "m", "prompt": "x", "top_k": 2**63}, "top_k"),
     ],
 )
 def test_bad_completion_fields_are_400_naming_the_param(data, param):
@@ -188,6 +190,16 @@ def test_malformed_bodies():
     assert "not valid JSON" in _error(b"{not json").message
     assert _error(b"[1, 2]").status == 400
     assert _error(b"\xff\xfe").status == 400
+    nested = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert "nested too deeply" in _error(nested).message  # was a RecursionError: a 500
+
+
+def test_error_messages_echo_at_most_a_short_piece_of_the_input():
+    err = _error({"model": "m", "prompt": "x", "stop": ["a" * 100_000, ""]})
+    assert err.param == "stop" and len(err.message) < 400
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 100_000}]}
+    err = _error({**chat, "top_logprobs": 1}, "chat")  # a check across fields: no 'None'
+    assert len(err.message) < 400 and "None" not in err.message and "top_logprobs" in err.message
     big = json.dumps({"model": "m", "prompt": "a" * MAX_BODY_BYTES}).encode()
     err = _error(big)
     assert (err.status, err.code) == (413, "request_too_large")

@@ -284,6 +284,8 @@ def test_disconnect_returns_kv_blocks(server, client):
             "prompt",
             "context_length_exceeded",
         ),
+        # every choice (prompt x n) is an engine job: a request may ask for 256 at most
+        ("/v1/completions", {"model": MODEL, "prompt": [[1]] * 40, "n": 8}, 400, "prompt", None),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
         (
             "/v1/chat/completions",

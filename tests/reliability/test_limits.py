@@ -172,3 +172,24 @@ def test_replica_unavailable_is_a_503_with_retry_after_even_through_ray():
         assert out.type == "server_error"
     assert unavailable(RuntimeError("a bug")) is None
     assert sse_error(out).startswith('data: {"error":') and sse_error(out).endswith("\n\n")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}",  # a refusal
+        None,  # a checkpoint with no chat template
+    ],
+)
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tokenizer, template):
+    from deploy.model_server import chat_prompt_ids
+
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template
+    try:
+        with pytest.raises(ProtocolError) as info:
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": "a"}] * 2)
+    finally:
+        tokenizer.chat_template = original
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert "\n" not in info.value.message
