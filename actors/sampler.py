@@ -29,6 +29,10 @@ import torch
 
 from cluster.errors import InputError
 
+MAX_TOP_K = 2**31 - 1
+"""Largest top_k (a step carries it as an int64 word; any value over the vocabulary means no
+filter). The HTTP layer has the same bound (deploy/openai_protocol.py)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -54,8 +58,8 @@ class SamplingParams:
             raise InputError(f"max_tokens={self.max_tokens} must be at least 1")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise InputError(f"temperature={self.temperature} must be a finite number >= 0")
-        if self.top_k < 0:
-            raise InputError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InputError(f"top_k={self.top_k} must be in 0..{MAX_TOP_K} (0 disables it)")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p={self.top_p} must be in (0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

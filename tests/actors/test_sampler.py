@@ -116,7 +116,14 @@ def test_logprobs_are_the_raw_log_softmax():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_tokens": 0}, {"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"stop": ("",)}],
+    [
+        {"max_tokens": 0},
+        {"temperature": -1.0},
+        {"top_k": -2},
+        {"top_k": 2**63},
+        {"top_p": 0.0},
+        {"stop": ("",)},
+    ],
 )
 def test_bad_params_are_one_line_input_errors(kwargs):
     with pytest.raises(InputError) as err:

@@ -92,7 +92,7 @@ def test_valid_requests_parse():
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
         ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
         ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
-        # the engine packs top_k into 32 bits: a larger one failed every request on its replica
+        # past int64 the step's wire format failed, and with it every request on the replica
         ({"model": "m", "prompt": "x", "top_k": 2**63}, "top_k"),
     ],
 )
