@@ -74,7 +74,22 @@ def serve_command(
         else:
             print(yaml.safe_dump(serve_cfg, sort_keys=False), end="")
         return
+    _check_local_model(cfg, address)
     _run(cfg, address)
+
+
+def _check_local_model(cfg, address: str | None) -> None:
+    """With a local Ray the replicas load the checkpoint from this machine: a folder that is not
+    here is a one-line error before anything starts. (On a cluster the path is the nodes'.)"""
+    from cluster.errors import InputError
+    from deploy.config import DEMO_MODEL
+
+    path = Path(cfg.model.path).expanduser()
+    if address is None and cfg.model.path != DEMO_MODEL and not path.is_dir():
+        raise InputError(
+            f"model.path={cfg.model.path!r}: no checkpoint folder there on this machine, where a "
+            "local Ray would load it (give --address for a cluster whose nodes have it)"
+        )
 
 
 def _start_cache(cfg):

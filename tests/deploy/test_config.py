@@ -158,6 +158,11 @@ def test_moectl_serve_bad_input_is_one_line_exit_2(moectl, tmp_path):
     # --json alone used to be ignored, and the server started
     code, _, err = moectl("serve", "-c", EXAMPLE, "--json")
     assert code == 2 and "--print-serve-config" in err
+    # a checkpoint folder that is not here: refused before Ray or the cache start
+    absent = tmp_path / "absent-model.yaml"
+    absent.write_text(f"model: {{path: {tmp_path / 'no-such-checkpoint'}}}\n")
+    code, _, err = moectl("serve", "-c", absent)
+    assert code == 2 and "no-such-checkpoint" in err and err.count("\n") == 1
 
 
 def test_disaggregated_example_yields_two_pools_with_their_router():
