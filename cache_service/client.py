@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cache_service.block_key import BlockKey
+from cache_service.block_key import WIRE_BYTES, BlockKey
 from cache_service.errors import CacheConfigError, CacheError, CacheUnavailable
 from cache_service.proto import kvcache_pb2 as pb
 from cache_service.proto import kvcache_pb2_grpc as pb_grpc
@@ -92,6 +92,10 @@ class CacheClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.chunk_bytes = chunk_bytes
+        # keys a request carries: its wire form under the message limit, with headroom
+        self._keys_per_request = max(
+            1, min(_KEYS_PER_REQUEST, (max_message_bytes - 4096) // WIRE_BYTES)
+        )
         self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -117,19 +121,21 @@ class CacheClient:
     def get_many(
         self, keys: Sequence[BlockKey | bytes], *, timeout_s: float | None = None
     ) -> list[bytes | None]:
-        """One entry per key, in order: the block, or None for a miss or a fault."""
+        """One entry per key, in order: the block, or None for a miss or a fault. Long key
+        lists go out in requests of _KEYS_PER_REQUEST keys (each under the message limit)."""
         if not keys:
             return []
-        wire_keys = [_wire(k) for k in keys]
-        packed = b"".join(wire_keys)
+        found: list[bytes | None] = []
+        for part in _parts(keys, self._keys_per_request):
+            wire_keys = [_wire(k) for k in part]
+            request = pb.KeyList(packed_keys=b"".join(wire_keys))
 
-        def attempt(remaining: float) -> list[bytes | None]:
-            stream = self._stub.Get(
-                pb.KeyList(packed_keys=packed), timeout=remaining, metadata=self._metadata
-            )
-            return _reassemble(stream, wire_keys)
+            def attempt(remaining: float, request=request, wire_keys=wire_keys) -> list:
+                stream = self._stub.Get(request, timeout=remaining, metadata=self._metadata)
+                return _reassemble(stream, wire_keys)
 
-        return self._value("get", attempt, [None] * len(keys), timeout_s)
+            found += self._value("get", attempt, [None] * len(part), timeout_s)
+        return found
 
     def put(self, key: BlockKey | bytes, block: bytes, *, timeout_s: float | None = None) -> bool:
         """Store `block` (an encoded block whose header names `key`); False when not stored."""
@@ -176,7 +182,7 @@ class CacheClient:
         self, keys: Sequence[BlockKey | bytes], *, timeout_s: float | None = None
     ) -> list[bool]:
         present: list[bool] = []
-        for part in _parts(keys):
+        for part in _parts(keys, self._keys_per_request):
             request = pb.KeyList(packed_keys=_pack(part))
             reply = self._answer("contains", self._stub.Contains, request, timeout_s)
             present += list(reply.present)
@@ -187,7 +193,7 @@ class CacheClient:
     ) -> int:
         """How many leading keys of `keys` the cache holds."""
         length = 0
-        for part in _parts(keys):
+        for part in _parts(keys, self._keys_per_request):
             request = pb.KeyList(packed_keys=_pack(part))
             found = self._answer("longest_prefix", self._stub.LongestPrefix, request, timeout_s)
             length += found.length
@@ -198,7 +204,7 @@ class CacheClient:
     def evict(self, keys: Sequence[BlockKey | bytes], *, timeout_s: float | None = None) -> int:
         """Drop `keys` from every tier; returns how many (key, tier) entries were removed."""
         evicted = 0
-        for part in _parts(keys):
+        for part in _parts(keys, self._keys_per_request):
             request = pb.KeyList(packed_keys=_pack(part))
             evicted += self._answer("evict", self._stub.Evict, request, timeout_s).evicted
         return evicted
@@ -306,12 +312,12 @@ def _pack(keys: Iterable[BlockKey | bytes]) -> bytes:
     return b"".join(_wire(k) for k in keys)
 
 
-def _parts(keys: Sequence[BlockKey | bytes]) -> Iterator[Sequence[bytes]]:
+def _parts(keys: Sequence[BlockKey | bytes], size: int) -> Iterator[Sequence[bytes]]:
     """Key lists split so each request stays under the message limit (at least one part)."""
     if not keys:
         yield keys
-    for start in range(0, len(keys), _KEYS_PER_REQUEST):
-        yield keys[start : start + _KEYS_PER_REQUEST]
+    for start in range(0, len(keys), size):
+        yield keys[start : start + size]
 
 
 def _chunks(items: Sequence[tuple[bytes, bytes]], chunk_bytes: int) -> Iterator[pb.BlockChunk]:

@@ -76,6 +76,24 @@ def test_unknown_key_is_a_miss_not_a_fault(client):
     assert client.faults == {}
 
 
+def test_a_key_list_past_one_message_is_split_not_lost(served):
+    """A client whose messages are limited to 256 KiB (~5,000 keys in wire form) asks for
+    12,000: it splits them (before, get_many sent one request, and every block came back as a
+    miss; at the default 8 MiB that was any prefix over ~161,000 blocks)."""
+    server, _, _ = served
+    keys = chain_keys(12_000, seed=5)
+    ends = [keys[0], keys[-1]]
+    blocks = blocks_for(ends, 100, seed=5)
+    small = {"max_message_bytes": 256 * 1024, "chunk_bytes": 128 * 1024, "timeout_s": 30.0}
+    with CacheClient(server.address, **small) as client:
+        assert client.put_many(list(zip(ends, blocks, strict=True))) == [True, True]
+        got = client.get_many(keys)
+        assert len(got) == len(keys) and [got[0], got[-1]] == blocks
+        assert sum(g is not None for g in got) == 2
+        assert client.contains(keys)[-1] and client.longest_prefix(keys) == 1
+        assert client.faults == {}
+
+
 def test_longest_prefix_contains_and_evict(client):
     keys = chain_keys(8, seed=3)
     blocks = blocks_for(keys, 256, seed=3)
