@@ -14,6 +14,7 @@ rejected block (put, handed back for the tier below); it never raises to the cal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -32,6 +33,10 @@ from cache_service.namespace import CacheNamespace
 from cache_service.tiers.base import PutResult, Tier
 
 _SUFFIX = ".kvb"
+_TMP_PREFIX = ".tmp-"
+_STALE_TMP_S = 600.0
+"""A temporary file this old is left over from a write that died (a crash); the scan removes it.
+A younger one may be another process's write in progress."""
 log = logging.getLogger(__name__)
 
 
@@ -72,12 +77,18 @@ class DiskTier(Tier):
         return self.root / key.hex[:2] / f"{key.hex}{_SUFFIX}"
 
     def _scan(self) -> None:
-        """Adopt blocks already on disk (from an earlier run or another process)."""
+        """Adopt blocks already on disk (from an earlier run or another process); remove the
+        temporary files of writes that died."""
+        stale = time.time() - _STALE_TMP_S
         for sub in self.root.iterdir():
             if not sub.is_dir():
                 continue
             for entry in os.scandir(sub):
-                if entry.name.endswith(_SUFFIX) and len(entry.name) == 32 + len(_SUFFIX):
+                if entry.name.startswith(_TMP_PREFIX):
+                    with contextlib.suppress(OSError):
+                        if entry.stat().st_mtime < stale:
+                            os.unlink(entry.path)
+                elif entry.name.endswith(_SUFFIX) and len(entry.name) == 32 + len(_SUFFIX):
                     try:  # (another process may evict it meanwhile; a foreign name is skipped)
                         digest, size = bytes.fromhex(entry.name[:32]), entry.stat().st_size
                     except (ValueError, OSError):
@@ -153,7 +164,7 @@ class DiskTier(Tier):
         """Step 1: write a temp file; Step 2: link it to the final name (fails if present)."""
         final = self._path(key)
         final.parent.mkdir(exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=_TMP_PREFIX)
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)

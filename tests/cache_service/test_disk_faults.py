@@ -11,11 +11,11 @@ from tests.cache_service.kv_blocks import block_for, keys_for, namespace
 BLOCK = len(block_for(keys_for(1)[0], 0))
 
 
-def _host_and_disk(tmp_path):
+def _host_and_disk(tmp_path, ns=None):
     return TieredCache.from_urls(
         ["host://", f"file://{tmp_path}/kv"],
         capacities=[2 * BLOCK, 100 * BLOCK],
-        namespace=namespace(),
+        namespace=ns or namespace(),
     )
 
 
@@ -68,3 +68,20 @@ def test_a_put_that_lands_between_a_get_miss_and_its_bookkeeping_stays_tracked(
         monkeypatch.setattr(disk_module, "_read", read_then_a_put_lands)
         assert disk.get_many([key]) == [None]  # the miss it read
         assert disk.block_count() == 1 and disk.used_bytes() == len(data)
+
+
+def test_the_scan_removes_temporary_files_of_writes_that_died(tmp_path):
+    import os
+    import time
+
+    ns = namespace()
+    with _host_and_disk(tmp_path, ns) as cache:
+        folder = cache.tiers[1].root / "ab"
+    folder.mkdir()
+    old, fresh = folder / ".tmp-died", folder / ".tmp-in-progress"
+    old.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"y" * 100)
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    with _host_and_disk(tmp_path, ns):  # a new process on the same folder
+        assert not old.exists() and fresh.exists()
