@@ -4,6 +4,9 @@ by a file or a directory (this works as root too, where permission tricks do not
 
 from __future__ import annotations
 
+import os
+import time
+
 import cache_service.tiers.disk as disk_module
 from cache_service.store import TieredCache
 from tests.cache_service.kv_blocks import block_for, keys_for, namespace
@@ -71,9 +74,6 @@ def test_a_put_that_lands_between_a_get_miss_and_its_bookkeeping_stays_tracked(
 
 
 def test_the_scan_removes_temporary_files_of_writes_that_died(tmp_path):
-    import os
-    import time
-
     ns = namespace()
     with _host_and_disk(tmp_path, ns) as cache:
         folder = cache.tiers[1].root / "ab"
