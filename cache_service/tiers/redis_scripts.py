@@ -9,17 +9,19 @@ run's hash tag, so every script is valid on Redis Cluster.
 # the plain `SET <value key> <value> NX [PX ttl]` commands of the same blocks, so no other client
 # runs in between: a value key absent now is exactly one whose SET NX will succeed. The values
 # themselves never pass through Lua (no extra copies inside Redis).
-# ARGV: ttl_ms (0 = none), score, then member_1, size_1, member_2, size_2, ...; KEYS[3..] are the
-# value keys in the same order. Returns {added_bytes, added_blocks, flag_1, flag_2, ...}
-# (flag 1 = will be newly stored). A member whose value expired (TTL) but is still indexed is
-# re-stored and its old size is replaced, not added twice.
+# ARGV: score, then member_1, size_1, member_2, size_2, ...; KEYS[3..] are the value keys in the
+# same order. Returns {added_bytes, added_blocks, flag_1, flag_2, ...} (flag 1 = will be newly
+# stored). The index and size hash carry no TTL even when the values do: a block whose value
+# expired stays indexed, and counted in the namespace's byte total, until an eviction reaches it
+# and frees its recorded size (were the index to expire too, nothing would ever subtract those
+# bytes). A member whose value expired but is still indexed is re-stored and its old size is
+# replaced, not added twice.
 INDEX_PUT = """
-local ttl = tonumber(ARGV[1])
-local score = ARGV[2]
+local score = ARGV[1]
 local added_bytes, added_blocks = 0, 0
 local out = {0, 0}
 for i = 3, #KEYS do
-  local j = 3 + (i - 3) * 2
+  local j = 2 + (i - 3) * 2
   local member, size = ARGV[j], tonumber(ARGV[j + 1])
   if redis.call('EXISTS', KEYS[i]) == 0 then
     local old = redis.call('HGET', KEYS[2], member)
@@ -36,10 +38,6 @@ for i = 3, #KEYS do
     redis.call('ZADD', KEYS[1], 'XX', score, member)
     out[#out + 1] = 0
   end
-end
-if ttl > 0 then
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  redis.call('PEXPIRE', KEYS[2], ttl)
 end
 out[1] = added_bytes
 out[2] = added_blocks

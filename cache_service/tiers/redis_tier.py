@@ -326,7 +326,7 @@ class RedisTier(Tier):
         def queue(pipe: Any, run: str, idx: list[int], now: float) -> None:
             index, sizes = self._index_keys(run)
             value_keys = [self.value_key(items[i][0]) for i in idx]
-            argv: list[Any] = [self.ttl_ms, now]
+            argv: list[Any] = [now]
             for i in idx:
                 argv += [items[i][0].hex, len(items[i][1])]
             # EVAL, not EVALSHA: inside MULTI a missing script would fail alone and let the SETs

@@ -179,6 +179,23 @@ def test_ttl_is_applied(redis_url, ns):
         raw.close()
 
 
+def test_expired_blocks_leave_the_budget_when_an_eviction_reaches_them(redis_url, ns):
+    """With a TTL the values expire but their index stays: the eviction that reaches them frees
+    their recorded bytes. (When the index expired with them, those bytes stayed counted forever:
+    here the next run's own blocks were evicted instead, and the budget shrank for good.)"""
+    old, new = keys_for(8, seed=1), keys_for(8, seed=2)  # two runs
+    with _redis_cache(f"{redis_url}?ttl_s=0.5", ns, blocks=10) as cache:
+        tier = cache.tiers[0]
+        cache.put_many([(k, block_for(k, i)) for i, k in enumerate(old)])
+        deadline = time.monotonic() + 10
+        while any(tier.contains(old)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(tier.contains(old))  # expired
+        assert cache.put_many([(k, block_for(k, i)) for i, k in enumerate(new)]) == [True] * 8
+        assert tier.contains(new) == [True] * 8
+        assert tier.used_bytes() <= 10 * BLOCK  # (expired blocks not yet reached still count)
+
+
 def test_longest_prefix_of_a_million_tokens_is_one_round_trip_per_tier(redis_url, ns, tmp_path):
     keys = keys_for(62_500)
     with TieredCache.from_urls(
