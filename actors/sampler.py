@@ -6,7 +6,7 @@ number of row r is a pure function of (seed_r, step_r), where step is the index 
 generated in its request. A request resumed after a fault (or preempted and recomputed) with the
 same seed therefore draws the same numbers as the fault-free run.
 
-Sampling a row with temperature T > 0:
+Sampling a row with temperature T > 0 (T below GREEDY_BELOW, 1e-5, is greedy):
   Step 1: scaled logits z = logits / T; probabilities p = softmax(z), sorted descending (ties by
           token id).
   Step 2: top-k keeps the k most probable tokens; top-p keeps the shortest leading run whose
@@ -29,6 +29,9 @@ import torch
 
 from cluster.errors import InputError
 
+GREEDY_BELOW = 1e-5
+"""A temperature under this samples greedily, as in vLLM: dividing logits by a subnormal one
+overflows to inf and the probabilities to NaN."""
 MAX_TOP_K = 2**31 - 1
 """Largest top_k (a step carries it as an int64 word; any value over the vocabulary means no
 filter). The HTTP layer has the same bound (deploy/openai_protocol.py)."""
@@ -87,7 +90,7 @@ class RowSampling:
         dataclass's __init__ sets each through object.__setattr__ (1.4 vs ~0.5 us here)."""
         row = object.__new__(cls)
         row.__dict__.update(
-            temperature=params.temperature,
+            temperature=params.temperature if params.temperature >= GREEDY_BELOW else 0.0,
             top_k=params.top_k,
             top_p=params.top_p,
             seed=seed,

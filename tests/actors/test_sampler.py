@@ -87,6 +87,15 @@ def test_greedy_is_argmax_with_the_lowest_id_on_ties():
     assert sample(logits, [row, row])[0] == [1, 0]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(4))
+    rows = [
+        RowSampling.of(SamplingParams(temperature=temperature), seed=s, step=0) for s in range(3)
+    ]
+    assert sample(logits, rows)[0] == logits.argmax(dim=-1).tolist()
+
+
 def test_rows_do_not_depend_on_their_neighbours():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=gen)
