@@ -166,9 +166,14 @@ class OpenAIIngress:
             )
         chat = isinstance(req, ChatCompletionRequest)
         budget = req.budget() if chat else req.max_tokens
+        budget_param = (
+            "max_completion_tokens"
+            if chat and req.max_completion_tokens is not None
+            else "max_tokens"
+        )
         if budget is not None and budget < 1:
             raise ProtocolError(
-                400, f"invalid max_tokens: {budget} must be at least 1", param="max_tokens"
+                400, f"invalid {budget_param}: {budget} must be at least 1", param=budget_param
             )
         params = {
             "max_tokens": budget,
@@ -180,12 +185,7 @@ class OpenAIIngress:
             "ignore_eos": req.ignore_eos,
             "logprobs": req.logprobs_asked() if chat else req.logprobs,
         }
-        if chat:
-            prompts: list[Any] = [None]
-            budget_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        else:
-            prompts = req.prompts()
-            budget_param = "max_tokens"
+        prompts: list[Any] = [None] if chat else req.prompts()
         if len(prompts) * req.n > MAX_CHOICES:
             raise ProtocolError(
                 400,

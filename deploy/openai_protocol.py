@@ -76,6 +76,12 @@ class ProtocolError(Exception):
         }
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool = False
+
+
 class _Request(BaseModel):
     # Unknown fields are ignored (clients send vendor extras), known ones are typed strictly.
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -88,7 +94,7 @@ class _Request(BaseModel):
     """Extension: 0 = no top-k filter."""
     n: int = Field(default=1, ge=1, le=8)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -116,7 +122,7 @@ class _Request(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Request):

@@ -92,6 +92,10 @@ def test_valid_requests_parse():
         ({"model": "m", "prompt": "x", "echo": True}, "echo"),
         ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
         ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+        (  # a string used to count as true
+            {"model": "m", "prompt": "x", "stream_options": {"include_usage": "no"}},
+            "stream_options.include_usage",
+        ),
         # past int64 the step's wire format failed, and with it every request on the replica
         ({"model": "m", "prompt": "x", "top_k": 2**63}, "top_k"),
     ],

@@ -287,6 +287,17 @@ def test_disconnect_returns_kv_blocks(server, client):
         # every choice (prompt x n) is an engine job: a request may ask for 256 at most
         ("/v1/completions", {"model": MODEL, "prompt": [[1]] * 40, "n": 8}, 400, "prompt", None),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
+        (  # the error names the field the client sent
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_completion_tokens": 0,
+            },
+            400,
+            "max_completion_tokens",
+            None,
+        ),
         (
             "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
