@@ -122,7 +122,7 @@ class CacheClient:
         self, keys: Sequence[BlockKey | bytes], *, timeout_s: float | None = None
     ) -> list[bytes | None]:
         """One entry per key, in order: the block, or None for a miss or a fault. Long key
-        lists go out in requests of _KEYS_PER_REQUEST keys (each under the message limit)."""
+        lists go out in several requests, each under the message limit (`_parts`)."""
         if not keys:
             return []
         found: list[bytes | None] = []

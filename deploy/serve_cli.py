@@ -83,9 +83,9 @@ def _check_local_model(cfg, address: str | None) -> None:
     here is a one-line error before anything starts. (On a cluster the path is the nodes'.)"""
     from cluster.errors import InputError
     from deploy.config import DEMO_MODEL
+    from deploy.model_server import resolve_model_path
 
-    path = Path(cfg.model.path).expanduser()
-    if address is None and cfg.model.path != DEMO_MODEL and not path.is_dir():
+    if address is None and cfg.model.path != DEMO_MODEL and not resolve_model_path(cfg).is_dir():
         raise InputError(
             f"model.path={cfg.model.path!r}: no checkpoint folder there on this machine, where a "
             "local Ray would load it (give --address for a cluster whose nodes have it)"
