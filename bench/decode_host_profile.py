@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from actors import gpu_bench_parts as parts
-from actors.gpu_bench import EngineBench
+from actors.bench import gpu_bench_parts as parts
+from actors.bench.gpu_bench import EngineBench
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     d = bench.decode(1, args.context, warm=5, steps=20)  # captures the graph, times 20 steps
     print(f"decode b1 x {args.context}: {d['ms']:.3f} ms/step, device {d['device_ms']} ms")
     e = bench.engine
-    from actors.engine import SamplingParams
+    from actors.engine.engine import SamplingParams
 
     e.add_request(
         "p",

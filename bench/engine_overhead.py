@@ -1,8 +1,8 @@
 """Thin wrapper: `python bench/engine_overhead.py [--batches 1,8] [--steps N] [--passes N]`.
 
-The logic lives in `actors.overhead_bench`: Ray orchestration overhead per engine decode step
+The logic lives in `actors.bench.overhead`: Ray orchestration overhead per engine decode step
 (one ShardWorker actor, world size 1) against the same engine in-process, for plain Ray calls,
-the same-node step channel (`actors/step_channel.py`) and a Ray compiled graph.
+the same-node step channel (`actors/executor/step_channel.py`) and a Ray compiled graph.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 
-from actors.overhead_bench import main  # noqa: E402
+from actors.bench.overhead import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

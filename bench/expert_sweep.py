@@ -1,5 +1,5 @@
 """A wider sweep of the expert kernels' tiles at batch 1 than gpu_moe's start-up tuning times
-(issue #8, round 16): `actors.gpu_checks.expert_check` with more candidates (8 warps, 2 warps,
+(issue #8, round 16): `actors.bench.gpu_checks.expert_check` with more candidates (8 warps, 2 warps,
 64-column tiles, deeper pipelines), each timed in a CUDA graph of 20 calls over 4 routings, then
 the fastest pair written as JSON for `bench/pdl_ab.py --expert-tiles` to time in the step.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actors import gpu_checks
+from actors.bench import gpu_checks
 from actors.kernels import moe_kernels
 
 GATE_UP = [

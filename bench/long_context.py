@@ -1,14 +1,14 @@
 """Thin wrapper: `python bench/long_context.py [options]` = `moectl bench long-context [options]`.
 
 The logic lives in `actors.long_context` (sweep.py, cli.py); the command is registered here too
-in case the root CLI does not pick up `actors.long_context.cli` yet.
+in case the root CLI does not pick up `actors.bench.long_context_cli` yet.
 """
 
 from __future__ import annotations
 
 import sys
 
-from actors.long_context.cli import register
+from actors.bench.long_context_cli import register
 from deploy.cli import app, main
 
 

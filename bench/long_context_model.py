@@ -4,7 +4,7 @@
     python bench/long_context_model.py /tmp/lc-small --device cpu --small     # a quick check
 
 Built by transformers' own `Qwen3MoeForCausalLM` and `save_pretrained` (bf16), via
-`actors.multi_gpu_bench.make_checkpoint` (matrices N(0, 0.02^2), norms 1 + N(0, 0.1^2), routers
+`actors.bench.multi_gpu.make_checkpoint` (matrices N(0, 0.02^2), norms 1 + N(0, 0.1^2), routers
 N(0, 4 / H)). The H200 model: Qwen3-30B-A3B's attention and expert shape (hidden 2048, 32 query /
 4 KV heads of 128, 64 experts top-8 of 512), 4 layers: KV is 8 KiB per token (8 GiB at 1M).
 """
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
-    from actors.multi_gpu_bench import make_checkpoint
+    from actors.bench.multi_gpu import make_checkpoint
 
     cfg = SMALL if args.small else LONG_CONTEXT_MODEL
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""One eager decode step of the random Qwen3-30B-A3B (`actors.gpu_bench`) between
+"""One eager decode step of the random Qwen3-30B-A3B (`actors.bench.gpu_bench`) between
 cudaProfilerStart/Stop, for Nsight Compute's per-kernel counters (issue #8, round 16):
 
     ncu --profile-from-start off --clock-control none --cache-control none --csv \\
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actors import gpu_bench, gpu_bench_parts
-from actors.engine import SamplingParams
+from actors.bench import gpu_bench, gpu_bench_parts
+from actors.engine.engine import SamplingParams
 from actors.kernels import moe_kernels
 from bench.pdl_ab import EXPERT_SMALL
 

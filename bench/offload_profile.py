@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from actors import kv_paged, kv_stage_kernel
-from actors.kv_cache import KVCache, KVLayout
-from actors.kv_tiers import KVTiers
-from actors.kv_trace import split_ms
+from actors.kernels import kv_stage as kv_stage_kernel
+from actors.kv import paged as kv_paged
+from actors.kv.cache import KVCache, KVLayout
+from actors.kv.tiers import KVTiers
+from actors.kv.trace import split_ms
 from cache_service.block_key import prefix_block_keys
 from cache_service.codec import is_buffer_block
 from cache_service.namespace import CacheNamespace

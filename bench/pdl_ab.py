@@ -1,6 +1,6 @@
 """A/B of the PDL, GEMV and fusion switches on one engine in one process (issue #8, rounds 11, 13).
 
-Builds the random Qwen3-30B-A3B of `actors.gpu_bench` once, then for each configuration (which
+Builds the random Qwen3-30B-A3B of `actors.bench.gpu_bench` once, then for each configuration (which
 kernels launch with PDL, whether the GEMV serves 1-token projections, its tiles) drops the
 captured decode graphs and times decode rows as gpu_bench does (wall ms a step with async
 scheduling, and the graph replayed alone), in interleaved rounds. No correctness checks here:
@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from actors import gpu_bench, gpu_bench_parts
+from actors.bench import gpu_bench, gpu_bench_parts
 from actors.kernels import fused, gemv, moe_kernels, paged_decode, router_plan
 from actors.kernels.decode_step import DecodeGraphs
-from actors.layers import attention
+from actors.model.layers import attention
 
 DECODE_SMALL = paged_decode.DECODE_TILES["small"]
 EXPERT_SMALL = {"gate_up": (16, 32, 128, 4, 4), "down": (16, 64, 64, 4, 5)}

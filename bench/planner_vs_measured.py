@@ -3,8 +3,8 @@ glue-kernel term (planner round 1; bench/notes/planner_round1.md).
 
 Reads bench/results/multi_gpu_h200x2*.json (one prefill step of each layout, `execute_ms`) and
 bench/results/gpu_moe_20261129T1318.json (single-GPU decode and prefill rows, `ms_per_step`) and recomputes
-every prediction through the benches' own helpers (`actors.multi_gpu_report.planner`,
-`actors.gpu_bench_parts.planner`), twice: with the cost model's constants as they are ("new")
+every prediction through the benches' own helpers (`actors.bench.multi_gpu_report.planner`,
+`actors.bench.gpu_bench_parts.planner`), twice: with the cost model's constants as they are ("new")
 and with `count_glue=False` ("old", the model before this round; it must reproduce the figure
 the JSON recorded, `recorded`). No GPU; runs in seconds.
 
@@ -57,7 +57,7 @@ NEW = cost_model.DEFAULT_CONSTANTS
 
 
 def multi_rows(path: Path) -> list[dict]:
-    from actors.multi_gpu_report import planner
+    from actors.bench.multi_gpu_report import planner
 
     data = json.loads(path.read_text())
     s = SimpleNamespace(device="cuda", perf_batch=tuple(data["settings"]["perf_batch"]))
@@ -89,7 +89,7 @@ def multi_rows(path: Path) -> list[dict]:
 
 
 def single_rows(path: Path) -> list[dict]:
-    from actors.gpu_bench_parts import full_configs, planner
+    from actors.bench.gpu_bench_parts import full_configs, planner
 
     data = json.loads(path.read_text())
     configs = full_configs()

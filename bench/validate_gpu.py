@@ -1,7 +1,7 @@
 """`moectl validate --device cuda` on every 2-GPU layout of a tiny Qwen3-MoE checkpoint (issue 15).
 
 One device call on a machine with 2 GPUs (no Ray, no pip install there: the command runs through
-a bare typer app around `actors.cli.validate_command`, as `moectl validate` does):
+a bare typer app around `actors.validate.cli.validate_command`, as `moectl validate` does):
 
     python3 bench/validate_gpu.py $OUT          # writes $OUT/validate_gpu.json
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DRIVER = (
-    "import typer; from actors.cli import validate_command; a = typer.Typer(); "
+    "import typer; from actors.validate.cli import validate_command; a = typer.Typer(); "
     "a.command()(validate_command); a()"
 )
 LAYOUTS = [

@@ -451,7 +451,7 @@ class OpenAIIngress:
 
 def build_app(
     args: dict[str, Any],
-    engine_module: str = "actors.engine",
+    engine_module: str = "actors.engine.engine",
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_streams_per_client: int = DEFAULT_MAX_STREAMS,

@@ -39,12 +39,12 @@ def _optional_clis() -> list:
 
     found = []
     for name in (
-        "actors.cli",
+        "actors.validate.cli",
         "cache_service.cli",
         "deploy.serve_cli",
         "deploy.adapt_cli",
         "deploy.render_cli",
-        "actors.long_context.cli",
+        "actors.bench.long_context_cli",
     ):
         try:
             found.append(importlib.import_module(name))

@@ -6,13 +6,13 @@
   `quantization_config` is dropped.
 - `fp8`: every 2-D matmul weight of a decoder layer (attention projections, experts, shared
   experts, dense MLPs) becomes float8 e4m3 with one float32 `<name>_scale_inv` per 128 x 128
-  block (the DeepSeek-V3 form `actors.weights` dequantises: w = fp8 * scale_inv[r // 128, c // 128],
+  block (the DeepSeek-V3 form `actors.model.weights` dequantises: w = fp8 * scale_inv[r // 128, c // 128],
   scale_inv = max|block| / 448); embeddings, lm_head, norms and routers keep their stored dtype.
 - `--reshard N`: N safetensors files (`model-0000k-of-0000N.safetensors`) split by bytes in name
   order, with `model.safetensors.index.json`; default: as many files as the source.
 
 Streaming: the output header is computed from the source headers first; then each tensor is read
-(`actors.weights.read_tensor`, a box of one tensor through safe_open), converted and appended to
+(`actors.model.weights.read_tensor`, a box of one tensor through safe_open), converted and appended to
 its file, so memory holds one tensor at a time. The safetensors layout (8-byte little-endian
 header length, JSON header padded to 8 bytes, raw little-endian data) is written directly.
 Tokenizer and other side files are copied.
@@ -144,7 +144,7 @@ def _header(tensors: list[OutTensor]) -> bytes:
 def convert(model_dir: str | Path, out_dir: str | Path, *, dtype: str = "bf16",
             reshard: int | None = None) -> dict:  # fmt: skip
     """Write the converted checkpoint; returns {files, tensors, bytes, dtype}."""
-    from actors.weights import CheckpointIndex, read_tensor
+    from actors.model.weights import CheckpointIndex, read_tensor
 
     src, dst = Path(model_dir), Path(out_dir)
     if dtype not in DTYPES:

@@ -7,7 +7,7 @@ Step 2: the local topology (cluster.discovery) and the planner's pick for the de
         same model on the 8xH200 example topology is shown instead. The demo then serves the
         layout given by --layout (ep2xpp2: expert and pipeline parallelism over four CPU
         ShardWorker actors), printed as forced beside the planner's pick.
-Step 3: the precision check starts in the background (actors.validate over the same layout,
+Step 3: the precision check starts in the background (actors.validate.alignment over the same layout,
         in-process ranks, against transformers).
 Step 4: the local stack (deploy/local_stack.py): a local Ray, the KV tiers (host:// + Redis at
         REDIS_URL when it answers, else host:// + file://), Serve on 127.0.0.1:--port.
@@ -108,7 +108,7 @@ PREFIX_PROMPTS = {
 
 def check_layout(model_dir: Path, layout: str) -> None:
     """InputError (one line) when `layout` cannot split the demo model, before anything starts."""
-    from actors.weights import CheckpointIndex
+    from actors.model.weights import CheckpointIndex
     from placement.parallel_dims import Layout, parse_layout
 
     arch = CheckpointIndex.open(model_dir).arch()
@@ -209,8 +209,8 @@ def _row(name, usage, e2e_s, ttft_s, text, streamed) -> dict[str, Any]:
 
 
 def precision_check(model_dir: Path, layout: str) -> dict[str, Any]:
-    """Step 3: actors.validate over `layout` against transformers (in-process ranks)."""
-    from actors.validate import validate
+    """Step 3: actors.validate.alignment over `layout` against transformers (in-process ranks)."""
+    from actors.validate.alignment import validate
 
     t0 = time.perf_counter()
     r = validate(model_dir, layout=layout)

@@ -3,7 +3,7 @@
     client -> OpenAIIngress -> PrefillServer.generate(job)      start, first token, handoff
                             -> DecodeServer.generate(job + resume)        the other tokens
 
-A prefill replica (engine role `prefill`, actors/engine.py) runs the prompt, samples the first
+A prefill replica (engine role `prefill`, actors/engine/engine.py) runs the prompt, samples the first
 token, writes the prompt's full KV blocks to the shared tiers (host memory of the node through
 the node's cache server, Redis across nodes) and ends its stream with a `handoff` item; only
 then does the ingress open the decode stream, so a decode replica never looks for a block still
@@ -42,7 +42,7 @@ def lost_replica_errors() -> tuple[type[BaseException], ...]:
     error as a RayTaskError that is also an instance of the original class)."""
     from ray.exceptions import ActorUnavailableError, RayActorError
 
-    from actors.recovery import ReplicaUnavailable
+    from actors.engine.recovery import ReplicaUnavailable
 
     return (RayActorError, ActorUnavailableError, ReplicaUnavailable)
 

@@ -44,9 +44,9 @@ def run_series(
     """Run the series on the running Ray (ray.init done); returns the report."""
     import ray
 
-    from actors.engine import Engine, SamplingParams
-    from actors.recovery import RecoveringEngine, RecoveryPolicy, ReplicaRebuilder
-    from actors.replica_runner import build_engine
+    from actors.engine.engine import Engine, SamplingParams
+    from actors.engine.recovery import RecoveringEngine, RecoveryPolicy, ReplicaRebuilder
+    from actors.executor.replica_runner import build_engine
     from deploy.demo_checkpoint import ensure_demo_checkpoint
 
     ckpt = ensure_demo_checkpoint()

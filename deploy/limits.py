@@ -13,7 +13,7 @@ Called by the ingress (`deploy/app.py`) before any work is queued:
   context whatever the tokenizer does (each token covers at most `max_token_bytes` UTF-8 bytes),
   so it is refused (400) before it is tokenized; token-id prompts are counted directly.
 - `unavailable(exc)`: the 503 (`engine_unavailable`, Retry-After) for a replica that lost a
-  worker and could not resume the request (`actors.recovery.ReplicaUnavailable`), else None.
+  worker and could not resume the request (`actors.engine.recovery.ReplicaUnavailable`), else None.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def unavailable(exc: BaseException) -> RetryableError | None:
     Serve re-raises a replica's exception as a RayTaskError that is also an instance of the
     original class, so `isinstance` sees through it.
     """
-    from actors.recovery import ReplicaUnavailable
+    from actors.engine.recovery import ReplicaUnavailable
     from deploy.disagg import HandoffFailed
 
     if isinstance(exc, HandoffFailed):

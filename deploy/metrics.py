@@ -95,7 +95,7 @@ class EngineMetrics:
         self.phase.observe(max(0.0, seconds), tags={**self.tags, "phase": phase})
 
     def observe_pipeline(self, samples: list[dict[str, dict[str, float]]]) -> None:
-        """Per-step figures of a Replica (`actors.replica.stage_figures`): each stage's forward
+        """Per-step figures of a Replica (`actors.executor.replica.stage_figures`): each stage's forward
         seconds into moe_stage_latency_seconds, each axis's wait into moe_comm_wait_seconds."""
         for figures in samples:
             for group, values in figures.items():

@@ -126,7 +126,7 @@ class ModelServer:
     """
 
     def __init__(
-        self, args: dict[str, Any], engine_module: str = "actors.engine", role: str = "mixed"
+        self, args: dict[str, Any], engine_module: str = "actors.engine.engine", role: str = "mixed"
     ) -> None:
         """`engine_module` names the module providing Engine, AsyncEngine and SamplingParams;
         `role` is the engine role (`mixed`, or `prefill` / `decode` in a disaggregated
@@ -182,7 +182,7 @@ class ModelServer:
         placement group of one bundle per rank (`layout_bundle_specs`: no topology, so no node
         constraint); the actors are owned by this replica's actor, and the group is removed
         when the replica shuts down. A multi-rank engine recovers from worker faults
-        (actors/recovery.py): dead actors are replaced, the replica rebuilt, and the requests
+        (actors/engine/recovery.py): dead actors are replaced, the replica rebuilt, and the requests
         in flight resumed from the tokens their clients have (else they end with
         ReplicaUnavailable, a 503 with Retry-After at the ingress)."""
         if getattr(Engine, "takes_serve_config", False):  # vLLM: its own parallel executor
@@ -191,7 +191,7 @@ class ModelServer:
             return Engine.from_checkpoint(path, **kw)
         import uuid
 
-        from actors.replica_runner import build_engine, layout_bundle_specs
+        from actors.executor.replica_runner import build_engine, layout_bundle_specs
 
         pool = None if self.role == "mixed" else getattr(self.cfg.disaggregation, self.role)
         specs = layout_bundle_specs(
@@ -201,7 +201,7 @@ class ModelServer:
             # a pool's ranks land on its role's worker group, as its replica does
             extra_resources=dict(pool.resources) if pool is not None else None,
         )
-        from actors.recovery import RecoveringEngine, ReplicaRebuilder
+        from actors.engine.recovery import RecoveringEngine, ReplicaRebuilder
 
         engine = build_engine(
             path, layout=self.layout.shorthand, num_cpus=WORKER_NUM_CPUS, bundles=specs, **kw
@@ -217,7 +217,7 @@ class ModelServer:
             pg = getattr(self.engine.engine.runner, "placement_group", None)
             if pg is None:
                 return None
-            from actors.placement_group import bundle_nodes
+            from actors.executor.placement_group import bundle_nodes
 
             self._pg_info = {"id": pg.id.hex(), "bundle_nodes": bundle_nodes(pg)}
         return self._pg_info

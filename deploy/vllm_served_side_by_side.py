@@ -10,7 +10,7 @@ of its own (deploy/local_stack.py, device KV only, no cache tiers), on the same 
     ours   `engine: native`, once per layout of OURS_LAYOUTS: ep2 (the Serve replica drives two
            CPU ShardWorker actors, the experts split over them) and ep2xpp2 (four: two pipeline
            stages, each two data-parallel attention ranks with the experts split over them);
-           engine steps reach same-node actors over their step channels (actors/step_channel.py);
+           engine steps reach same-node actors over their step channels (actors/executor/step_channel.py);
            `engine.batch_invariant: false` (one batched forward per step, as vLLM batches; the
            default `true` runs one forward per sequence)
     vllm   `engine: vllm`, world 1: vLLM's AsyncLLM in the replica (its EngineCore a child

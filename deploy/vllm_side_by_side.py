@@ -82,7 +82,7 @@ def _peak_rss() -> int:
 
 class _Ours:
     def __init__(self, model: Path) -> None:
-        from actors.engine import Engine, SamplingParams
+        from actors.engine.engine import Engine, SamplingParams
 
         self.params = SamplingParams
         self.engine = Engine.from_checkpoint(

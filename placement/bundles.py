@@ -1,4 +1,4 @@
-"""Plan -> placement-group bundle specs: plain data that `actors/placement_group.py` hands to Ray.
+"""Plan -> placement-group bundle specs: plain data that `actors/executor/placement_group.py` hands to Ray.
 
 One bundle per rank of one replica, in rank order (bundle i runs rank i), with its GPU and CPU
 resources and a label selector naming the rank's node, so the ranks of a TP group (which the Plan

@@ -1,7 +1,7 @@
 """How each weight tensor is laid out over the TP and EP ranks: the planner's one rule.
 
-This states what `actors/` does today (`actors/model.py` StageModel, `actors/layers/attention.py`,
-`actors/layers/mlp.py`, `actors/layers/moe.py`); the memory plan and the cost model both read it, so
+This states what `actors/` does today (`actors/model/stage.py` StageModel, `actors/model/layers/attention.py`,
+`actors/model/layers/mlp.py`, `actors/model/layers/moe.py`); the memory plan and the cost model both read it, so
 predicted per-device weight bytes match what a rank really loads. Change it with the runtime.
 
 - TP, split by attention heads over the tp ranks: GQA q_proj (rows) and o_proj (columns); MLA

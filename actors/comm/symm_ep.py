@@ -296,7 +296,7 @@ class SymmetricExpertParallel:
         every rank before any device work (raised on one rank alone, it would leave the others
         waiting in a device barrier); and the experts run over no more received rows than this
         step's micro-batches can send (not the whole buffer)."""
-        from actors.microbatch import split_contiguous
+        from actors.model.microbatch import split_contiguous
 
         per = [[sum(length(i) for i in mb) for mb in split_contiguous(s, num_mb)] for s in by_dp]
         most = max((t for row in per for t in row), default=0)

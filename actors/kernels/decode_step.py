@@ -25,7 +25,7 @@ from actors.kernels import fused, mla_prologue, paged_decode
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeContext:
-    """One decode step over `cache` (an `actors.kv_cache.KVCache`). B sequences, NB table width.
+    """One decode step over `cache` (an `actors.kv.cache.KVCache`). B sequences, NB table width.
 
     slots [B] int64 (block * block_size + offset of each new token); block_tables [B, NB] int32;
     context_lens [B] int32 (tokens attended, the new one included).

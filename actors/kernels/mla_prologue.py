@@ -8,7 +8,7 @@ H200 whatever it does. Here program (b, 0) rotates token b's H rotary query part
 normalises its latent, rotates its shared key, writes the row [latent R | key P] at its slot and
 refreshes the min/max summary of that block over all its rows (the new one from registers).
 
-Rotary layout: as `actors.layers.rope.apply_rotary`: pairs are the halves (x_i, x_{i+P/2}), or
+Rotary layout: as `actors.model.layers.rope.apply_rotary`: pairs are the halves (x_i, x_{i+P/2}), or
 with `interleave` the neighbours (x_{2i}, x_{2i+1}), the result de-interleaved (rotated firsts,
 then seconds), so rows written here equal those a prefill writes through the torch path.
 """

@@ -5,7 +5,7 @@
 adds the load-balancing bias for the choice, scores each expert group by the sum of its two best
 biased scores, keeps the `topk_group` best groups, takes the k best eligible experts, and writes
 their plain scores (renormalised, times the routed scaling factor). The torch form
-(`actors.layers.router.sigmoid_group_topk`) is ~15 launches a layer (casts, sigmoid, two top-ks,
+(`actors.model.layers.router.sigmoid_group_topk`) is ~15 launches a layer (casts, sigmoid, two top-ks,
 a mask built by scatter and repeat_interleave, gather, sum, divide); on an H200 each costs
 ~2-3 us at one token whatever it does.
 

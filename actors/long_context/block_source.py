@@ -8,7 +8,7 @@ position `start`:
 
 In the tiers a block is one tensor (`pack_block`): GQA `[2, n, kv_heads, head_dim]` (keys then
 values; value_dim must equal head_dim), MLA `[n, latent]`. A tensor in the stage layout of
-`actors.kv_cache.KVLayout.block_shape` (a leading layers dimension) is read with `layer=`.
+`actors.kv.cache.KVLayout.block_shape` (a leading layers dimension) is read with `layer=`.
 
 A source answers `read(indices) -> list[KVBlock]` in the order asked. A block no tier holds is a
 fault for attention (the KV is gone): `KVBlockMissing`.

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.layers.moe import MoE
-from actors.layers.rope import apply_rotary
 from actors.long_context.block_attention import (
     PrefetchingReader,
     absorb_output,
@@ -38,7 +36,9 @@ from actors.long_context.sparse import (
     record_mass,
     select_blocks,
 )
-from actors.model import StageModel
+from actors.model.layers.moe import MoE
+from actors.model.layers.rope import apply_rotary
+from actors.model.stage import StageModel
 from cluster.errors import InputError
 
 

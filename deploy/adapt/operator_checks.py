@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from actors.arch import ArchConfig, RopeConfig
+from actors.model.arch import ArchConfig, RopeConfig
 from cluster.errors import InputError
 from deploy.adapt import references as ref
 
@@ -135,7 +135,7 @@ def _tp_slice(total: int, per_unit: int, budget: int, fixed: int = 0, *, allowed
 
 
 def check_rmsnorm(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.norm import RMSNorm
+    from actors.model.layers.norm import RMSNorm
 
     gen = torch.Generator().manual_seed(ctx.seed)
     h, eps = ctx.spec.hidden_size, ctx.arch.rms_norm_eps
@@ -149,7 +149,7 @@ def check_rmsnorm(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
 
 
 def check_rope(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.rope import RotaryEmbedding, apply_rotary
+    from actors.model.layers.rope import RotaryEmbedding, apply_rotary
 
     gen = torch.Generator().manual_seed(ctx.seed)
     r = ctx.arch.rope
@@ -182,8 +182,8 @@ def _rope_tol(base: float, top: int) -> float:
 
 
 def check_gqa(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.attention import GQAAttention
-    from actors.layers.rope import RotaryEmbedding
+    from actors.model.layers.attention import GQAAttention
+    from actors.model.layers.rope import RotaryEmbedding
 
     a = ctx.arch
     if a.rope.dim != a.head_dim:
@@ -221,7 +221,7 @@ def check_gqa(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
 
 
 def check_qk_norm(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.attention import GQAAttention
+    from actors.model.layers.attention import GQAAttention
 
     a = ctx.arch
     gen = torch.Generator().manual_seed(ctx.seed)
@@ -238,8 +238,8 @@ def check_qk_norm(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
 
 
 def check_mla(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.mla import MLAttention
-    from actors.layers.rope import RotaryEmbedding
+    from actors.model.layers.mla import MLAttention
+    from actors.model.layers.rope import RotaryEmbedding
 
     a = ctx.arch
     gen = torch.Generator().manual_seed(ctx.seed)
@@ -282,7 +282,7 @@ def check_mla(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
 
 
 def check_router(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
-    from actors.layers.router import Router
+    from actors.model.layers.router import Router
 
     a = ctx.arch
     gen = torch.Generator().manual_seed(ctx.seed)
@@ -333,8 +333,8 @@ def check_router(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
 
 def _swiglu_check(op, impl, ctx, hidden, inter, *, experts: int) -> OperatorCheck:
     """SwiGLU experts (experts > 0: GroupedExperts over a slice of experts) or a dense MLP."""
-    from actors.layers.experts import GroupedExperts
-    from actors.layers.mlp import MLP
+    from actors.model.layers.experts import GroupedExperts
+    from actors.model.layers.mlp import MLP
 
     gen = torch.Generator().manual_seed(ctx.seed)
     per_col = 3 * hidden
@@ -438,7 +438,7 @@ def _loader_read(tmp: Path, tensors: dict[str, torch.Tensor], config: dict, name
 
     from safetensors.torch import save_file
 
-    from actors.weights import CheckpointIndex, read_tensor
+    from actors.model.weights import CheckpointIndex, read_tensor
 
     save_file(tensors, str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(config))

@@ -3,7 +3,7 @@
 Step 1 parse: ModelSpec, operator inventory through the registry, the runtime family (ArchConfig).
 Step 2 operator checks: each mapped operator against a float64 reference (`operator_checks`).
 Step 3 small-scale alignment: a shrunk model of the same family built by transformers, run by
-our runtime in distributed layouts and compared layer by layer (`actors.validate`); when the
+our runtime in distributed layouts and compared layer by layer (`actors.validate.alignment`); when the
 directory holds safetensors, every tensor name and shape against what our loader maps.
 Step 4 plan: the memory plan and layout for the real size on the topology, with runners-up.
 Step 5 verdict: `ready` only when every operator is supported on the target, every operator check
@@ -140,7 +140,7 @@ def _timed(result: AdaptResult, name: str, fn) -> None:
 
 
 def _parse(r: AdaptResult) -> None:
-    from actors.arch import ArchConfig
+    from actors.model.arch import ArchConfig
     from deploy.adapt.needs import needs
     from placement.operators import operator_inventory
 
@@ -197,8 +197,8 @@ def _fmt(x: float | None) -> str:
 
 
 def _alignment(r: AdaptResult) -> None:
-    from actors.rank_runner import RankFailed
-    from actors.validate import validate
+    from actors.executor.rank_runner import RankFailed
+    from actors.validate.alignment import validate
     from deploy.adapt.shrink import build_shrunk_checkpoint
 
     if r.runtime_family is None:

@@ -1,4 +1,4 @@
-"""Float64 reference operators, written from the published math, independent of `actors.layers`.
+"""Float64 reference operators, written from the published math, independent of `actors.model.layers`.
 
 Each function takes float64 tensors and loops where the math is a loop (heads, tokens, experts,
 blocks), so it shares no code path with the batched runtime kernels it checks. Sources:

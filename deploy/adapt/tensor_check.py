@@ -15,8 +15,8 @@ from pathlib import Path
 def check_checkpoint(directory: Path, *, runtime_ok: bool) -> dict:
     """{checked, tensors, mapped, missing, mismatched, unmapped, ignored, problems}; `problems`
     is [(tensor name, one-line message)]."""
-    from actors.model import StageModel
-    from actors.weights import CheckpointIndex, completeness
+    from actors.model.stage import StageModel
+    from actors.model.weights import CheckpointIndex, completeness
 
     index = CheckpointIndex.open(directory)
     names = index.logical_names()

@@ -65,7 +65,7 @@ def test_fp4_reference_decodes_the_ocp_table():
 
 
 def test_wrong_norm_is_caught(monkeypatch):
-    from actors.layers import norm
+    from actors.model.layers import norm
 
     ctx, inv = _ctx("mixtral-8x7b-class")
     monkeypatch.setattr(
@@ -76,7 +76,7 @@ def test_wrong_norm_is_caught(monkeypatch):
 
 
 def test_wrong_rope_pairing_is_caught(monkeypatch):
-    from actors.layers import rope
+    from actors.model.layers import rope
 
     ctx, inv = _ctx("deepseek-v3-class")
     real = rope.apply_rotary
@@ -90,7 +90,7 @@ def test_wrong_rope_pairing_is_caught(monkeypatch):
 
 
 def test_wrong_attention_scale_is_caught(monkeypatch):
-    from actors.layers import attention
+    from actors.model.layers import attention
 
     ctx, inv = _ctx("mixtral-8x7b-class")
     real = attention.attend
@@ -106,7 +106,7 @@ def test_wrong_attention_scale_is_caught(monkeypatch):
 
 
 def test_group_limited_routing_ignored_is_caught(monkeypatch):
-    from actors.layers import router
+    from actors.model.layers import router
 
     ctx, inv = _ctx("deepseek-v3-class")
     real = router.sigmoid_group_topk
@@ -120,7 +120,7 @@ def test_group_limited_routing_ignored_is_caught(monkeypatch):
 
 
 def test_expert_activation_swapped_is_caught(monkeypatch):
-    from actors.layers import experts
+    from actors.model.layers import experts
 
     ctx, inv = _ctx("qwen3-30b-a3b-class")
     monkeypatch.setattr(experts.F, "silu", torch.nn.functional.gelu)
@@ -129,7 +129,7 @@ def test_expert_activation_swapped_is_caught(monkeypatch):
 
 
 def test_fp8_scale_offset_error_is_caught(monkeypatch):
-    from actors import weights
+    from actors.model import weights
 
     ctx, inv = _ctx("deepseek-v3-class")
     real = weights.dequant_fp8_block

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import Engine, SamplingParams
+from actors.engine.engine import Engine, SamplingParams
 from tests.actors.checkpoints import make_tiny_checkpoint
-from tests.actors.test_engine import prompt, run
+from tests.actors.engine.test_engine import prompt, run
 from tests.actors.tiny_tokenizer import install
 
 SECRET = b"cache-hits-secret"

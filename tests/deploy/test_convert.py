@@ -1,4 +1,4 @@
-"""`moectl convert`: bf16 / fp8 / reshard round trips, each checked with `actors.validate` (our
+"""`moectl convert`: bf16 / fp8 / reshard round trips, each checked with `actors.validate.alignment` (our
 runtime on the converted copy against transformers on the original), plus the fp8 block math
 and bad input.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from actors.validate import validate
+from actors.validate.alignment import validate
 from deploy.convert import FP8_MAX, quantise_fp8_blocks
 from tests.actors.checkpoints import make_tiny_checkpoint
 

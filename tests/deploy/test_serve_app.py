@@ -424,7 +424,7 @@ def test_completion_logprobs_equal_transformers(client, tokenizer, hf_model):
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [x for s in streamed for x in s.tokens] == lp.tokens
     # The second request reuses the first one's cached prompt KV (prefix tail), computed in a
-    # chunk of another size: ~1e-7 apart, not bit for bit (actors/engine.py, batch invariance).
+    # chunk of another size: ~1e-7 apart, not bit for bit (actors/engine/engine.py, batch invariance).
     # On one machine's CPU this moved a logprob by 4.8e-7, run after run.
     got = [x for s in streamed for x in s.token_logprobs]
     assert got == pytest.approx(lp.token_logprobs, abs=1e-5)

@@ -1,7 +1,7 @@
 """`engine: vllm`: the same OpenAI ingress over vLLM's AsyncLLM, the replica in the vLLM venv.
 
 One Serve app per module (one vLLM engine: startup costs ~30 s on the 2-core box). The expected
-tokens and logprobs come from our own engine (actors.engine, in this process) on the same
+tokens and logprobs come from our own engine (actors.engine.engine, in this process) on the same
 checkpoint, a Qwen3-MoE both accept (deploy/vllm_checkpoint.py). Skips with the reason only when
 the vLLM venv cannot be built (`deploy/vllm_env.py`).
 """
@@ -85,7 +85,7 @@ def tokenizer(checkpoint):
 
 def _ours(checkpoint, ids: list[int], n: int):
     """Our engine's greedy tokens and logprobs for `ids` (in-process, same checkpoint)."""
-    from actors.engine import Engine, SamplingParams
+    from actors.engine.engine import Engine, SamplingParams
 
     engine = Engine.from_checkpoint(
         checkpoint, block_size=BLOCK, num_blocks=16, max_num_seqs=1, max_num_batched_tokens=256

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.block_manager import TAIL_MIN_TOKENS
+from actors.engine.block_manager import TAIL_MIN_TOKENS
 from tests.conftest import free_port
 
 MOECTL = Path(sys.executable).with_name("moectl")

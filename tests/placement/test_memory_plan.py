@@ -140,11 +140,11 @@ def test_unknown_kv_dtype_is_refused(specs):
     ],
 )
 def test_weights_per_rank_equal_what_the_runtime_allocates(tmp_path, family, layout):
-    """The runtime's own stage modules (actors.model.StageModel on the meta device, one per TP
+    """The runtime's own stage modules (actors.model.stage.StageModel on the meta device, one per TP
     rank with its expert slots) hold exactly the bytes the memory plan predicts (bf16)."""
-    from actors.arch import ArchConfig
-    from actors.layers.moe import LocalDispatch
-    from actors.model import StageModel
+    from actors.model.arch import ArchConfig
+    from actors.model.layers.moe import LocalDispatch
+    from actors.model.stage import StageModel
     from placement.parallel_dims import parse_layout
     from tests.actors.checkpoints import tiny_config
 

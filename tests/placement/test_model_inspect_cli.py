@@ -70,7 +70,7 @@ def test_context_beyond_max_is_flagged_and_kv_dtype_halves_bytes(moectl, tmp_pat
 
 def test_operator_registry_is_data_a_caller_can_change(tmp_path):
     spec = load_model_spec(EXAMPLES / "kimi-k3-class.config.json")
-    registry = dict(REGISTRY, kda_linear_attention={"cuda": "actors.layers.kda.KDA"})
+    registry = dict(REGISTRY, kda_linear_attention={"cuda": "actors.model.layers.kda.KDA"})
     uses = {u.name: u for u in operator_inventory(spec, "cuda", registry)}
     assert uses["kda_linear_attention"].supported and uses["kda_linear_attention"].count == 69
     assert not {u.name: u for u in operator_inventory(spec, "cpu", registry)}[

@@ -2,7 +2,7 @@
 the engine rebuilds the replica and resumes every request in flight.
 
 The reference is the fault-free in-process engine (`Engine.from_checkpoint`, itself checked
-against transformers in tests/actors/test_engine.py) fed the same requests: a resumed greedy or
+against transformers in tests/actors/engine/test_engine.py) fed the same requests: a resumed greedy or
 seeded stream must equal it token for token, with no token repeated or dropped, and text deltas
 must concatenate to the fault-free text. The CI size is three faults; the 20-fault series is
 bench/fault_series.py (RELIABILITY.md).
@@ -16,17 +16,17 @@ import threading
 
 import pytest
 
-from actors.engine import AsyncEngine, Engine, SamplingParams
-from actors.recovery import (
+from actors.engine.engine import AsyncEngine, Engine, SamplingParams
+from actors.engine.recovery import (
     RecoveringEngine,
     RecoveryPolicy,
     ReplicaRebuilder,
     ReplicaUnavailable,
     is_worker_fault,
 )
-from actors.replica_runner import build_engine
+from actors.executor.replica_runner import build_engine
 from tests.actors.checkpoints import make_tiny_checkpoint
-from tests.actors.test_engine import prompt, run, tokens
+from tests.actors.engine.test_engine import prompt, run, tokens
 from tests.actors.tiny_tokenizer import install
 
 pytestmark = pytest.mark.ray

@@ -161,7 +161,7 @@ def test_huge_prompt_is_refused_without_tokenizing(tokenizer):
 def test_replica_unavailable_is_a_503_with_retry_after_even_through_ray():
     from ray.exceptions import RayTaskError
 
-    from actors.recovery import ReplicaUnavailable
+    from actors.engine.recovery import ReplicaUnavailable
 
     err = ReplicaUnavailable("worker lost", 4.2)
     wrapped = RayTaskError("generate", "traceback", err).as_instanceof_cause()

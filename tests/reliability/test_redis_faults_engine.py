@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from actors.engine import AsyncEngine, Engine, SamplingParams
+from actors.engine.engine import AsyncEngine, Engine, SamplingParams
 from cache_service.block_key import weights_fingerprint
 from cache_service.namespace import CacheNamespace
 from cache_service.store import TieredCache
 from tests.actors.checkpoints import make_tiny_checkpoint
-from tests.actors.test_engine import prompt, run, tokens
+from tests.actors.engine.test_engine import prompt, run, tokens
 from tests.cache_service.redis_servers import RedisServer, TcpProxy, have_redis_server
 
 pytestmark = pytest.mark.skipif(not have_redis_server(), reason="redis-server is not installed")

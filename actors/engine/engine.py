@@ -1,0 +1,599 @@
+"""The engine of one model replica: requests in, streamed tokens out, one runner step at a time.
+
+    engine = Engine.from_checkpoint(model_dir, num_blocks=256, max_num_batched_tokens=256,
+                                    max_num_seqs=16, cache=tiered_cache_or_None)
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=32, temperature=0.7, seed=1))
+    while engine.has_unfinished():
+        for out in engine.step(): ...          # RequestOutput deltas
+
+A step (DESIGN.md, "Data flow"):
+Step 1: the scheduler picks (sequence, chunk) pairs within the token budget, matching prefixes of
+        newly admitted sequences (device blocks by chained key, then the cache tiers) and
+        preempting when blocks run out.
+Step 2: one `StepInput` goes to the runner (in-process, or the Ray replica's fan-out), which
+        writes the new K/V, attends over the paged cache, and samples the completed sequences.
+Step 3: newly full blocks are registered under their keys; sampled tokens are appended,
+        detokenised, checked against stop conditions; finished sequences' blocks are written down
+        the tiers (as are preempted ones') and released.
+
+Roles (prefill/decode disaggregation, deploy/disagg.py): a `mixed` engine runs requests from
+prompt to last token. A `prefill` engine runs the prompt, samples the first token, writes the
+prompt's full KV blocks down the tiers and ends the request with finish_reason 'handoff' and a
+`Handoff` (tokens so far, seed, blocks written); a `decode` engine takes it with
+`resume_request(rid, prompt, params, **handoff.resume_kwargs())`, loads the blocks it lacks from the tiers (the
+cache verifies each block's key and checksum, so a block half written or lost is a miss and its
+tokens are recomputed), and streams the rest. A decode engine is otherwise a mixed one (a
+request that reaches it directly runs whole).
+
+Batch invariance (`batch_invariant=True`, the default): the runner runs the model one sequence at
+a time and prefill chunks have a fixed size, so a request's greedy tokens do not depend on what
+else is in the batch: every operation of a sequence sees the same shapes alone or batched. What
+still varies: a request whose prefix was cached, or that was preempted and recomputed, reads KV
+computed in differently sized chunks, equal to ~1e-6 relative, not bitwise (greedy tokens agree
+unless two logits tie within that).
+
+Imports: torch, tokenizers (lazily, from_checkpoint only) and `cache_service` modules that need
+only the standard library; never pydantic, redis, ray or grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.block_manager import BlockKeyer, BlockManager
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.outputs import Handoff, RequestOutput
+from actors.engine.overlap import InFlight, launches, next_decode
+from actors.engine.sampler import RowSampling, SamplingParams, TokenLogprob
+from actors.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from actors.executor.runner import StepInput
+from actors.kv.cache import slots_for
+from actors.kv.tiers import BlockCache, KVTiers
+from cluster.errors import InputError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ROLES",
+    "AsyncEngine",
+    "Engine",
+    "Handoff",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+class Engine:
+    """Continuous batching over one runner (see the module docstring)."""
+
+    def __init__(
+        self,
+        runner: Any,
+        *,
+        tokenizer: Any,
+        block_size: int = 16,
+        num_blocks: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        cache: BlockCache | None = None,
+        cache_key_secret: bytes,
+        weights_fingerprint: str,
+        eos_token_id: int | None = None,
+        batch_invariant: bool = True,
+        cache_codec: str = "raw",
+        cache_compression: str | None = None,
+        role: str = "mixed",
+        async_scheduling: bool | None = None,
+    ) -> None:
+        """async_scheduling: launch each decode step before the last one's tokens are read
+        (actors/engine/overlap.py) where the runner can; None: on for a CUDA runner."""
+        if role not in ROLES:
+            raise InputError(f"engine role {role!r}: expected one of {', '.join(ROLES)}")
+        if role == "prefill" and cache is None:
+            raise InputError("engine role 'prefill' needs a cache: its KV blocks go to the tiers")
+        self.role = role
+        if batch_invariant and max_num_batched_tokens < max_num_seqs:
+            raise InputError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
+                f"max_num_seqs={max_num_seqs} (room for one decode token per sequence)"
+            )
+        config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            chunk_size=max_num_batched_tokens - max_num_seqs + 1 if batch_invariant else None,
+        )
+        self.runner, self.tokenizer, self.eos_token_id = runner, tokenizer, eos_token_id
+        self.batch_invariant = batch_invariant
+        if async_scheduling is None:
+            async_scheduling = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        self.async_scheduling = async_scheduling
+        self._inflight: InFlight | None = None
+        layout = runner.allocate_kv(num_blocks, block_size)
+        self.block_size, self.kv_dtype = block_size, layout.dtype
+        self.keyer = BlockKeyer(
+            secret=cache_key_secret,
+            weights_fingerprint=weights_fingerprint,
+            kv_dtype=layout.kv_dtype_name,
+            codec=cache_codec,
+            layer_range=layout.layer_range,
+            kv_head_range=layout.kv_head_range,
+            block_size=block_size,
+        )
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.tiers = (
+            KVTiers(
+                cache,
+                codec=cache_codec,
+                compression=cache_compression,
+                block_shape=layout.block_shape,
+            )
+            if cache is not None
+            else None
+        )
+        self.scheduler = Scheduler(
+            config, self.blocks, match_prefix=self._match_prefix, on_preempt=self._write_down
+        )
+        self._tier_lock = threading.Lock()
+        self._tier_stats_cache: tuple[float, dict] | None = None
+        """Tier calls come from the step thread and from prefetches (AsyncEngine's workers)."""
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []
+        self.counts = {
+            "prefix_queries": 0,
+            "prefix_hits": 0,
+            "prefix_tail_tokens": 0,
+            "tier_hits": 0,
+            "steps": 0,
+            "handoffs": 0,
+            "handoff_blocks": 0,
+            "handoff_bytes": 0,
+            "overlapped_steps": 0,
+        }
+        self._latency = {"last_s": 0.0, "total_s": 0.0}
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        cache_key_secret: bytes | None = None,
+        runner: Any = None,
+        **kw: Any,
+    ) -> Engine:
+        """An engine over `runner`, by default an in-process runner holding every layer of the
+        checkpoint (a multi-rank `actors.executor.replica.Replica` is passed by `replica_runner`);
+        `torch_threads` (kw): that runner's torch thread count (LocalRunner.from_checkpoint).
+
+        The tokenizer is the checkpoint's tokenizer.json (None when absent); EOS comes from
+        generation_config.json or config.json. Without `cache_key_secret` the secret comes from
+        MOE_CACHE_SECRET, or, when no cache is attached, a random one (keys then never leave
+        this process).
+        """
+        import json
+
+        from actors.executor.runner import LocalRunner
+        from cache_service.block_key import secret_from_env, weights_fingerprint
+
+        root = Path(model_dir)
+        if cache_key_secret is None:
+            if os.environ.get("MOE_CACHE_SECRET") or kw.get("cache") is not None:
+                cache_key_secret = secret_from_env()
+            else:
+                cache_key_secret = secrets.token_bytes(32)
+        if "tokenizer" not in kw:
+            kw["tokenizer"] = None
+            if (root / "tokenizer.json").is_file():
+                from tokenizers import Tokenizer
+
+                kw["tokenizer"] = Tokenizer.from_file(str(root / "tokenizer.json"))
+        if "eos_token_id" not in kw:
+            for name in ("generation_config.json", "config.json"):
+                if (root / name).is_file():
+                    eos = json.loads((root / name).read_text()).get("eos_token_id")
+                    if isinstance(eos, list):
+                        eos = eos[0] if eos else None
+                    if eos is not None:
+                        kw["eos_token_id"] = int(eos)
+                        break
+        kw.setdefault("weights_fingerprint", weights_fingerprint(root))
+        threads = kw.pop("torch_threads", None)
+        if runner is None:
+            runner = LocalRunner.from_checkpoint(root, device=device, num_threads=threads)
+        return cls(runner, cache_key_secret=cache_key_secret, **kw)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self.seqs:
+            raise InputError(f"request_id {request_id!r} is already running")
+        vocab = self.runner.arch.vocab_size
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise InputError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens; expected 1 or more ids in 0..{vocab - 1}"
+            )
+        capacity = self.blocks.num_blocks * self.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise InputError(
+                f"request {request_id!r}: {len(ids)} prompt + {params.max_tokens} new tokens exceed "
+                f"the KV cache's {capacity} tokens"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InputError(f"request {request_id!r}: stop strings need a tokenizer")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(request_id=request_id, prompt_token_ids=ids, params=params, seed=seed)
+        self.seqs[request_id] = seq
+        self.detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now (its blocks are released); the next step reports it 'abort'."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self._pending.append(self._output(seq, (), "", "abort", None))
+        self._forget(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs it produced (and those of aborts since the last).
+
+        With async scheduling a decode step may return the tokens of the step launched by the
+        previous call, the next one already running (actors/engine/overlap.py)."""
+        started = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        current, self._inflight = self._inflight, None
+        if current is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            step = self._step_input(batch)
+            if launches(self, step):
+                current = InFlight(batch, step, self.runner.launch(step))
+            else:
+                result = self.runner.execute(step)
+        if current is not None:
+            self._inflight = next_decode(self, current)
+            self.counts["overlapped_steps"] += self._inflight is not None
+            batch, step = current.batch, current.step
+            result = self.runner.collect(current.launched)
+        for seq, n in batch:
+            if seq.status != "finished":  # else it ended (or was aborted) with its row in flight
+                seq.num_computed += n
+                self._register(seq)
+        for row, index in enumerate(step.sample_seqs):
+            seq = batch[index][0]
+            if seq.status != "finished":
+                outputs.append(self._append(seq, result.token_ids[row], result.logprobs[row]))
+        self.counts["steps"] += 1
+        elapsed = time.perf_counter() - started
+        self._latency["last_s"] = elapsed
+        self._latency["total_s"] += elapsed
+        return outputs
+
+    def drain(self) -> list[RequestOutput]:
+        """Collect the step in flight (async scheduling) without launching another; returns its
+        outputs (and those of aborts since the last step)."""
+        if self._inflight is None:
+            return []
+        overlap, self.async_scheduling = self.async_scheduling, False
+        try:
+            return self.step()
+        finally:
+            self.async_scheduling = overlap
+
+    def _step_input(self, batch: list[tuple[Sequence, int]], *, ahead: int = 0) -> StepInput:
+        """The step computing each (sequence, n)'s next n tokens. `ahead` = 1: the decode step
+        after one still in flight (actors/engine/overlap.py), whose token is not appended yet:
+        positions one further, the ids zeros (the device's sampled tokens stand in for them)."""
+        tokens, positions, slots, sample_seqs, sampling = [], [], [], [], []
+        bs = self.block_size  # a decode token (n == 1, most rows) gets its slot without a list
+        for i, (seq, n) in enumerate(batch):
+            start, stop = seq.num_computed + ahead, seq.num_computed + ahead + n
+            tokens += seq.token_slice(start, stop) if not ahead else [0] * n
+            positions += range(start, stop)
+            if n == 1:
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                slots += slots_for(seq.block_table, start, stop, bs)
+            if stop == seq.num_tokens + ahead:
+                sample_seqs.append(i)
+                step = len(seq.output_token_ids) + ahead
+                sampling.append(RowSampling.of(seq.params, seed=seq.seed, step=step))
+        return StepInput(
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_lens=tuple(n for _, n in batch),
+            context_lens=tuple(seq.num_computed + ahead + n for seq, n in batch),
+            block_tables=tuple(tuple(seq.block_table) for seq, _ in batch),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            sample_seqs=tuple(sample_seqs),
+            sampling=tuple(sampling),
+            per_sequence=self.batch_invariant,
+        )
+
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Step 3 for one sampled token: append, detokenise, decide whether the request ends."""
+        p = seq.params
+        seq.output_token_ids.append(token)
+        detok = self.detok[seq.request_id]
+        reason = None
+        is_eos = token == self.eos_token_id and not p.ignore_eos
+        if is_eos or token in p.stop_token_ids:
+            reason, text = "stop", detok.flush()
+        else:
+            text = detok.add(token)
+            if detok.stopped:
+                reason = "stop"
+            elif len(seq.output_token_ids) >= p.max_tokens:
+                reason, text = "length", text + detok.flush()
+        lps = None if p.logprobs is None else (logprob,)
+        handoff = None
+        if reason is None and self.role == "prefill":
+            reason, handoff = "handoff", self._hand_off(seq)
+        out = self._output(seq, (token,), text, reason, lps, handoff)
+        if reason is not None:
+            if handoff is None:
+                self._write_down(seq)
+            self.scheduler.remove(seq)
+            self._forget(seq)
+        return out
+
+    def _hand_off(self, seq: Sequence) -> Handoff:
+        """A prefill engine's end of a request: its full prompt blocks down the tiers, then the
+        Handoff (written only after every put returned, so a decode engine never looks for a
+        block still in flight)."""
+        started = time.perf_counter()
+        written = self._write_down(seq)
+        full = len(seq.prompt_token_ids) // self.block_size
+        stored = sum(
+            1
+            for i in range(min(full, seq.registered))
+            if self.blocks.stored[seq.block_table[i]]
+            and self.blocks.key[seq.block_table[i]] == seq.block_keys[i]
+        )
+        handoff = Handoff(
+            prompt_token_ids=tuple(seq.prompt_token_ids),
+            output_token_ids=tuple(seq.output_token_ids),
+            seed=seq.seed,
+            cached_tokens=seq.cached_tokens or 0,
+            blocks=full,
+            blocks_stored=stored,
+            bytes_written=written,
+            write_s=time.perf_counter() - started,
+        )
+        self.counts["handoffs"] += 1
+        self.counts["handoff_blocks"] += stored
+        self.counts["handoff_bytes"] += written
+        return handoff
+
+    def _output(self, seq, tokens, text, reason, logprobs, handoff=None) -> RequestOutput:
+        return RequestOutput(
+            handoff=handoff,
+            request_id=seq.request_id,
+            new_token_ids=tuple(tokens),
+            text_delta=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=logprobs,
+            prompt_tokens=len(seq.prompt_token_ids),
+            completion_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.cached_tokens or 0,
+        )
+
+    def _forget(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.request_id, None)
+        self.detok.pop(seq.request_id, None)
+
+    # -------------------------------------------------------------- KV blocks
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Acquire the sequence's cached prefix: device blocks by key, then blocks from the tiers,
+        then a copy of a device block sharing the next block's first tokens (`take_tail`).
+        At most (tokens - 1) // block_size blocks: the last token is always computed (its logits
+        are sampled) and never lands in a shared block. A copied tail leaves >= 2 tokens to
+        compute (a one-row step takes the CPU decode path: equal within rounding, not bitwise)."""
+        cap = (seq.num_tokens - 1) // self.block_size
+        self.keyer.extend(seq.block_keys, seq.tokens, cap)
+        keys = seq.block_keys[:cap]
+        table = self.blocks.lookup(keys)
+        for block in table:
+            self.blocks.acquire(block)
+        self.counts["prefix_queries"] += cap
+        self.counts["prefix_hits"] += len(table)
+        prefetched, seq.prefetched = seq.prefetched, None
+        if self.tiers is not None and len(table) < cap:
+            rest = keys[len(table) :]
+            if prefetched is not None:  # read off the step thread (prefetch): no round trip now
+                loaded = prefetched[len(table) : len(table) + self.blocks.free_count]
+            else:
+                with self._tier_lock:
+                    count = min(self.tiers.available(rest), self.blocks.free_count)
+                    loaded = (
+                        self.tiers.load_many(rest[:count], dtype=self.kv_dtype) if count else ()
+                    )
+            for _, data in zip(rest, loaded, strict=False):
+                block = self.blocks.allocate()
+                self.runner.write_block(block, data)
+                self._register_block(seq, len(table), block)
+                self.blocks.stored[block] = True
+                table.append(block)
+                self.counts["tier_hits"] += 1
+        i, bs, tail = len(table), self.block_size, 0
+        if self.blocks.children and seq.num_tokens - 2 > i * bs:
+            copy = getattr(self.runner, "copy_block", None) or (
+                lambda src, dst: self.runner.write_block(dst, self.runner.read_block(src))
+            )  # a runner without copy_block: through the host
+            tokens, room = seq.token_slice(i * bs, (i + 1) * bs), seq.num_tokens - 2 - i * bs
+            parent = seq.block_keys[i - 1] if i else None
+            block, tail = self.blocks.take_tail(parent, tokens, room, copy)
+            if tail:
+                table.append(block)
+                self.counts["prefix_tail_tokens"] += tail
+        seq.block_table = table
+        seq.registered = i
+        seq.num_computed = i * bs + tail
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_token_ids))
+
+    def _register(self, seq: Sequence) -> None:
+        """Register the sequence's newly full, fully computed blocks under their keys."""
+        full = seq.num_computed // self.block_size
+        if full <= seq.registered:
+            return
+        self.keyer.extend(seq.block_keys, seq.tokens, full)
+        for i in range(seq.registered, full):
+            self._register_block(seq, i, seq.block_table[i])
+        seq.registered = full
+
+    def _register_block(self, seq: Sequence, i: int, block: int) -> None:
+        """Register `block` as the sequence's full block i (its key, its parent's, its tokens)."""
+        tokens = seq.token_slice(i * self.block_size, (i + 1) * self.block_size)
+        parent = seq.block_keys[i - 1] if i else None
+        self.blocks.register(block, seq.block_keys[i], parent=parent, tokens=tokens)
+
+    def _write_down(self, seq: Sequence) -> int:
+        """Write the sequence's computed full blocks to the tiers (finish, preemption, handoff);
+        returns the bytes newly written. A block whose put faulted stays unmarked (a later
+        write-down tries again); one the tiers already held counts as stored."""
+        if self.tiers is None:
+            return 0
+        todo = [
+            (seq.block_table[i], seq.block_keys[i])
+            for i in range(seq.registered)
+            if self.blocks.key[seq.block_table[i]] == seq.block_keys[i]
+            and not self.blocks.stored[seq.block_table[i]]
+        ]
+        if not todo:
+            return 0
+        data = torch.stack([self.runner.read_block(block) for block, _ in todo])
+        with self._tier_lock:
+            faults = self.tiers.counts["faults"]
+            flags = self.tiers.store_many([key for _, key in todo], data)  # one put per chunk
+            intact = self.tiers.counts["faults"] == faults
+        for block, _ in todo:
+            self.blocks.stored[block] = intact
+        return sum(flags) * (data[0].numel() * data.element_size())
+
+    # --------------------------------------------------------------- recovery
+
+    def reset(self) -> list[str]:
+        """Forget every request and every device block, and allocate an empty KV cache.
+
+        For a runner that lost its KV (a worker died and its replica was rebuilt). Abort outputs
+        not yet returned stay pending. Returns the ids of the requests dropped, which
+        `actors/engine/recovery.py` re-admits with `resume_request`.
+        """
+        dropped = list(self.seqs)
+        if self._inflight is not None:  # let it finish before its graph and cache are dropped
+            self.runner.collect(self._inflight.launched)
+            self._inflight = None
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self.seqs.clear()
+        self.detok.clear()
+        self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
+        self.scheduler.blocks = self.blocks
+        self.runner.allocate_kv(self.blocks.num_blocks, self.block_size)
+        return dropped
+
+    def prefetch(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> torch.Tensor:
+        """The leading prefix blocks of a request about to be resumed, read from the tiers
+        ([m, *block_shape]; m = 0 without tiers). Touches no engine state but the tier counters
+        (under a lock), so AsyncEngine runs it on a worker thread while the engine steps: the
+        round trips to the cache stay out of the step that admits the request."""
+        tokens = [*prompt_token_ids, *output_token_ids]
+        keys: list = []
+        self.keyer.extend(keys, tokens, (len(tokens) - 1) // self.block_size)
+        if self.tiers is None or not keys:
+            return torch.empty(0)
+        with self._tier_lock:
+            count = self.tiers.available(keys)
+            return (
+                self.tiers.load_many(keys[:count], dtype=self.kv_dtype) if count else torch.empty(0)
+            )
+
+    def resume_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        seed: int,
+        output_token_ids: list[int],
+        cached_tokens: int | None = None,
+        prefetched: torch.Tensor | None = None,
+    ) -> None:
+        """Re-admit a request whose client already has `output_token_ids`.
+
+        The prompt and those tokens are recomputed (prefix blocks still in the tiers are read
+        back), then sampling continues at step len(output_token_ids) with the same seed, so a
+        greedy or seeded stream goes on as without the fault (the sampler is keyed by seed and
+        step). The detokenizer replays the tokens silently: no text is emitted twice.
+        `prefetched`: the leading prefix blocks already read from the tiers (`prefetch`, off
+        the step thread); admission then takes them instead of asking the tiers.
+        """
+        self.add_request(request_id, prompt_token_ids, replace(params, seed=seed))
+        seq = self.seqs[request_id]
+        seq.prefetched = prefetched
+        seq.output_token_ids = [int(t) for t in output_token_ids]
+        seq.cached_tokens = cached_tokens
+        detok = self.detok[request_id]
+        for token in seq.output_token_ids:
+            detok.add(token)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self, *, cache_max_age_s: float = 0.0) -> dict:
+        """The engine's figures. The cache's own (`cache`) are a round trip to a remote cache:
+        `cache_max_age_s` > 0 reuses a reading that recent (AsyncEngine reads them every step)."""
+        total, free = self.blocks.num_blocks, self.blocks.free_count
+        steps = self.counts["steps"]
+        out = {
+            "queue_depth": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "free_blocks": free,
+            "total_blocks": total,
+            "kv_utilisation": (total - free) / total,
+            **self.counts,  # prefix, tier, handoff, step counts
+            "tier_hits_by_tier": dict(self.tiers.tier_hits) if self.tiers is not None else {},
+            "preemptions": self.scheduler.preemptions,
+            "role": self.role,
+            "step_latency_s": self._latency["last_s"],
+            "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
+        }
+        timing = getattr(self.runner, "timing_stats", None)
+        if callable(timing):  # a distributed runner: per pipeline stage and comm axis
+            out.update(timing())
+        if self.tiers is not None:
+            out["cache"] = self._tier_stats(cache_max_age_s)
+        return out
+
+    def _tier_stats(self, max_age_s: float) -> dict:
+        now = time.monotonic()
+        if self._tier_stats_cache is None or now - self._tier_stats_cache[0] > max_age_s:
+            with self._tier_lock:
+                self._tier_stats_cache = (now, self.tiers.stats())
+        return self._tier_stats_cache[1]

@@ -1,0 +1,557 @@
+"""One engine step on the model: the step description (`StepInput`) and the in-process runner.
+
+`StepInput` is what the engine sends to every worker of a replica each step (DESIGN.md, "Engine
+and workers"): small tensors and tuples, no activations. A runner executes it and returns only
+the sampled token ids (and logprobs), never vocabulary-sized logits. Two runners implement the
+same interface:
+
+    runner.allocate_kv(num_blocks, block_size) -> KVLayout   # (re)create an empty paged cache
+    runner.execute(step: StepInput) -> StepOutput             # forward + sample
+    runner.read_block(block_id) -> Tensor                     # KVLayout.block_shape, CPU
+    runner.write_block(block_id, data: Tensor) -> None
+    runner.kv_layout: KVLayout; runner.arch: ArchConfig
+
+`LocalRunner` (here) is one rank holding every layer: tests and single-GPU serving without Ray.
+Three ways it runs a step:
+- `per_sequence` (batch-invariant mode) with several sequences: one forward per sequence;
+- otherwise one forward over the whole flat batch (`PagedContext`);
+- a pure decode step (one new token per sequence) with `fast_decode`: block tables as one padded
+  tensor (`actors.kernels.decode_step.DecodeContext`), batched attention with no host sync, and
+  with `cuda_graphs` the forward is a replayed CUDA graph per (batch, table width). Greedy rows
+  are then sampled on the device (argmax of the float32 logits, the same rule as the sampler).
+The Ray replica (`actors/executor/replica.py`) is to accept the same `StepInput`: every rank runs its layers
+with a `PagedContext` over its own `KVCache` (its layers, its KV heads), the last stage's TP rank 0
+applies `actors.engine.sampler.sample` to the logits of the `sample_seqs` rows and returns the
+`StepOutput`; `read_block`/`write_block` fan out to every rank, each storing its part of a block
+under its own layer-group key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from actors.engine.sampler import RowSampling, TokenLogprob, sample
+from actors.executor.thread_tuner import ThreadTuner
+from actors.kernels import cpu_attention, fused
+from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
+from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks
+from actors.model.arch import ArchConfig
+from actors.model.stage import StageModel
+from cluster.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInput:
+    """One step of continuous batching: the new tokens of every scheduled sequence.
+
+    T is the total number of new tokens, S the number of sequences.
+    """
+
+    token_ids: torch.Tensor
+    """[T] int64: sequence 0's new tokens, then sequence 1's, ..."""
+    positions: torch.Tensor
+    """[T] int64: each token's index in its sequence."""
+    query_lens: tuple[int, ...]
+    """[S]: new tokens per sequence (a prefill chunk, or 1 for a decode)."""
+    context_lens: tuple[int, ...]
+    """[S]: tokens of the sequence in the cache after this step (cached prefix + new)."""
+    block_tables: tuple[tuple[int, ...], ...]
+    """[S][blocks]: global KV block ids of each sequence, covering context_lens[i] tokens."""
+    slot_mapping: torch.Tensor
+    """[T] int64: block_id * block_size + offset where each new token's K/V are written."""
+    sample_seqs: tuple[int, ...]
+    """Indices of the sequences whose last new token is sampled (their prompt is complete)."""
+    sampling: tuple[RowSampling, ...]
+    """One per entry of sample_seqs."""
+    per_sequence: bool = False
+    """Batch-invariant mode: run the model over one sequence at a time, so no matrix product mixes
+    rows of different sequences (CPU/GPU GEMMs give row results that depend on the row count)."""
+
+    def __post_init__(self) -> None:
+        t, s = int(self.token_ids.shape[0]), len(self.query_lens)
+        if sum(self.query_lens) != t or self.positions.shape != (t,):
+            raise InputError(f"step: query_lens sum {sum(self.query_lens)} != {t} new tokens")
+        if self.slot_mapping.shape != (t,):
+            raise InputError(f"step: slot_mapping {tuple(self.slot_mapping.shape)} for {t} tokens")
+        if len(self.context_lens) != s or len(self.block_tables) != s:
+            raise InputError(f"step: context_lens/block_tables must have one entry per {s} seqs")
+        if len(self.sampling) != len(self.sample_seqs):
+            raise InputError(
+                f"step: {len(self.sampling)} sampling rows for {len(self.sample_seqs)} sampled seqs"
+            )
+
+    def sub(self, seq: int) -> StepInput:
+        """The step restricted to sequence `seq` (sampled or not)."""
+        start = sum(self.query_lens[:seq])
+        stop = start + self.query_lens[seq]
+        rows = [r for r, s in enumerate(self.sample_seqs) if s == seq]
+        return StepInput(
+            token_ids=self.token_ids[start:stop],
+            positions=self.positions[start:stop],
+            query_lens=(self.query_lens[seq],),
+            context_lens=(self.context_lens[seq],),
+            block_tables=(self.block_tables[seq],),
+            slot_mapping=self.slot_mapping[start:stop],
+            sample_seqs=(0,) if rows else (),
+            sampling=tuple(self.sampling[r] for r in rows),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    token_ids: tuple[int, ...]
+    """One sampled token per entry of StepInput.sample_seqs."""
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step `LocalRunner.launch` started: its greedy tokens on the device and their host copy
+    (pinned; ready once `event` has passed; on the CPU the same tensor, no event)."""
+
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: Any
+
+
+class LocalRunner:
+    """All layers of a model in this process (world size 1), with its paged KV cache."""
+
+    def __init__(
+        self,
+        model: StageModel,
+        *,
+        device: torch.device | str = "cpu",
+        fast_decode: bool | None = None,
+        cuda_graphs: bool | None = None,
+        triton_attention: bool | None = None,
+    ) -> None:
+        """fast_decode / cuda_graphs / triton_attention default to on for a CUDA device."""
+        if not (model.first and model.last):
+            raise InputError("LocalRunner needs a StageModel holding every layer (first and last)")
+        self.model, self.device = model, torch.device(device)
+        self.arch: ArchConfig = model.arch
+        self.dtype = next(model.parameters()).dtype
+        self.kv: KVCache | None = None
+        self.mirror: DecodeMirror | None = None
+        cuda = self.device.type == "cuda"
+        if not cuda:
+            keep_freed_memory()  # process-wide; every CPU runner wants it (see the function)
+        self.fast_decode = cuda if fast_decode is None else fast_decode
+        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not (cuda and self.fast_decode):
+            raise InputError("cuda_graphs needs a CUDA device and fast_decode")
+        if triton_attention is None:
+            from actors.kernels import triton_available
+
+            triton_attention = cuda and triton_available()
+        self.triton_attention = triton_attention
+        self.table_quantum = 32
+        """Decode block tables are padded to a multiple of this many blocks (one graph each)."""
+        self.graphs: DecodeGraphs | None = None
+        self.graph_error: str | None = None
+        self.plain_cpu = not cuda and _plain_cpu()  # not Triton's interpreter: see _logits
+        self.tuner = ThreadTuner() if self.plain_cpu and ADAPT_THREADS[0] else None
+
+    @classmethod
+    def from_checkpoint(
+        cls, model_dir: str | Path, *, device: str = "cpu", num_threads: int | None = None
+    ) -> LocalRunner:
+        """`num_threads`: torch's intra-op threads for this process (None: leave them). On a
+        CPU shared with other work, 1: with more, every parallel region waits for all of its
+        OpenMP threads, and one the OS has descheduled stalls it for a time slice (measured
+        on 2 busy cores: decode steps 10-50x slower at 2 threads, bench/notes/cpu_engine_speed.md),
+        as ShardWorker(num_threads=1) does for a Ray rank."""
+        from actors.model.weights import load_stage_model
+
+        if num_threads is not None:
+            if num_threads < 1:
+                raise InputError(f"num_threads={num_threads} must be at least 1")
+            torch.set_num_threads(num_threads)
+
+        arch_layers = _num_layers(model_dir)
+        model, _ = load_stage_model(model_dir, layer_range=(0, arch_layers), device=device)
+        if torch.device(device).type == "cpu" and COLUMN_MAJOR[0] and _plain_cpu():
+            model.column_major_weights()  # not for Triton (interpreted): its kernels want rows
+        return cls(model, device=device)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv has not been called")
+        return self.kv.layout
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> KVLayout:
+        """A fresh, empty paged cache of `num_blocks` blocks (drops any previous one)."""
+        layout = KVLayout.for_stage(
+            self.arch,
+            block_size=block_size,
+            layer_range=self.model.layer_range,
+            dtype=self.dtype,
+        )
+        self.kv, self.graphs = None, None
+        self.kv = KVCache(layout, num_blocks, self.device)
+        self.mirror = DecodeMirror(self.kv)
+        if self.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, use_triton=self.triton_attention)
+        return layout
+
+    def forward(self, step: StepInput, *, all_rows: bool = False) -> torch.Tensor:
+        """Logits of the last new token of each sampled sequence [len(sample_seqs), V] float32;
+        with `all_rows`, of every new token [T, V] (teacher forcing in tests)."""
+        logits = self._logits(step, all_rows=all_rows).float().cpu()
+        return logits.clone() if logits.is_inference() else logits  # a plain tensor
+
+    def _logits(
+        self, step: StepInput, *, all_rows: bool = False, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """forward's logits, left on the device in the model's dtype; `tokens` (a fast decode
+        step's): its input ids on the device, in place of step.token_ids.
+
+        On the CPU (`plain_cpu`) the step runs in `torch.inference_mode` (no version counters or
+        view tracking on the step's tensors: ~1-2 us less per op, ~500 ops a decode step; the
+        same values). The tensors it keeps (the decode mirror, the stacked q/k/v weights) are then
+        inference tensors, only ever changed in place inside a step."""
+        with torch.inference_mode(self.plain_cpu and INFERENCE_MODE[0]):
+            if self.tuner is None or all_rows or not self.tuner.start(step):
+                return self._step_logits(step, all_rows=all_rows, tokens=tokens)
+            logits = self._step_logits(step, tokens=tokens)  # on the CPU: done when it returns
+            self.tuner.stop(len(step.query_lens))
+            return logits
+
+    def _step_logits(
+        self, step: StepInput, *, all_rows: bool = False, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv has not been called")
+        if not all_rows and self._decodes_fast(step):
+            if self.mirror is not None:
+                self.mirror.drop()
+            return self._decode(step, tokens)
+        if step.per_sequence and len(step.query_lens) > 1:
+            parts = [
+                self._logits(step.sub(i), all_rows=all_rows) for i in range(len(step.query_lens))
+            ]
+            if all_rows:
+                return torch.cat(parts)
+            by_seq = {i: p for i, p in enumerate(parts) if p.shape[0]}
+            return (
+                torch.cat([by_seq[s] for s in step.sample_seqs]) if step.sample_seqs else parts[0]
+            )
+        fields: dict[str, Any] = dict(
+            cache=self.kv,
+            query_lens=step.query_lens,
+            context_lens=step.context_lens,
+            block_tables=step.block_tables,
+            slot_mapping=step.slot_mapping.to(self.device),
+        )
+        mirror = self.mirror if self.device.type == "cpu" else None
+        if mirror is not None and mirror.begin(step):
+            ctx = MirroredContext(**fields, mirror=mirror)
+        else:
+            ctx = PagedContext(**fields)
+        rows = None  # a step of one token a sequence, each sampled in order, needs no row index
+        every = step.sample_seqs == tuple(range(len(step.token_ids)))
+        if not all_rows and not (every and len(step.query_lens) == len(step.token_ids)):
+            ends = torch.cumsum(torch.tensor(step.query_lens), 0) - 1
+            rows = ends[list(step.sample_seqs)].to(self.device)
+        logits = self.model(
+            step.token_ids.to(self.device),
+            step.positions.to(self.device),
+            step.query_lens,
+            paged=ctx,
+            logits_rows=rows,
+        )
+        if isinstance(ctx, MirroredContext):
+            mirror.end()
+        self.kv.update_summaries(filled_blocks(step.slot_mapping, self.kv.layout.block_size))
+        return logits
+
+    def _decodes_fast(self, step: StepInput) -> bool:
+        return (
+            self.fast_decode
+            and all(n == 1 for n in step.query_lens)
+            and len(step.sample_seqs) == len(step.query_lens)
+            and (not step.per_sequence or len(step.query_lens) == 1)
+            and self.arch.sliding_window is None
+        )
+
+    def _decode(self, step: StepInput, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """A pure decode step over the padded block tables (rows in sample_seqs order);
+        `tokens` [B] on the device: the input ids in place of step.token_ids."""
+        b = len(step.query_lens)
+        q = self.table_quantum
+        width = max(len(t) for t in step.block_tables)
+        width = -(-width // q) * q
+        rows = np.zeros((b, width), dtype=np.int32)  # one tensor, not one per row
+        for i, table in enumerate(step.block_tables):
+            rows[i, : len(table)] = table
+        packed = PackedInputs(
+            {
+                "tokens": step.token_ids,
+                "positions": step.positions,
+                "slots": step.slot_mapping,
+                "block_tables": torch.from_numpy(rows),
+                "context_lens": torch.as_tensor(step.context_lens, dtype=torch.int32),
+            },
+            pin=self.device.type == "cuda",
+        )
+        logits = None
+        if self.graphs is not None:
+            try:
+                logits = self.graphs.run(packed, tokens=tokens)
+            except RuntimeError as exc:  # capture refused: run eagerly from now on, say why
+                self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"[:500]
+        if logits is None:
+            inputs = packed.to(self.device)
+            if tokens is not None:
+                inputs["tokens"] = tokens
+            ctx = DecodeContext(
+                cache=self.kv,
+                slots=inputs["slots"],
+                block_tables=inputs["block_tables"],
+                context_lens=inputs["context_lens"],
+                use_triton=self.triton_attention,
+            )
+            logits = self.model(inputs["tokens"], inputs["positions"], (1,) * b, paged=ctx)
+        order = list(step.sample_seqs)
+        return logits if order == list(range(b)) else logits[order]
+
+    def execute(self, step: StepInput) -> StepOutput:
+        logits = self._logits(step)
+        greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
+        if greedy and logits.device.type != "cpu":
+            tokens = greedy_tokens(logits).tolist()
+            return StepOutput(token_ids=tuple(tokens), logprobs=(None,) * len(tokens))
+        tokens, logprobs = sample(logits.float().cpu(), step.sampling)
+        return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
+
+    def overlaps(self, step: StepInput) -> bool:
+        """Whether `launch` runs `step`: a fast pure decode step whose rows are all greedy."""
+        greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
+        return greedy and self._decodes_fast(step)
+
+    def launch(self, step: StepInput, *, after: Launched | None = None) -> Launched:
+        """Start an `overlaps` step without waiting for it (async scheduling,
+        actors/engine/overlap.py); `after`: the launch whose sampled tokens (still on the
+        device) are this step's input ids, in place of step.token_ids. `collect` reads it."""
+        ids = greedy_tokens(self._logits(step, tokens=after.tokens if after else None))
+        if ids.device.type != "cuda":
+            return Launched(tokens=ids, host=ids, event=None)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Launched(tokens=ids, host=host, event=event)
+
+    @staticmethod
+    def collect(launched: Launched) -> StepOutput:
+        """Wait for a launched step's tokens (only for them: later launches keep running)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens = tuple(launched.host.tolist())
+        return StepOutput(token_ids=tokens, logprobs=(None,) * len(tokens))
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        return self.kv.read_block(block_id)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        self.kv.write_block(block_id, data)
+        if self.mirror is not None:
+            self.mirror.drop()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.kv.copy_block(src, dst)
+        if self.mirror is not None:
+            self.mirror.drop()
+
+
+INFERENCE_MODE = [os.environ.get("MOE_CPU_INFERENCE_MODE", "1") == "1"]
+"""Switch of the CPU steps' inference mode (`LocalRunner._logits`; tests, A/B)."""
+COLUMN_MAJOR = [os.environ.get("MOE_CPU_COLUMN_MAJOR", "1") == "1"]
+"""Switch of `StageModel.column_major_weights` in `LocalRunner.from_checkpoint` (tests, A/B)."""
+ADAPT_THREADS = [os.environ.get("MOE_CPU_ADAPT_THREADS", "1") == "1"]
+"""Switch of a CPU runner's `ThreadTuner` (tests, A/B)."""
+
+
+def _plain_cpu() -> bool:
+    """Whether CPU tensors run plain torch here (not Triton kernels under its interpreter)."""
+    return not fused.use_triton(torch.empty(0))
+
+
+MIRROR_MAX_BYTES = 256 << 20
+"""The decode mirror holds at most this many bytes (every layer's K and V); beyond, gather."""
+MIRROR_HEADROOM = 64
+"""Token slots a (re)built mirror leaves past the longest context (rebuilt when they run out)."""
+
+
+class DecodeMirror:
+    """CPU decode steps over an unchanged batch: each layer's padded contexts kept across steps.
+
+    A pure decode step attends over every sequence's whole context, gathered from the paged
+    cache into one padded [B, L, ...] tensor per layer (`KVCache.gather_batch`, read by
+    `attention._batched_decode`): for 64 sequences of ~160 tokens 2.6 MB of K and as much of V
+    per layer, from scattered blocks, ~15% of the step. When the next step decodes the same
+    sequences in the same order (each block table extending its last one, each context one
+    token longer), the mirror keeps those tensors and appends the token each sequence just
+    wrote; any other step drops them and the next pure decode step gathers afresh. The slots
+    below each context length hold what the gather returns, so attention (which masks the
+    rest) gives the same values, bit for bit. Where the C attention kernel serves the cache
+    (`actors.kernels.cpu_attention`, which reads the paged blocks in place) there is nothing to
+    keep: the mirror stays off.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.tables: tuple[tuple[int, ...], ...] | None = None
+        self.lens: tuple[int, ...] = ()
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor | None] = {}
+        self.served: set[int] = set()
+        self.extend = False
+        self._pending: tuple = ((), ())
+        self._rows: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """This step's new K and V of each layer, as the layer wrote them (MirroredContext)."""
+
+    def begin(self, step: StepInput) -> bool:
+        """Whether `step` runs over the mirror (a pure decode step of 2+ sequences); sets
+        whether its layers extend last step's tensors or gather afresh."""
+        lens, tables = step.context_lens, step.block_tables
+        if len(lens) < 2 or any(n != 1 for n in step.query_lens) or self._kernel_serves():
+            self.drop()
+            return False
+        prev = self.tables
+        self.extend = (
+            prev is not None
+            and len(prev) == len(lens)
+            and all(c == p + 1 for c, p in zip(lens, self.lens, strict=True))
+            and all(t[: len(o)] == o for t, o in zip(tables, prev, strict=True))
+            and max(lens) <= self.capacity
+        )
+        if not self.extend:
+            self.k, self.v = {}, {}
+        self.served, self.written = set(), {}
+        self._pending = (tables, lens)
+        return True
+
+    def _kernel_serves(self) -> bool:
+        """The C attention kernel reads the paged cache itself (`actors.kernels.cpu_attention`):
+        no padded copies to keep."""
+        layer = next(iter(self.cache.k), None)
+        v = self.cache.v[layer] if self.cache.v and layer is not None else None
+        return layer is not None and cpu_attention.serves(self.cache.k[layer], v)
+
+    def end(self) -> None:
+        """After the step's forward: keep the tensors only if every layer read them."""
+        if self.served == set(self.cache.k):
+            self.tables, self.lens = self._pending
+        else:
+            self.drop()
+
+    def drop(self) -> None:
+        self.tables, self.lens, self.k, self.v, self.written = None, (), {}, {}, {}
+
+    def _extend_rows(self, lens: tuple[int, ...]) -> torch.Tensor:
+        """[B] int64: the row (sequence i, its len - 1) of a kept tensor's [B x capacity, ...]
+        view that this step's token of each sequence goes to; once a step (the step's `lens`
+        tuple), not once a layer."""
+        if self._rows is None or self._rows[0] is not lens:
+            at = torch.arange(len(lens)) * self.capacity + torch.as_tensor(lens) - 1
+            self._rows = (lens, at)
+        return self._rows[1]
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per sequence of the kept tensors (0: none)."""
+        first = next(iter(self.k.values()), None)
+        return 0 if first is None else first.shape[1]
+
+    def gather(self, ctx: PagedContext, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`PagedContext.gather_batch(layer)`: keys [B, longest, ...] and values (or None)."""
+        cache, lens = self.cache, ctx.context_lens
+        b, longest = len(lens), max(lens)
+        tensors = (cache.k[layer], cache.v.get(layer))
+        if self.extend and layer in self.k:
+            # Step 1: last step's tensors plus this step's token of each sequence (slot len - 1):
+            # what the layer just wrote to the cache (else read back from it)
+            cap, at = self.capacity, self._extend_rows(lens)
+            written = self.written.get(layer, (None, None))
+            for buf, src, new in zip((self.k[layer], self.v[layer]), tensors, written, strict=True):
+                if buf is not None:
+                    if new is None:
+                        new = src.view(-1, *src.shape[2:]).index_select(0, ctx.slot_mapping)
+                    buf.view(b * cap, -1).index_copy_(0, at, new.reshape(b, -1).to(buf.dtype))
+        else:
+            # Step 2: gather afresh, with room for MIRROR_HEADROOM more tokens
+            bs = cache.layout.block_size
+            nblk = -(-(longest + MIRROR_HEADROOM) // bs)
+            block = sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+            if b * nblk * block * len(cache.k) > MIRROR_MAX_BYTES:
+                return PagedContext.gather_batch(ctx, layer)  # not served: end() drops
+            flat = cache.batch_table(ctx.block_tables, nblk * bs).flatten()
+            k, v = (
+                t.index_select(0, flat).view(b, nblk * bs, *t.shape[2:]) if t is not None else None
+                for t in tensors
+            )
+            self.k[layer], self.v[layer] = k, v
+        self.served.add(layer)
+        k, v = self.k[layer], self.v[layer]
+        return k[:, :longest], v[:, :longest] if v is not None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MirroredContext(PagedContext):
+    """A pure CPU decode step's `PagedContext` whose batched gathers come from a DecodeMirror."""
+
+    mirror: DecodeMirror
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        super().write(layer, k, v)
+        self.mirror.written[layer] = (k, v)  # the mirror appends them without reading back
+
+    def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.mirror.gather(self, layer)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64: the argmax of each row, the lowest id on a tie (the sampler's rule).
+
+    In two passes over chunks of the vocabulary: one `argmax` of a single long row runs on few
+    thread blocks (28 us for DeepSeek's 129K vocabulary at batch 1 on an H200, against the ~0.5 us
+    its bytes take). No cast: a 16-bit logit converts to float32 exactly, so the order is the same.
+    """
+    b, v = logits.shape
+    c = next((c for c in (128, 64, 32) if v % c == 0 and v // c >= 256), None)
+    if c is None:
+        return logits.argmax(dim=-1)
+    vals, idx = logits.view(b, c, v // c).max(dim=-1)  # the first maximum of each chunk
+    chunk = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (chunk * (v // c) + idx.gather(1, chunk))[:, 0]
+
+
+def keep_freed_memory() -> None:
+    """glibc malloc on a CPU runner: serve blocks up to 32 MB from the heap and never give freed
+    heap memory back, so a step's multi-MB temporaries reuse mapped pages instead of faulting
+    fresh ones in (a 4,096-token prefill step: ~12K minor faults, ~2 us each on a VM)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+def _num_layers(model_dir: str | Path) -> int:
+    from actors.model.weights import CheckpointIndex
+
+    return CheckpointIndex.open(model_dir).arch().num_layers
