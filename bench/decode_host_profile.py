@@ -39,7 +39,7 @@ def main() -> int:
     d = bench.decode(1, args.context, warm=5, steps=20)  # captures the graph, times 20 steps
     print(f"decode b1 x {args.context}: {d['ms']:.3f} ms/step, device {d['device_ms']} ms")
     e = bench.engine
-    from actors.engine.engine import SamplingParams
+    from actors.engine.sampler import SamplingParams
 
     e.add_request(
         "p",

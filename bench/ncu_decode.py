@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.bench import gpu_bench, gpu_bench_parts
-from actors.engine.engine import SamplingParams
+from actors.engine.sampler import SamplingParams
 from actors.kernels import moe_kernels
 from bench.pdl_ab import EXPERT_SMALL
 

@@ -4,7 +4,7 @@
 
 Each run is a fresh process importing `actors` from one tree (a `git worktree` of the base
 commit, or the checkout itself) and running `deploy.vllm_side_by_side`'s workload with the same
-engine settings as its `_Ours` (torch's default threads): one warm request, then the offline
+engine settings as its `Ours` (torch's default threads): one warm request, then the offline
 batch (64 prompts of 128 tokens, 64 greedy tokens each) `--reps` times, each with prompts of its
 own seed (rep 0 is the side-by-side's own batch; the others share no prefix with it). Runs
 alternate base, new, base, new, ... (`--pairs` of them): on a shared machine only neighbouring
@@ -29,10 +29,11 @@ from pathlib import Path
 def child(tree: str, model: str, reps: int) -> None:
     sys.path[0] = tree  # not bench/: its module names must not shadow anything
     os.chdir(tree)
-    from deploy.vllm_side_by_side import OFFLINE_OUT, _Ours, workload
+    from deploy.vllm_contenders import OFFLINE_OUT, Ours
+    from deploy.vllm_side_by_side import workload
 
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
-    ours = _Ours(Path(model))
+    ours = Ours(Path(model))
     ours.run([workload(vocab)["warm"]], 4)
     engine, runs = ours.engine, []
     for rep in range(reps):

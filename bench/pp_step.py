@@ -3,7 +3,7 @@
     RAY_AUTH_MODE=disabled python bench/pp_step.py [--layout ep2xpp2] [--batches 1,4]
         [--steps 30] [--passes 2] [--out FILE.json]
 
-Builds the engine the served side-by-side builds (`actors.executor.replica_runner.build_engine` with the
+Builds the engine the served side-by-side builds (`actors.engine.factory.build_engine` with the
 served knobs: block 32, 256 blocks, batch_invariant False, step channels on) over the side-by-side
 checkpoint (`deploy/vllm_checkpoint.py`), on a local Ray of its own (no dashboard).
 Step 1: per batch size B, B requests of 128 random token ids are prefilled (not timed).
@@ -56,7 +56,7 @@ def decode_times(engine, batch: int, steps: int, seed: int) -> tuple[list[float]
     count of engine steps run in all (prefill and the last ones included)."""
     import torch
 
-    from actors.engine.engine import SamplingParams
+    from actors.engine.sampler import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
 
     import ray
 
-    from actors.executor.replica_runner import build_engine
+    from actors.engine.factory import build_engine
     from deploy.vllm_checkpoint import ensure_checkpoint
 
     model = ensure_checkpoint()

@@ -82,7 +82,8 @@ from cache_service.codec import (
 from cache_service.errors import CacheConfigError, CorruptBlock, InvalidBlock
 from cache_service.metrics import CacheMetrics
 from cache_service.namespace import CacheNamespace
-from cache_service.tiers.base import Tier, open_tier, redact
+from cache_service.tiers.base import Tier, redact
+from cache_service.tiers.factory import open_tier
 
 _KIND_BY_SCHEME = {
     "device": "device",

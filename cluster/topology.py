@@ -48,7 +48,7 @@ How `bandwidth_GBps(a, b)` is computed (measured figures win over nominal ones e
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from cluster.errors import InputError
@@ -383,10 +383,61 @@ class Topology:
                 yield GlobalLink(a=ids[link.a], b=ids[link.b], node=node.name, link=link)
 
     def to_json(self) -> dict:
-        """The `moectl topology show --json` object (see cluster/cli.py)."""
-        from cluster.topology_json import topology_to_json
+        """The `moectl topology show --json` object (see cluster/cli.py):
 
-        return topology_to_json(self)
+        {"name": str,
+         "nodes": [{"name", "index", "template", "address", "cpu_cores", "numa_nodes",
+                    "memory_bytes", "gpus": int, "nics": int}],
+         "devices": [{"id": "GPU0" | "NIC0" | "CPU0", "kind": "gpu" | "nic" | "cpu",
+                      "name": model or NIC device (mlx5_0), "node", "local_id", "hbm_bytes",
+                      "peak_bf16_flops", "hbm_bandwidth_GBps", "numa_node", "cpu_affinity",
+                      "bandwidth_GBps"}],
+         "links": [{"a", "b", "node", "kind": "nvlink" | "pcie" | "nic",
+                    "path": "NV18" | "PIX" | "PXB" | "PHB" | "NODE" | "SYS", "nvlinks",
+                    "bandwidth_GBps" (one direction), "latency_us", "source": "nominal" | "measured"}],
+         "nvlink_domains": [[GPU ids]],
+         "fabric": {"kind", "bandwidth_GBps", "latency_us", "source"},
+         "inter_node_bandwidth_GBps": float | null}
+        """
+        nodes = []
+        for node in self.nodes:
+            tpl = self.template_of(node)
+            nodes.append(
+                {
+                    "name": node.name,
+                    "index": node.index,
+                    "template": node.template,
+                    "address": node.address,
+                    "cpu_cores": tpl.cpu_cores,
+                    "numa_nodes": tpl.numa_nodes,
+                    "memory_bytes": tpl.memory_bytes,
+                    "gpus": len(tpl.gpus),
+                    "nics": len(tpl.nics),
+                }
+            )
+        links = [
+            {
+                "a": gl.a,
+                "b": gl.b,
+                "node": gl.node,
+                "kind": gl.link.kind,
+                "path": gl.link.path,
+                "nvlinks": gl.link.nvlinks,
+                "bandwidth_GBps": gl.link.bandwidth_GBps,
+                "latency_us": gl.link.latency_us,
+                "source": gl.link.source,
+            }
+            for gl in self.links()
+        ]
+        return {
+            "name": self.name,
+            "nodes": nodes,
+            "devices": [asdict(d) for d in self.devices],
+            "links": links,
+            "nvlink_domains": [list(d) for d in self.nvlink_domains],
+            "fabric": asdict(self.fabric),
+            "inter_node_bandwidth_GBps": self.inter_node_bandwidth_GBps(),
+        }
 
 
 def _pcie_GBps(a, b) -> float:

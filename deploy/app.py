@@ -451,7 +451,6 @@ class OpenAIIngress:
 
 def build_app(
     args: dict[str, Any],
-    engine_module: str = "actors.engine.engine",
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_streams_per_client: int = DEFAULT_MAX_STREAMS,
@@ -471,15 +470,13 @@ def build_app(
         ray_actor_options={"num_cpus": 0.1},
     )
     limits = {"max_body_bytes": max_body_bytes, "max_streams_per_client": max_streams_per_client}
-    if cfg.engine.backend == "vllm":
-        engine_module = "deploy.vllm_engine"
     bound = {}
     for entry in model_deployments(cfg):
         name = entry.pop("name")
         role = ROLE_OF_DEPLOYMENT[name]
         bound[role] = serve.deployment(
             ModelServer, name=name, health_check_period_s=5, **entry
-        ).bind(plain, engine_module, role)
+        ).bind(plain, role)
     if "mixed" in bound:
         return ingress.bind(bound["mixed"], plain, **limits)
     return ingress.bind(bound["decode"], plain, prefill=bound["prefill"], **limits)

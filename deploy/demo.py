@@ -65,7 +65,7 @@ def planner_pick(model_dir: Path) -> dict[str, Any]:
     from cluster.discovery import discover_local
     from cluster.errors import InputError
     from cluster.topology_file import load_topology
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

@@ -44,9 +44,9 @@ def run_series(
     """Run the series on the running Ray (ray.init done); returns the report."""
     import ray
 
-    from actors.engine.engine import Engine, SamplingParams
+    from actors.engine.factory import build_engine
     from actors.engine.recovery import RecoveringEngine, RecoveryPolicy, ReplicaRebuilder
-    from actors.executor.replica_runner import build_engine
+    from actors.engine.sampler import SamplingParams
     from deploy.demo_checkpoint import ensure_demo_checkpoint
 
     ckpt = ensure_demo_checkpoint()
@@ -67,7 +67,7 @@ def run_series(
         ),
     }
     # Step 1: the reference.
-    want = _run(Engine.from_checkpoint(ckpt, cache_key_secret=SECRET, **kw), requests, None)
+    want = _run(build_engine(ckpt, cache_key_secret=SECRET, **kw), requests, None)
     # Step 2: the faulty run.
     engine = build_engine(ckpt, layout=layout, num_cpus=0.25, cache_key_secret=SECRET, **kw)
     wrapped = RecoveringEngine(

@@ -47,7 +47,7 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
         budget = getattr(cfg.disaggregation, role).max_num_batched_tokens or budget
     num_blocks = e.num_blocks
     if num_blocks is None and e.kv_memory is not None:
-        from placement.model_spec import load_model_spec
+        from placement.model_types import load_model_spec
 
         kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
         per_token = load_model_spec(model_path).kv_bytes_per_token(kv_dtype)
@@ -125,20 +125,13 @@ class ModelServer:
     or one entry per new token (see `_logprob_entries`).
     """
 
-    def __init__(
-        self, args: dict[str, Any], engine_module: str = "actors.engine.engine", role: str = "mixed"
-    ) -> None:
-        """`engine_module` names the module providing Engine, AsyncEngine and SamplingParams;
-        `role` is the engine role (`mixed`, or `prefill` / `decode` in a disaggregated
-        deployment, whose pool settings come from `disaggregation.<role>`)."""
-        import importlib
-
+    def __init__(self, args: dict[str, Any], role: str = "mixed") -> None:
+        """`role` is the engine role (`mixed`, or `prefill` / `decode` in a disaggregated
+        deployment, whose pool settings come from `disaggregation.<role>`); `engine.backend`
+        picks our engine (`actors.engine.factory`) or vLLM's (`deploy.vllm_engine`)."""
         from transformers import AutoConfig, AutoTokenizer
 
         from deploy.metrics import EngineMetrics
-
-        self._engine_mod = importlib.import_module(engine_module)
-        Engine, AsyncEngine = self._engine_mod.Engine, self._engine_mod.AsyncEngine
 
         self.cfg = parse_serve_config(args)
         path = resolve_model_path(self.cfg)
@@ -163,7 +156,15 @@ class ModelServer:
         self.layout = self.cfg.plan.dims()
         if role != "mixed":
             self.layout = getattr(self.cfg.disaggregation, role).dims(self.layout)
-        self.engine = AsyncEngine(self._build_engine(Engine, path, kw))
+        engine = self._build_engine(path, kw)
+        self.runner = engine.runner
+        """The runner this replica built (LocalRunner, Replica or vLLM's): its placement group,
+        its per-stage samples, and its actors to stop."""
+        if self.cfg.engine.backend == "vllm":
+            from deploy.vllm_engine import AsyncEngine
+        else:
+            from actors.engine.async_engine import AsyncEngine
+        self.engine = AsyncEngine(engine)
         self.metrics = EngineMetrics(self.cfg.model.served_name)
         self.chat_stop_ids = tuple(
             t
@@ -176,22 +177,26 @@ class ModelServer:
         self._byte_of: dict[str, int] | None = None
         self._pg_info: dict[str, Any] | None = None
 
-    def _build_engine(self, Engine, path: Path, kw: dict[str, Any]):
+    def _build_engine(self, path: Path, kw: dict[str, Any]):
         """One rank: the in-process runner. More ranks: a Replica of ShardWorker Ray actors
-        (WORKER_NUM_CPUS each, gloo between them) built by the replica factory inside a
-        placement group of one bundle per rank (`layout_bundle_specs`: no topology, so no node
-        constraint); the actors are owned by this replica's actor, and the group is removed
-        when the replica shuts down. A multi-rank engine recovers from worker faults
-        (actors/engine/recovery.py): dead actors are replaced, the replica rebuilt, and the requests
-        in flight resumed from the tokens their clients have (else they end with
-        ReplicaUnavailable, a 503 with Retry-After at the ingress)."""
-        if getattr(Engine, "takes_serve_config", False):  # vLLM: its own parallel executor
+        (WORKER_NUM_CPUS each, gloo between them) inside a placement group of one bundle per
+        rank (`layout_bundle_specs`: no topology, so no node constraint); the actors are owned
+        by this replica's actor, and the group is removed when the replica shuts down. A
+        multi-rank engine recovers from worker faults (actors/engine/recovery.py): dead actors
+        are replaced, the replica rebuilt, and the requests in flight resumed from the tokens
+        their clients have (else they end with ReplicaUnavailable, a 503 with Retry-After at
+        the ingress). Both come from the one factory, `actors.engine.factory.build_engine`."""
+        if self.cfg.engine.backend == "vllm":  # vLLM: its own parallel executor
+            from deploy.vllm_engine import Engine
+
             return Engine.from_checkpoint(path, layout=self.layout, serve_config=self.cfg, **kw)
+        from actors.engine.factory import build_engine
+
         if self.layout is None or self.layout.world == 1:
-            return Engine.from_checkpoint(path, **kw)
+            return build_engine(path, **kw)
         import uuid
 
-        from actors.executor.replica_runner import build_engine, layout_bundle_specs
+        from actors.executor.replica_runner import layout_bundle_specs
 
         pool = None if self.role == "mixed" else getattr(self.cfg.disaggregation, self.role)
         specs = layout_bundle_specs(
@@ -201,20 +206,20 @@ class ModelServer:
             # a pool's ranks land on its role's worker group, as its replica does
             extra_resources=dict(pool.resources) if pool is not None else None,
         )
-        from actors.engine.recovery import RecoveringEngine, ReplicaRebuilder
-
-        engine = build_engine(
-            path, layout=self.layout.shorthand, num_cpus=WORKER_NUM_CPUS, bundles=specs, **kw
-        )
-        return RecoveringEngine(
-            engine, rebuild=ReplicaRebuilder(engine.runner, num_cpus=WORKER_NUM_CPUS)
+        return build_engine(
+            path,
+            layout=self.layout.shorthand,
+            recover=True,
+            num_cpus=WORKER_NUM_CPUS,
+            bundles=specs,
+            **kw,
         )
 
     def _placement_group_info(self) -> dict[str, Any] | None:
         """The replica's placement group: id and the Ray node of each bundle (rank order);
         read once (the group does not move)."""
         if self._pg_info is None:
-            pg = getattr(self.engine.engine.runner, "placement_group", None)
+            pg = getattr(self.runner, "placement_group", None)
             if pg is None:
                 return None
             from actors.executor.placement_group import bundle_nodes
@@ -259,7 +264,9 @@ class ModelServer:
         if job.get("messages") is not None:
             p["stop_token_ids"] = tuple(p.get("stop_token_ids", ())) + self.chat_stop_ids
         p["stop"] = tuple(p.get("stop") or ())
-        return self._engine_mod.SamplingParams(**p)
+        from actors.engine.sampler import SamplingParams
+
+        return SamplingParams(**p)
 
     async def generate(self, job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         self._ensure_stats_task()
@@ -372,7 +379,7 @@ class ModelServer:
                 free_blocks=s["free_blocks"],
                 cache_hits=s["cache_hits"],
             )
-            drain = getattr(self.engine.engine.runner, "drain_stage_samples", None)
+            drain = getattr(self.runner, "drain_stage_samples", None)
             if callable(drain):
                 self.metrics.observe_pipeline(drain())
             await asyncio.sleep(STATS_PERIOD_S)
@@ -395,7 +402,7 @@ class ModelServer:
         s["max_model_len"] = self.max_model_len
         s["layout"] = "single" if self.layout is None else self.layout.shorthand
         s["role"] = self.role
-        s["runner"] = type(self.engine.engine.runner).__name__
+        s["runner"] = type(self.runner).__name__
         s["phase_latency_s"] = {k: total / n for k, (n, total) in self._stages.items() if n}
         s.setdefault("stage_latency_s", {})
         s["placement_group"] = self._placement_group_info()
@@ -437,6 +444,6 @@ class ModelServer:
         if engine is None:
             return
         engine.shutdown()
-        stop_workers = getattr(engine.engine.runner, "shutdown", None)  # a Replica's actors
+        stop_workers = getattr(self.runner, "shutdown", None)  # a Replica's actors
         if stop_workers is not None:
             stop_workers()

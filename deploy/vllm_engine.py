@@ -45,7 +45,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from actors.engine.engine import RequestOutput
+from actors.engine.outputs import RequestOutput
 from actors.engine.sampler import SamplingParams, TokenLogprob
 from cluster.errors import EnvironmentMissing, InputError
 
@@ -290,7 +290,7 @@ class _SchedulerStatsSink:
 
 
 class AsyncEngine:
-    """vLLM's AsyncLLM over an Engine's config, with actors.engine.engine.AsyncEngine's interface.
+    """vLLM's AsyncLLM over an Engine's config, with actors.engine.async_engine.AsyncEngine's interface.
 
     `generate` runs on the caller's event loop (AsyncLLM's output handler is a task of the loop
     that first uses it); `abort` may be called from synchronous code and schedules vLLM's abort

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy import vllm_side_by_side as sbs
+from deploy import vllm_contenders as contenders
 
 
 def batch(vocab: int, i: int, prompts: int, length: int) -> list[list[int]]:
@@ -40,7 +40,7 @@ def batch(vocab: int, i: int, prompts: int, length: int) -> list[list[int]]:
 def worker(engine: str, model: Path, prompts: int, length: int, out_tokens: int) -> int:
     t0 = time.perf_counter()
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    runner = sbs._Vllm(model) if engine == "vllm" else sbs._Ours(model)
+    runner = contenders.Vllm(model) if engine == "vllm" else contenders.Ours(model)
     runner.run([batch(vocab, -1, 1, 64)[0]], 4)  # warm
     print(json.dumps({"ready": True, "startup_s": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
@@ -64,15 +64,15 @@ def _reply(proc: subprocess.Popen, what: str) -> dict[str, Any]:
 
 
 def run(model: Path, *, pairs: int, engines: tuple[str, str] = ("ours", "vllm"),
-        prompts: int = sbs.OFFLINE_PROMPTS, length: int = sbs.OFFLINE_LEN,
-        out_tokens: int = sbs.OFFLINE_OUT) -> dict[str, Any]:  # fmt: skip
+        prompts: int = contenders.OFFLINE_PROMPTS, length: int = contenders.OFFLINE_LEN,
+        out_tokens: int = contenders.OFFLINE_OUT) -> dict[str, Any]:  # fmt: skip
     """Both workers started, then `pairs` batches each, alternating which engine goes first."""
-    env = sbs.child_env()
+    env = contenders.child_env()
     labels = labels_of(engines)
     procs = []
     try:
         for engine in engines:
-            python = sbs.engine_python(engine)
+            python = contenders.engine_python(engine)
             argv = [python, "-m", "deploy.vllm_offline_ab", "--worker", engine,
                     "--model", str(model), "--prompts", str(prompts), "--len", str(length),
                     "--out-tokens", str(out_tokens)]  # fmt: skip
@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--engines", default="ours,vllm")
-    ap.add_argument("--prompts", type=int, default=sbs.OFFLINE_PROMPTS)
-    ap.add_argument("--len", type=int, default=sbs.OFFLINE_LEN)
-    ap.add_argument("--out-tokens", type=int, default=sbs.OFFLINE_OUT)
+    ap.add_argument("--prompts", type=int, default=contenders.OFFLINE_PROMPTS)
+    ap.add_argument("--len", type=int, default=contenders.OFFLINE_LEN)
+    ap.add_argument("--out-tokens", type=int, default=contenders.OFFLINE_OUT)
     ap.add_argument("--out", default="bench/results/vllm_offline_ab.json")
     args = ap.parse_args(argv)
     if args.worker:

@@ -49,8 +49,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-BLOCK = 32
-OFFLINE_PROMPTS, OFFLINE_LEN, OFFLINE_OUT, OFFLINE_REPS = 64, 128, 64, 3
+from deploy.vllm_contenders import (
+    OFFLINE_LEN,
+    OFFLINE_OUT,
+    OFFLINE_PROMPTS,
+    OFFLINE_REPS,
+    Ours,
+    Vllm,
+    child_env,
+    engine_python,
+)
+
 SINGLE_LEN, SINGLE_OUT = 512, 64
 PREFIX_LEN, PREFIX_TAIL, PREFIX_REPS = 2000, 16, 5
 OFFLINE_AB_PAIRS = 6
@@ -80,64 +89,11 @@ def _peak_rss() -> int:
     return (own + kids) * 1024
 
 
-class _Ours:
-    def __init__(self, model: Path) -> None:
-        from actors.engine.engine import Engine, SamplingParams
-
-        self.params = SamplingParams
-        self.engine = Engine.from_checkpoint(
-            model,
-            block_size=BLOCK,
-            num_blocks=1024,
-            max_num_seqs=OFFLINE_PROMPTS,
-            max_num_batched_tokens=4096,
-            batch_invariant=False,
-            tokenizer=None,
-        )
-        self.n = 0
-
-    def run(self, prompts: list[list[int]], max_tokens: int) -> int:
-        """Run `prompts` to completion; output tokens."""
-        params = self.params(max_tokens=max_tokens, ignore_eos=True)
-        for p in prompts:
-            self.n += 1
-            self.engine.add_request(f"r{self.n}", p, params)
-        out = 0
-        while self.engine.has_unfinished():
-            out += sum(len(o.new_token_ids) for o in self.engine.step())
-        return out
-
-
-class _Vllm:
-    def __init__(self, model: Path) -> None:
-        from vllm import LLM, SamplingParams
-
-        self.params = SamplingParams
-        self.llm = LLM(
-            model=str(model),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            enforce_eager=True,
-            block_size=BLOCK,
-            max_model_len=4096,
-            max_num_seqs=OFFLINE_PROMPTS,
-            max_num_batched_tokens=4096,
-            enable_prefix_caching=True,
-        )
-
-    def run(self, prompts: list[list[int]], max_tokens: int) -> int:
-        params = self.params(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
-        )
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-
-
 def measure(engine: str, model: Path, t_start: float) -> dict[str, Any]:
     """Every figure of one engine, in this process."""
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     w = workload(vocab)
-    runner = _Vllm(model) if engine == "vllm" else _Ours(model)
+    runner = Vllm(model) if engine == "vllm" else Ours(model)
     startup = time.perf_counter() - t_start
     import torch
 
@@ -173,31 +129,6 @@ def measure(engine: str, model: Path, t_start: float) -> dict[str, Any]:
         "peak_rss_bytes": _peak_rss(),
         "torch_threads": threads,
     }
-
-
-def child_env(threads: int | None = None) -> dict[str, str]:
-    """An engine process's environment: vLLM's engine in-process, `threads` its
-    OMP_NUM_THREADS (None: the engine's own)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("OMP_NUM_THREADS", None)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def engine_python(engine: str) -> str:
-    """The Python an engine runs under: the vLLM venv's for vLLM, this one for ours."""
-    if engine != "vllm":
-        return sys.executable
-    from deploy.vllm_env import find_python
-
-    found = find_python()
-    if found is None:
-        from cluster.errors import EnvironmentMissing
-
-        raise EnvironmentMissing("the vLLM venv is not built: python -m deploy.vllm_env ensure")
-    return str(found)
 
 
 def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, Any]:

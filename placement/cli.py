@@ -34,7 +34,7 @@ def inspect(
 ) -> None:
     """Parameters, bytes, KV cache, FLOPs and the operator mapping of a model config."""
     from cluster.errors import InputError
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.operators import TARGETS, operator_inventory
 
     if kv_dtype not in ("bf16", "fp8"):

@@ -31,7 +31,7 @@ def run_disagg(
 ) -> None:
     """Validate the flags, size the pools, print a table (or one JSON object)."""
     from placement.disagg import DisaggWorkload, plan_disagg
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
 
     if model is None:
         raise InputError("--disagg needs --model CONFIG")

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import InputError
-from placement.config_fields import ConfigFields
 from placement.layer_spec import LayerSpec, TensorSpec
 from placement.quantization import DTYPE_BYTES, QuantSpec
 
@@ -255,11 +254,3 @@ def read_config(path: str | Path) -> tuple[dict, str]:
             f"{label}: expected a JSON object at the top level, got {type(data).__name__}"
         )
     return data, label
-
-
-def load_model_spec(path: str | Path) -> ModelSpec:
-    """Parse a config.json (file or directory) into a ModelSpec; InputError on bad input."""
-    from placement.model_types import build_spec
-
-    data, label = read_config(path)
-    return build_spec(ConfigFields(data, label=label), source=str(path))

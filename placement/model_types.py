@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from placement import blocks
 from placement.config_fields import ConfigFields
 from placement.families import Decoder, deepseek_family, gqa_family
 from placement.families_hybrid import dbrx_family, kimi_linear_family, llama4_family, minimax_family
-from placement.model_spec import ModelSpec
+from placement.model_spec import ModelSpec, read_config
 from placement.quantization import DTYPE_BYTES, parse_quantization
 
 FAMILIES = {
@@ -113,3 +115,9 @@ def _vision_params(top: ConfigFields) -> int:
     merged = width * merge[0] * merge[1]
     projector = 2 * width + merged * merged + merged + merged * text_hidden + text_hidden
     return embed + pos + layers * per_layer + width + projector
+
+
+def load_model_spec(path: str | Path) -> ModelSpec:
+    """Parse a config.json (file or directory) into a ModelSpec; InputError on bad input."""
+    data, label = read_config(path)
+    return build_spec(ConfigFields(data, label=label), source=str(path))

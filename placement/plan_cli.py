@@ -121,7 +121,7 @@ def _load_topology(path: str | None):
 def _plan(model, topology, *, context, isl, osl, concurrency, objective, kv_dtype, redundant,
           explain, as_json, output, ep_symm_tokens=0) -> None:  # fmt: skip
     from placement.cost_model import DEFAULT_CONSTANTS
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

@@ -32,7 +32,7 @@ GOAL_S = 2.0
 def time_case(model: str, topology: str, context: int, repeats: int) -> dict:
     """Median and best seconds of `repeats` full plans, with the chosen layout."""
     from cluster.topology_file import load_example
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

@@ -35,7 +35,8 @@ from actors.bench import gpu_bench_parts as parts
 from actors.bench import gpu_checks as checks
 from actors.bench import gpu_tune
 from actors.bench.gpu_bench_parts import log
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.engine import Engine
+from actors.engine.sampler import SamplingParams
 from actors.executor.runner import LocalRunner
 from actors.kernels import fused, moe_kernels
 from actors.kernels import gemv as gemv_mod
@@ -314,7 +315,7 @@ class EngineBench:
         tiers.close()
         mix = checks.mix64_check(self.device)
         return {
-            "checksum": "mix64" if tiers._mix64(self.device) else "xxh3", "mix64_check": mix,
+            "checksum": "mix64" if tiers.mix64(self.device) else "xxh3", "mix64_check": mix,
             "load_many_s": load_only, "write_blocks_s": up - load_only,
             "pinned_copy_each_s": sorted(t[4] for t in trips),
             "pinned_copy_after_s": sorted(times[1:]),

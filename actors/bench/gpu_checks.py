@@ -25,7 +25,8 @@ from actors.bench.gpu_tune import (
     small_warps_timing,
 )
 from actors.engine.sampler import RowSampling
-from actors.executor.runner import LocalRunner, StepInput
+from actors.executor.runner import LocalRunner
+from actors.executor.step import StepInput
 from actors.kernels import decode_step
 
 
@@ -138,7 +139,8 @@ def async_check(device: torch.device, dtype: torch.dtype, *, flags: dict) -> dic
 
 def _async_run(*, model, prompts, device, flags, overlap: bool, stop: list[int]):
     """async_check's run: tokens (and finish reason) per request, steps launched overlapped."""
-    from actors.engine.engine import Engine, SamplingParams
+    from actors.engine.engine import Engine
+    from actors.engine.sampler import SamplingParams
 
     runner = LocalRunner(model, device=device, fast_decode=True, cuda_graphs=flags["graphs"],
                          triton_attention=flags["triton"])  # fmt: skip

@@ -362,7 +362,7 @@ def prefill_shard_step(tokens, layout, block_size: int):
     `KVPlacement` assigns them, every sequence sampled greedily. Returns (step, num_blocks)."""
     from actors.engine.sampler import RowSampling
     from actors.executor.replica_runner import KVPlacement
-    from actors.executor.runner import StepInput
+    from actors.executor.step import StepInput
     from actors.executor.worker import ShardStep
 
     tables, slots, next_block = [], [], 0

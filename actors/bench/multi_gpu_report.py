@@ -104,7 +104,6 @@ def topology(runs) -> dict[str, Any]:
     from cluster.discovery import discover_local
     from cluster.errors import MoeError
     from cluster.measure import apply_runs, peak_busbw_GBps
-    from cluster.topology_json import topology_to_json
 
     world = runs[0].ranks
     try:
@@ -134,7 +133,7 @@ def topology(runs) -> dict[str, Any]:
         "measured_of_nominal": got / nominal if nominal and got else None,
         "per_op": per_op,
         "latency_us": {r.op: r.rows[0].time_us for r in runs if r.rows},
-        "measured_topology": topology_to_json(measured),
+        "measured_topology": measured.to_json(),
     }
 
 

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from actors.executor.protocol import InOrder
+
 SECRET = b"overhead-bench"
 
 
@@ -70,7 +72,7 @@ def tiny_checkpoint(path: Path) -> Path:
     return path
 
 
-class WorkerRunner:
+class WorkerRunner(InOrder):
     """The engine runner protocol over one in-process ShardWorker (world size 1, no Ray)."""
 
     def __init__(self, model_dir: Path) -> None:
@@ -85,14 +87,24 @@ class WorkerRunner:
             num_experts=self.arch.num_experts,
         )
         self.worker = ShardWorker(layout=layout, rank=0, checkpoint_dir=model_dir)
+        self.device = torch.device("cpu")
         self.kv_layout = None
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        return self.worker.read_kv_block(block_id)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        self.worker.write_kv_block(block_id, data)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.worker.copy_kv_block(src, dst)
 
     def allocate_kv(self, num_blocks: int, block_size: int):
         self.kv_layout = self.worker.allocate_kv(num_blocks, block_size)
         return self.kv_layout
 
     def execute(self, step):
-        from actors.executor.runner import StepOutput
+        from actors.executor.step import StepOutput
         from actors.executor.worker import ShardStep
 
         out = self.worker.execute(ShardStep(step=step, owners=(0,) * len(step.query_lens)))
@@ -102,7 +114,7 @@ class WorkerRunner:
 def start_requests(engine, batch: int, steps: int, seed: int) -> None:
     """Add `batch` requests (random 16-token prompts, `steps` + 1 new tokens each) and run the
     prefill step (16 tokens per request, one chunk; not timed)."""
-    from actors.engine.engine import SamplingParams
+    from actors.engine.sampler import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
@@ -194,7 +206,7 @@ def replica_engine(model_dir: Path, *, num_cpus: float, step_channel: bool, **kw
     with or without its step channel."""
     import ray
 
-    from actors.engine.engine import Engine
+    from actors.engine.factory import build_engine
     from actors.executor.replica import Replica
     from actors.model.weights import CheckpointIndex
     from placement.parallel_dims import Layout, parse_layout
@@ -211,7 +223,7 @@ def replica_engine(model_dir: Path, *, num_cpus: float, step_channel: bool, **kw
         step_channel=step_channel,
     )
     try:
-        return Engine.from_checkpoint(model_dir, runner=replica, cache_key_secret=SECRET, **kw)
+        return build_engine(model_dir, runner=replica, cache_key_secret=SECRET, **kw)
     except BaseException:
         replica.shutdown()
         raise
@@ -229,7 +241,7 @@ def run(
     import ray
 
     from actors.engine.engine import Engine
-    from actors.executor.replica_runner import build_engine
+    from actors.engine.factory import build_engine
 
     kw = {"num_blocks": 256, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 16}
     # Ray renices its workers (+15 by default): on a busy machine the actor would then get less
@@ -245,7 +257,7 @@ def run(
     )
     load_before = os.getloadavg()
     try:
-        local = Engine.from_checkpoint(model_dir, cache_key_secret=SECRET, **kw)
+        local = build_engine(model_dir, cache_key_secret=SECRET, **kw)
         worker = Engine(
             WorkerRunner(model_dir),
             tokenizer=None,

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from actors.comm.affinity import usable_cores
+from actors.comm.affinity import SPIN_S, usable_cores
 from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
 
 HEADER = struct.Struct("<qq")
@@ -58,13 +58,6 @@ P2P_SEQ = 1 << 62
 """Sequence numbers of point-to-point messages: P2P_SEQ + the count of earlier ones between the
 same two members in that direction (collectives count from 0 over the whole group)."""
 WAIT_SLICE_MS = 20
-SPIN_S = float(os.environ.get("MOE_LOCAL_SPIN_US", "300")) * 1e-6
-"""How long a member polls its sockets without sleeping (yielding the core between tries) before
-it blocks in `poll`: a peer that answers within it costs no wake-up. On this 2-core box an ep2
-decode step took 4.2 / 3.4 / 3.3 ms with 0 / 100 / 300 us, and served batch-1 output 112 / 136 /
-148 tokens/s (MOE_LOCAL_SPIN_US sets it). Only when this host has a core per rank of the world
-(`spin_for`): with four ranks on two cores, spinning ranks took the cores their peers needed
-(ep2xpp2 served batch 1: 78 tokens/s without, 56 with)."""
 BUFFER_BYTES = 4 << 20
 MAX_BUFFERS = 64
 """Buffers handed to one `sendmsg` at most (well under IOV_MAX)."""

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from cluster.errors import InputError
 
 if TYPE_CHECKING:
-    from actors.engine.engine import Engine, RequestOutput
+    from actors.engine.engine import Engine
+    from actors.engine.outputs import RequestOutput
     from actors.engine.sampler import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class AsyncEngine:
                 for request_id in ids:
                     self._deliver(request_id, exc)
                     engine.abort(request_id)
-                engine._pending.clear()
+                engine.discard_outputs()
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)

@@ -1,7 +1,7 @@
 """The engine of one model replica: requests in, streamed tokens out, one runner step at a time.
 
-    engine = Engine.from_checkpoint(model_dir, num_blocks=256, max_num_batched_tokens=256,
-                                    max_num_seqs=16, cache=tiered_cache_or_None)
+    engine = build_engine(model_dir, num_blocks=256, max_num_batched_tokens=256,  # engine/factory.py
+                          max_num_seqs=16, cache=tiered_cache_or_None)
     engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=32, temperature=0.7, seed=1))
     while engine.has_unfinished():
         for out in engine.step(): ...          # RequestOutput deltas
@@ -32,46 +32,34 @@ still varies: a request whose prefix was cached, or that was preempted and recom
 computed in differently sized chunks, equal to ~1e-6 relative, not bitwise (greedy tokens agree
 unless two logits tie within that).
 
-Imports: torch, tokenizers (lazily, from_checkpoint only) and `cache_service` modules that need
+Imports: torch, tokenizers (lazily, in `actors.engine.factory` only) and `cache_service` modules that need
 only the standard library; never pydantic, redis, ray or grpc.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from actors.engine.async_engine import AsyncEngine
 from actors.engine.block_manager import BlockKeyer, BlockManager
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.outputs import Handoff, RequestOutput
 from actors.engine.overlap import InFlight, launches, next_decode
 from actors.engine.sampler import RowSampling, SamplingParams, TokenLogprob
 from actors.engine.scheduler import Scheduler, SchedulerConfig, Sequence
-from actors.executor.runner import StepInput
+from actors.executor.step import StepInput
 from actors.kv.cache import slots_for
-from actors.kv.tiers import BlockCache, KVTiers
+from actors.kv.tier_io import BlockCache
+from actors.kv.tiers import KVTiers
 from cluster.errors import InputError
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "ROLES",
-    "AsyncEngine",
-    "Engine",
-    "Handoff",
-    "RequestOutput",
-    "SamplingParams",
-    "TokenLogprob",
-]
 
 ROLES = ("mixed", "prefill", "decode")
 
@@ -118,7 +106,7 @@ class Engine:
         self.runner, self.tokenizer, self.eos_token_id = runner, tokenizer, eos_token_id
         self.batch_invariant = batch_invariant
         if async_scheduling is None:
-            async_scheduling = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+            async_scheduling = runner.device.type == "cuda"
         self.async_scheduling = async_scheduling
         self._inflight: InFlight | None = None
         layout = runner.allocate_kv(num_blocks, block_size)
@@ -164,57 +152,6 @@ class Engine:
             "overlapped_steps": 0,
         }
         self._latency = {"last_s": 0.0, "total_s": 0.0}
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        model_dir: str | Path,
-        *,
-        device: str = "cpu",
-        cache_key_secret: bytes | None = None,
-        runner: Any = None,
-        **kw: Any,
-    ) -> Engine:
-        """An engine over `runner`, by default an in-process runner holding every layer of the
-        checkpoint (a multi-rank `actors.executor.replica.Replica` is passed by `replica_runner`);
-        `torch_threads` (kw): that runner's torch thread count (LocalRunner.from_checkpoint).
-
-        The tokenizer is the checkpoint's tokenizer.json (None when absent); EOS comes from
-        generation_config.json or config.json. Without `cache_key_secret` the secret comes from
-        MOE_CACHE_SECRET, or, when no cache is attached, a random one (keys then never leave
-        this process).
-        """
-        import json
-
-        from actors.executor.runner import LocalRunner
-        from cache_service.block_key import secret_from_env, weights_fingerprint
-
-        root = Path(model_dir)
-        if cache_key_secret is None:
-            if os.environ.get("MOE_CACHE_SECRET") or kw.get("cache") is not None:
-                cache_key_secret = secret_from_env()
-            else:
-                cache_key_secret = secrets.token_bytes(32)
-        if "tokenizer" not in kw:
-            kw["tokenizer"] = None
-            if (root / "tokenizer.json").is_file():
-                from tokenizers import Tokenizer
-
-                kw["tokenizer"] = Tokenizer.from_file(str(root / "tokenizer.json"))
-        if "eos_token_id" not in kw:
-            for name in ("generation_config.json", "config.json"):
-                if (root / name).is_file():
-                    eos = json.loads((root / name).read_text()).get("eos_token_id")
-                    if isinstance(eos, list):
-                        eos = eos[0] if eos else None
-                    if eos is not None:
-                        kw["eos_token_id"] = int(eos)
-                        break
-        kw.setdefault("weights_fingerprint", weights_fingerprint(root))
-        threads = kw.pop("torch_threads", None)
-        if runner is None:
-            runner = LocalRunner.from_checkpoint(root, device=device, num_threads=threads)
-        return cls(runner, cache_key_secret=cache_key_secret, **kw)
 
     # ------------------------------------------------------------------ requests
 
@@ -270,12 +207,19 @@ class Engine:
             if not batch:
                 return outputs
             step = self._step_input(batch)
-            if launches(self, step):
+            if launches(self.runner, step, enabled=self._may_overlap()):
                 current = InFlight(batch, step, self.runner.launch(step))
             else:
                 result = self.runner.execute(step)
         if current is not None:
-            self._inflight = next_decode(self, current)
+            self._inflight = next_decode(
+                current,
+                scheduler=self.scheduler,
+                blocks=self.blocks,
+                runner=self.runner,
+                build_step=self._step_input,
+                pending=bool(self._pending) or not self.async_scheduling,
+            )
             self.counts["overlapped_steps"] += self._inflight is not None
             batch, step = current.batch, current.step
             result = self.runner.collect(current.launched)
@@ -303,6 +247,15 @@ class Engine:
             return self.step()
         finally:
             self.async_scheduling = overlap
+
+    def _may_overlap(self) -> bool:
+        """Async scheduling applies to this engine (on, and not a prefill engine)."""
+        return self.async_scheduling and self.role != "prefill"
+
+    def discard_outputs(self) -> None:
+        """Drop the outputs not yet returned (the AsyncEngine, after a failed step has been
+        delivered to every waiting request as an error)."""
+        self._pending.clear()
 
     def _step_input(self, batch: list[tuple[Sequence, int]], *, ahead: int = 0) -> StepInput:
         """The step computing each (sequence, n)'s next n tokens. `ahead` = 1: the decode step
@@ -443,9 +396,7 @@ class Engine:
                 self.counts["tier_hits"] += 1
         i, bs, tail = len(table), self.block_size, 0
         if self.blocks.children and seq.num_tokens - 2 > i * bs:
-            copy = getattr(self.runner, "copy_block", None) or (
-                lambda src, dst: self.runner.write_block(dst, self.runner.read_block(src))
-            )  # a runner without copy_block: through the host
+            copy = self.runner.copy_block
             tokens, room = seq.token_slice(i * bs, (i + 1) * bs), seq.num_tokens - 2 - i * bs
             parent = seq.block_keys[i - 1] if i else None
             block, tail = self.blocks.take_tail(parent, tokens, room, copy)
@@ -584,9 +535,7 @@ class Engine:
             "step_latency_s": self._latency["last_s"],
             "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
         }
-        timing = getattr(self.runner, "timing_stats", None)
-        if callable(timing):  # a distributed runner: per pipeline stage and comm axis
-            out.update(timing())
+        out.update(self.runner.timing_stats())  # a distributed runner: per stage and comm axis
         if self.tiers is not None:
             out["cache"] = self._tier_stats(cache_max_age_s)
         return out

@@ -22,14 +22,13 @@ block the pool does not have; those steps are collected before the scheduler run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from actors.engine.scheduler import Sequence
-from actors.executor.runner import StepInput
-
-if TYPE_CHECKING:
-    from actors.engine.engine import Engine
+from actors.engine.block_manager import BlockManager
+from actors.engine.scheduler import Scheduler, Sequence
+from actors.executor.step import StepInput
 
 
 @dataclass(frozen=True)
@@ -42,20 +41,28 @@ class InFlight:
     """What `runner.launch` returned (`runner.collect` takes it)."""
 
 
-def launches(engine: Engine, step: StepInput) -> bool:
-    """Whether `step` runs through `runner.launch` (async scheduling on, the runner able to)."""
-    overlaps = getattr(engine.runner, "overlaps", None)
-    return bool(
-        engine.async_scheduling and engine.role != "prefill" and overlaps and overlaps(step)
-    )
+def launches(runner: Any, step: StepInput, *, enabled: bool) -> bool:
+    """Whether `step` runs through `runner.launch` (async scheduling `enabled` for the engine,
+    the runner able to)."""
+    return enabled and runner.overlaps(step)
 
 
-def next_decode(engine: Engine, current: InFlight) -> InFlight | None:
+def next_decode(
+    current: InFlight,
+    *,
+    scheduler: Scheduler,
+    blocks: BlockManager,
+    runner: Any,
+    build_step: Callable[..., StepInput],
+    pending: bool,
+) -> InFlight | None:
     """Launch the decode step that follows `current` (still running) on its device tokens, or
-    None when what follows is not certain to be that step."""
-    sched, bs = engine.scheduler, engine.block_size
+    None when what follows is not certain to be that step. `pending`: outputs wait to be
+    returned (or async scheduling is off), so the next step is not launched ahead;
+    `build_step(batch, ahead=1)` builds it (the engine's step input)."""
+    sched, bs = scheduler, blocks.block_size
     seqs = [seq for seq, _ in current.batch]
-    if not engine.async_scheduling or engine._pending or sched.waiting or sched.running != seqs:
+    if pending or sched.waiting or sched.running != seqs:
         return None
     if len(seqs) > sched.config.max_num_batched_tokens:
         return None
@@ -64,13 +71,13 @@ def next_decode(engine: Engine, current: InFlight) -> InFlight | None:
         if len(seq.output_token_ids) + 1 >= seq.params.max_tokens:
             return None  # `current` ends it by length
         grow += (seq.num_computed + 1) // bs >= len(seq.block_table)
-    if grow > engine.blocks.free_count:
+    if grow > blocks.free_count:
         return None
     # `current` computes position num_computed (not yet counted) and samples the token there
     # after; the next step computes that token's position, num_computed + 1.
     for seq in seqs:
         if (seq.num_computed + 1) // bs >= len(seq.block_table):
-            seq.block_table.append(engine.blocks.allocate())
+            seq.block_table.append(blocks.allocate())
     batch = [(seq, 1) for seq in seqs]
-    step = engine._step_input(batch, ahead=1)
-    return InFlight(batch, step, engine.runner.launch(step, after=current.launched))
+    step = build_step(batch, ahead=1)
+    return InFlight(batch, step, runner.launch(step, after=current.launched))

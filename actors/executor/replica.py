@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 from actors.comm.group import CommError, Rendezvous
+from actors.executor.protocol import InOrder
 from actors.executor.rank_runner import run_ranks
-from actors.executor.runner import StepInput, StepOutput
+from actors.executor.step import StepInput, StepOutput
 from actors.executor.step_channel import StepChannel, StepChannelError
 from actors.executor.step_wire import pack_step, unpack_output
 from actors.executor.worker import StepBatch, StepResult
@@ -94,7 +95,7 @@ def gather_logits(results: Sequence[StepResult], num_sequences: int) -> list[tor
     return [found[i] for i in range(num_sequences)]
 
 
-class Replica:
+class Replica(InOrder):
     """The ShardWorker actors of one replica on a Ray cluster (ray.init already called).
 
     `node_ids` (one per rank, optional) pins rank r to a node; otherwise Ray places the actors.
@@ -144,7 +145,9 @@ class Replica:
         if node_ids is not None and len(node_ids) != world:
             raise ValueError(f"{len(node_ids)} node ids given for {world} ranks")
         self.layout, self.checkpoint_dir = layout, str(checkpoint_dir)
-        self.backend, self.device, self.timeout_s = backend, device, timeout_s
+        self.backend, self.device_name, self.timeout_s = backend, device, timeout_s
+        self.device = torch.device(device)
+        """Where the ranks run (the runner protocol's `device`)."""
         self._arch = None
         self.compiled_graph = compiled_graph
         self._dag = None
@@ -244,7 +247,7 @@ class Replica:
                 rank=rank,
                 checkpoint_dir=self.checkpoint_dir,
                 rendezvous=self.rendezvous if len(self.actors) > 1 else None,
-                device=self.device,
+                device=self.device_name,
             )
             for rank, actor in enumerate(self.actors)
         ]

@@ -22,12 +22,10 @@ bytes as the in-process engine, so a block written by one layout is read by any 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from actors.executor.runner import StepInput
+from actors.executor.step import StepInput
 from actors.kv.cache import KVLayout
 from cluster.errors import InputError
 
@@ -146,73 +144,6 @@ def assemble_block(whole: KVLayout, parts: Sequence[tuple[KVLayout, torch.Tensor
     if not bool(covered.all()):
         raise RuntimeError("the ranks' KV parts do not cover the whole block")
     return out
-
-
-def build_engine(
-    model_dir: str | Path,
-    *,
-    layout: str = "ep2xpp2",
-    num_cpus: float = 0.25,
-    num_gpus: float = 0,
-    device: str = "cpu",
-    backend: str = "gloo",
-    node_ids: Sequence[str] | None = None,
-    timeout_s: float = 60.0,
-    actors: Sequence | None = None,
-    compiled_graph: bool = False,
-    step_channel: bool = True,
-    bundles=None,
-    placement_group=None,
-    cache_key_secret: bytes | None = None,
-    **engine_kw: Any,
-):
-    """An `Engine` whose runner is a `Replica` of `layout` over Ray actors (ray.init done).
-
-    `layout` is a shorthand (`placement.parallel_dims.parse_layout`: "ep2", "pp2", "tp2",
-    "ep2xpp2", ...) split evenly (layers over stages, contiguous experts over EP ranks).
-    `compiled_graph` sends each step through a Ray compiled graph instead of one plain actor
-    call per rank (see `Replica`, and why it is off by default); otherwise `step_channel`
-    (default) sends it over a Unix socket to each rank on this process's node
-    (`actors/executor/step_channel.py`) and `False` keeps plain actor calls for every rank.
-    `bundles` (BundleSpecs: `placement.bundles.bundle_specs(plan)` or `layout_bundle_specs`)
-    starts rank r in bundle r of a placement group created here and removed at shutdown;
-    `placement_group` uses one the caller made (and keeps).
-    `engine_kw` go to `Engine` (num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
-    cache, ...); tokenizer, EOS, weights fingerprint and the cache-key secret default as in
-    `Engine.from_checkpoint`. Call `engine.runner.shutdown()` to stop the actors.
-    """
-    from actors.engine.engine import Engine
-    from actors.executor.replica import Replica
-    from actors.model.weights import CheckpointIndex
-    from placement.parallel_dims import Layout, parse_layout
-
-    root = Path(model_dir)
-    arch = CheckpointIndex.open(root).arch()
-    plan = Layout.build(
-        parse_layout(layout), num_layers=arch.num_layers, num_experts=arch.num_experts
-    )
-    replica = Replica(
-        layout=plan,
-        checkpoint_dir=root,
-        backend=backend,
-        device=device,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        node_ids=node_ids,
-        timeout_s=timeout_s,
-        actors=actors,
-        compiled_graph=compiled_graph,
-        step_channel=step_channel,
-        bundles=bundles,
-        placement_group=placement_group,
-    )
-    try:
-        return Engine.from_checkpoint(
-            root, runner=replica, cache_key_secret=cache_key_secret, **engine_kw
-        )
-    except BaseException:
-        replica.shutdown()
-        raise
 
 
 def layout_bundle_specs(

@@ -1,9 +1,6 @@
-"""One engine step on the model: the step description (`StepInput`) and the in-process runner.
-
-`StepInput` is what the engine sends to every worker of a replica each step (DESIGN.md, "Engine
-and workers"): small tensors and tuples, no activations. A runner executes it and returns only
-the sampled token ids (and logprobs), never vocabulary-sized logits. Two runners implement the
-same interface:
+"""The in-process runner (`LocalRunner`): one rank holding every layer runs an engine step
+(`actors.executor.step.StepInput`). It and the Ray replica implement the runner protocol
+(`actors.executor.protocol.Runner`):
 
     runner.allocate_kv(num_blocks, block_size) -> KVLayout   # (re)create an empty paged cache
     runner.execute(step: StepInput) -> StepOutput             # forward + sample
@@ -36,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.engine.sampler import RowSampling, TokenLogprob, sample
+from actors.engine.sampler import sample
+from actors.executor.step import Launched, StepInput, StepOutput
 from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
 from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
@@ -44,80 +42,6 @@ from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks
 from actors.model.arch import ArchConfig
 from actors.model.stage import StageModel
 from cluster.errors import InputError
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepInput:
-    """One step of continuous batching: the new tokens of every scheduled sequence.
-
-    T is the total number of new tokens, S the number of sequences.
-    """
-
-    token_ids: torch.Tensor
-    """[T] int64: sequence 0's new tokens, then sequence 1's, ..."""
-    positions: torch.Tensor
-    """[T] int64: each token's index in its sequence."""
-    query_lens: tuple[int, ...]
-    """[S]: new tokens per sequence (a prefill chunk, or 1 for a decode)."""
-    context_lens: tuple[int, ...]
-    """[S]: tokens of the sequence in the cache after this step (cached prefix + new)."""
-    block_tables: tuple[tuple[int, ...], ...]
-    """[S][blocks]: global KV block ids of each sequence, covering context_lens[i] tokens."""
-    slot_mapping: torch.Tensor
-    """[T] int64: block_id * block_size + offset where each new token's K/V are written."""
-    sample_seqs: tuple[int, ...]
-    """Indices of the sequences whose last new token is sampled (their prompt is complete)."""
-    sampling: tuple[RowSampling, ...]
-    """One per entry of sample_seqs."""
-    per_sequence: bool = False
-    """Batch-invariant mode: run the model over one sequence at a time, so no matrix product mixes
-    rows of different sequences (CPU/GPU GEMMs give row results that depend on the row count)."""
-
-    def __post_init__(self) -> None:
-        t, s = int(self.token_ids.shape[0]), len(self.query_lens)
-        if sum(self.query_lens) != t or self.positions.shape != (t,):
-            raise InputError(f"step: query_lens sum {sum(self.query_lens)} != {t} new tokens")
-        if self.slot_mapping.shape != (t,):
-            raise InputError(f"step: slot_mapping {tuple(self.slot_mapping.shape)} for {t} tokens")
-        if len(self.context_lens) != s or len(self.block_tables) != s:
-            raise InputError(f"step: context_lens/block_tables must have one entry per {s} seqs")
-        if len(self.sampling) != len(self.sample_seqs):
-            raise InputError(
-                f"step: {len(self.sampling)} sampling rows for {len(self.sample_seqs)} sampled seqs"
-            )
-
-    def sub(self, seq: int) -> StepInput:
-        """The step restricted to sequence `seq` (sampled or not)."""
-        start = sum(self.query_lens[:seq])
-        stop = start + self.query_lens[seq]
-        rows = [r for r, s in enumerate(self.sample_seqs) if s == seq]
-        return StepInput(
-            token_ids=self.token_ids[start:stop],
-            positions=self.positions[start:stop],
-            query_lens=(self.query_lens[seq],),
-            context_lens=(self.context_lens[seq],),
-            block_tables=(self.block_tables[seq],),
-            slot_mapping=self.slot_mapping[start:stop],
-            sample_seqs=(0,) if rows else (),
-            sampling=tuple(self.sampling[r] for r in rows),
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepOutput:
-    token_ids: tuple[int, ...]
-    """One sampled token per entry of StepInput.sample_seqs."""
-    logprobs: tuple[TokenLogprob | None, ...]
-
-
-@dataclass(frozen=True)
-class Launched:
-    """A step `LocalRunner.launch` started: its greedy tokens on the device and their host copy
-    (pinned; ready once `event` has passed; on the CPU the same tensor, no event)."""
-
-    tokens: torch.Tensor
-    host: torch.Tensor
-    event: Any
 
 
 class LocalRunner:
@@ -365,6 +289,10 @@ class LocalRunner:
         self.kv.write_block(block_id, data)
         if self.mirror is not None:
             self.mirror.drop()
+
+    def timing_stats(self) -> dict[str, object]:
+        """No per-stage figures: one rank runs every layer."""
+        return {}
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv.copy_block(src, dst)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from actors.engine.sampler import RowSampling, TokenLogprob
-from actors.executor.runner import StepInput
+from actors.executor.step import StepInput
 
 MAGIC_STEP = 0x5354455031
 """First word of a packed step ("STEP1")."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from actors.executor.runner import StepInput
+    from actors.executor.step import StepInput
 
 
 class ThreadTuner:

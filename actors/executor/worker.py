@@ -39,7 +39,8 @@ from actors.comm.pp import PipelineParallel
 from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
 from actors.engine.sampler import TokenLogprob, sample
-from actors.executor.runner import StepInput, keep_freed_memory
+from actors.executor.runner import keep_freed_memory
+from actors.executor.step import StepInput
 from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks, to_device
 from actors.model.layers.moe import MoE
 from actors.model.microbatch import (

@@ -23,13 +23,13 @@ move in a few large copies instead of one small copy per layer and block.
   each, so the host's hashing overlaps the copies; the cache's verified reads (`verifies_reads`,
   the in-process TieredCache) are not hashed again, any other cache's (gRPC CacheClient) are.
 - Per call on CUDA: no pinned allocation (the expected headers and the sums go through pinned
-  scratch buffers the KVTiers keeps), no new CUDA events (a pool, re-recorded each call), and
+  scratch buffers the TierIO keeps), no new CUDA events (a pool, re-recorded each call), and
   with a cache that reports its tiers' hits per read (TieredCache's `tier_hits`) no stats().
   Every call waits for its copies before it returns (scratch and fetched rows are then free).
-- `KVTiers.trace`: a dict to fill with the time points of the last call (host clock and CUDA
+- `TierIO.trace`: a dict to fill with the time points of the last call (host clock and CUDA
   events: start, first copy, copies done, verified, end), for bench/offload_profile.py; with
   MOE_KV_TRACE=<file> in the environment every batched call appends its split (`split_ms`) to
-  that file as one JSON line (for benches that make their own KVTiers, e.g. bench/gpu_moe.py).
+  that file as one JSON line (for benches that make their own TierIO, e.g. bench/gpu_moe.py).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from cache_service.errors import CacheError
 from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
-    from actors.kv.tiers import KVTiers
+    from actors.kv.tier_io import TierIO
 
 STORE_CHUNK_BYTES = 1 << 25
 """Rows per device->host copy: ~32 MiB (Qwen3: 13 pieces of a 384 MiB store, not 26: the host's
@@ -100,8 +100,8 @@ SMALL_LOAD_BYTES = 1 << 26
 """A load of at most ~64 MiB is one span: one fetch, one verification launch group."""
 
 
-def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
-    """KVTiers.store_many for the raw codec (see the module docstring). blocks: [n, *shape], or
+def store_many(t: TierIO, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
+    """TierIO.store_many for the raw codec (see the module docstring). blocks: [n, *shape], or
     a `kv_paged.PagedBlocks` (its `src`, shape and device only; on CUDA each piece is staged
     straight from the paged cache by its `stage`)."""
     n = len(keys)
@@ -113,7 +113,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     width = row_bytes(src.shape[1])
     adopt = adopts_buffers(t.cache)
     cuda = src.device.type == "cuda"
-    mix = t._mix64(src.device) and src.shape[1] % 8 == 0
+    mix = t.mix64(src.device) and src.shape[1] % 8 == 0
     arena = host_arena(t.cache) if adopt else None
     marks = Marks(trace_for(t), src.device if cuda else None)
     # Round 12: no collection inside the launches; one gen-0 collection where the host waits for
@@ -137,7 +137,7 @@ def store_many(t: KVTiers, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     return out
 
 
-def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: bool) -> list:
+def _pieces(t: TierIO, n: int, width: int, lease: Any, *, pinned: bool, fresh: bool) -> list:
     """(a, b, host rows [R, width], first row, from the arena) per piece (`_bounds`): block a..b
     goes to rows first..first + b - a. The arena's runs first, fresh or spare rows for whatever it
     could not lend; a piece never spans two runs (`piece_bounds` says where pieces end)."""
@@ -149,12 +149,12 @@ def _pieces(t: KVTiers, n: int, width: int, lease: Any, *, pinned: bool, fresh: 
             out.append((x, y, slab, first + x - a, True))
         a += count
     spans = cut(a, n, cuts, per)
-    rows = t._rows([y - x for x, y in spans], width, pinned=pinned, fresh=fresh)
+    rows = t.rows([y - x for x, y in spans], width, pinned=pinned, fresh=fresh)
     out += [(x, y, host, 0, False) for (x, y), host in zip(spans, rows, strict=True)]
     return out
 
 
-def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix, marks,
+def _store_pieces(t: TierIO, keys, src, dtype, shape, pieces, lease, adopt, mix, marks,
                   paged: Any = None, idle_gc: bool = False) -> list:  # fmt: skip
     width = row_bytes(src.shape[1])
     alone = 1 if piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)) is None else 3
@@ -178,7 +178,7 @@ def _store_pieces(t: KVTiers, keys, src, dtype, shape, pieces, lease, adopt, mix
     # Step 3: XXH3: the payloads hashed on the worker threads, every task waiting for its
     # piece's copy (hashing overlaps the later pieces' copies).
     if not mix:
-        pool = t._workers()
+        pool = t.worker_pool()
         per_task = max(1, (1 << 20) // width)
         for c, (a, b, host, first, _) in enumerate(pieces):
             ready = landed[c] if landed else None
@@ -210,7 +210,7 @@ def _on_cuda(src: torch.Tensor) -> bool:
     return src.device.type == "cuda"
 
 
-def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
+def _launch(t: TierIO, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
             paged: Any = None) -> tuple:  # fmt: skip
     """Steps 1-2 of a store on CUDA: the pieces' staging and device->host copies queued, a round
     of up to STAGING_SLOTS pieces at a time (the first piece alone, so its copy starts early); the
@@ -231,12 +231,12 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     (kv_paged.PagedBlocks): each piece's payloads are gathered from the paged cache straight
     into its staging rows. Host marks (round 15): ring, heads, staged0, staged1."""
     device, width, np_ = src.device, row_bytes(src.shape[1]), len(pieces)
-    stream, staging_stream = t._side_stream(device), t._side_stream(device, 2)
+    stream, staging_stream = t.side_stream(device), t.side_stream(device, 2)
     current = torch.cuda.current_stream(device)
     on_device = mix and src.shape[1] % 8 == 0 and not base_store()
     # kv_stage_kernel (its ids uploaded on the caller's stream, before `start`)
     fused = on_device and paged is not None and paged.fused()
-    start = t._event(device, 0, current)
+    start = t.event(device, 0, current)
     stream.wait_event(start)
     staging_stream.wait_event(start)
     sizes = [b - a for a, b, *_ in pieces]
@@ -283,19 +283,19 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                     gap_c.copy_(heads[c])
                     if on_device:  # the payloads' sums into the checksum fields, here
                         gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
-                t._event(device, 1 + np_ + c, staging_stream)  # staged
+                t.event(device, 1 + np_ + c, staging_stream)  # staged
                 if c < 2:
                     marks.mark(f"staged{c}")
             torch.cuda.set_stream(stream)
             for c in range(c0, c1):
                 slot, k = c % slots, sizes[c]
-                stream.wait_event(t._event(device, 1 + np_ + c, None))
+                stream.wait_event(t.event(device, 1 + np_ + c, None))
                 if c == 0:
                     marks.mark("first_copy", stream)
                 _, _, host, first, _ = pieces[c]
                 host[first : first + k].copy_(rows[slot] if k == per else rows[slot][:k],
                                               non_blocking=True)  # fmt: skip
-                landed.append(t._event(device, 1 + c, stream))
+                landed.append(t.event(device, 1 + c, stream))
                 if marks.on:
                     marks.mark(f"landed{c}", stream)
                     marks.mark(f"queued{c}")  # host clock: the copy was queued
@@ -310,9 +310,9 @@ def _launch(t: KVTiers, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
     return landed, staging
 
 
-def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
+def load_many(t: TierIO, keys: Sequence[BlockKey], *, dtype: torch.dtype,
               device: torch.device, scatter: Any = None) -> torch.Tensor:  # fmt: skip
-    """KVTiers.load_many for the raw codec (see the module docstring). scatter (MIX64 loads to
+    """TierIO.load_many for the raw codec (see the module docstring). scatter (MIX64 loads to
     CUDA, kv_paged): called as scatter(a, rows) with each verified span's landed rows
     [k, width] (a: its first block), on the checks stream right after its verification."""
     shape = t.block_shape
@@ -325,17 +325,17 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     staging = torch.empty((n, width), dtype=torch.uint8, device=device)
     stream = None
     if device.type == "cuda":
-        stream = t._side_stream(device)
-        stream.wait_event(t._event(device, 0, torch.cuda.current_stream(device)))
-    hits: dict | None = {} if t._counts_tier_hits() else None
-    before = t._tier_counters() if hits is None else {}
+        stream = t.side_stream(device)
+        stream.wait_event(t.event(device, 0, torch.cuda.current_stream(device)))
+    hits: dict | None = {} if t.counts_tier_hits() else None
+    before = t.tier_counters() if hits is None else {}
     # As in a CUDA store (round 12): no collection between the spans' launches (a full one in a
     # process of many objects would hold the later spans' copies back).
     with _collector_off(_holds_gc(device.type == "cuda")):
         # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
         # them: an in-process TieredCache is asked for unverified reads. Otherwise every block
         # is checked on the host (`_load_hosted`), and hashed unless the cache verified it.
-        if t._mix64(device) and width % 8 == 0:
+        if t.mix64(device) and width % 8 == 0:
             unverified = reads_unverified(t.cache)
             hash_here = unverified or getattr(t.cache, "verifies_reads", False) is not True
             m, stop = _load_landed(t, keys, staging, stream, dtype=dtype, shape=shape,
@@ -346,9 +346,9 @@ def load_many(t: KVTiers, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     if stop is not None:
         t.counts[stop] += 1
     t.counts["hits"] += m
-    t._credit(before, hits if hits is not None else t._tier_counters(), m)
+    t.credit(before, hits if hits is not None else t.tier_counters(), m)
     marks.mark("end")
-    marks.log("load", n, width, mix64=t._mix64(device) and width % 8 == 0)
+    marks.log("load", n, width, mix64=t.mix64(device) and width % 8 == 0)
     return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
 
 
@@ -386,7 +386,7 @@ def _spans(n: int, width: int) -> list[tuple[int, int]]:
     return out
 
 
-def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
+def _load_landed(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
                  dtype: torch.dtype, shape: tuple[int, ...], unverified: bool, hash_here: bool,
                  hits: dict | None, marks: Marks,
                  scatter: Any = None) -> tuple[int, str | None]:  # fmt: skip
@@ -402,10 +402,10 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     n, width = staging.shape
     device, flat = staging.device, staging.view(-1)
     context = nullcontext() if stream is None else torch.cuda.stream(stream)
-    checks = None if stream is None else t._side_stream(device, 1)
+    checks = None if stream is None else t.side_stream(device, 1)
     head, r12 = 0, r12_load_on()
     on = checks is not None and scatter is not None and r12
-    writes = t._side_stream(device, 3) if on else None
+    writes = t.side_stream(device, 3) if on else None
     hosted: list[int] = []  # rows verified on the host (XXH3 blocks)
     verdict = torch.empty(n, dtype=torch.bool, device=device)
     want: Any = None
@@ -419,14 +419,14 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
         if stream is None:
             want = torch.from_numpy(heads)
         else:
-            host = t._scratch("want", n * head, torch.uint8)
+            host = t.scratch("want", n * head, torch.uint8)
             host.numpy()[:] = heads.reshape(-1)
             want = host.to(device, non_blocking=True).view(n, head)
 
     def verify(a: int, ok: int, s: int) -> None:
         """Step 3: span s (rows a .. a + ok) verified where it landed, after its copies."""
         if checks is not None:
-            checks.wait_event(t._event(device, 1 + s, None))
+            checks.wait_event(t.event(device, 1 + s, None))
         with nullcontext() if checks is None else torch.cuda.stream(checks):
             if want is None:
                 expect()
@@ -444,7 +444,7 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
             if scatter is not None and writes is None:
                 scatter(a, rows)
         if writes is not None:  # round 12: the scatter beside the verification, not after it
-            writes.wait_event(t._event(device, 1 + s, None))
+            writes.wait_event(t.event(device, 1 + s, None))
             with torch.cuda.stream(writes):
                 scatter(a, staging[a : a + ok])
 
@@ -478,7 +478,7 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 ):  # fmt: skip
                     stop = "corrupt"
                     if unverified and got is None:  # the cache did not check it
-                        t._drop(keys[a + i])
+                        t.drop(keys[a + i])
                     break
                 hosted.append(a + i)
             add_row(runs, data, width, a + i)
@@ -495,7 +495,7 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
                 with nullcontext() if checks is None or not r12 else torch.cuda.stream(checks):
                     expect()
             if stream is not None:
-                t._event(device, 1 + s, stream)  # span s (and `want`) landed
+                t.event(device, 1 + s, stream)  # span s (and `want`) landed
                 if marks.on:
                     marks.mark(f"spanq{s}")  # host: span s queued; device: its copies done
                     marks.mark(f"spanl{s}", stream)
@@ -519,7 +519,7 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
     lead: Any = None
     if m:  # Step 4: how many leading rows are good, one number to the host's scratch
         with nullcontext() if checks is None else torch.cuda.stream(checks):
-            lead = t._scratch("lead", 1, torch.int64)
+            lead = t.scratch("lead", 1, torch.int64)
             lead.copy_(verdict[:m].to(torch.int32).cumprod(0).sum(), non_blocking=True)
     if stream is not None:
         if checks is not None:
@@ -527,20 +527,20 @@ def _load_landed(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
         # The verdicts and rows were written on the side streams: the caller's stream (which
         # reads them after we return) waits for both.
         current = torch.cuda.current_stream(device)
-        current.wait_event(t._event(device, 0, stream))
-        current.wait_event(t._event(device, 1 + n, checks))
+        current.wait_event(t.event(device, 0, stream))
+        current.wait_event(t.event(device, 1 + n, checks))
         if writes is not None:
-            current.wait_event(t._event(device, 2 + n, writes))
-            t._event(device, 2 + n, None).synchronize()  # scattered
-        t._event(device, 1 + n, None).synchronize()  # verified (and scattered), `lead` landed
+            current.wait_event(t.event(device, 2 + n, writes))
+            t.event(device, 2 + n, None).synchronize()  # scattered
+        t.event(device, 1 + n, None).synchronize()  # verified (and scattered), `lead` landed
         stream.synchronize()  # no copy from a fetched row may still run once `keep` is dropped
     if m and int(lead[0]) < m:
         m, stop = int(lead[0]), "corrupt"
-        t._drop(keys[m])
+        t.drop(keys[m])
     return m, stop
 
 
-def _load_hosted(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
+def _load_hosted(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, stream: Any, *,
                  dtype: torch.dtype, shape: tuple[int, ...],
                  hits: dict | None) -> tuple[int, str | None]:  # fmt: skip
     """load_many with every block checked on the host (XXH3, or a CPU target): worker threads
@@ -586,7 +586,7 @@ def _load_hosted(t: KVTiers, keys: Sequence[BlockKey], staging: torch.Tensor, st
         return ok, why, [datas, runs]
 
     m, stop = 0, None
-    for (a, b), (ok, why, _) in zip(spans, t._workers().map(fetch, spans), strict=True):
+    for (a, b), (ok, why, _) in zip(spans, t.worker_pool().map(fetch, spans), strict=True):
         if stop is not None:
             continue  # every fetch is waited for: none may copy into staging after we return
         m += ok

@@ -114,7 +114,7 @@ def _one_pass(t: KVTiers, kv: KVCache, width_ok: bool) -> bool:
         and width_ok
         and t.codec == "raw"
         and t.compression in (None, "none")
-        and t._mix64(kv.device)
+        and t.mix64(kv.device)
     )
 
 
@@ -132,7 +132,7 @@ def store_from(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[Block
         raise ValueError(
             f"store_from: blocks of shape {blocks.block_shape}; this stage stores {t.block_shape}"
         )
-    with t._batch_lock:
+    with t.batch_lock:
         return kv_offload.store_many(t, keys, blocks)
 
 
@@ -165,6 +165,6 @@ def load_into(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[BlockK
         scatter.fused = fused if fused.usable() else None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with t._batch_lock:
+    with t.batch_lock:
         got = kv_offload.load_many(t, keys, dtype=layout.dtype, device=device, scatter=scatter)
     return len(got)

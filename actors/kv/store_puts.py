@@ -27,7 +27,7 @@ from cache_service.errors import CacheError
 from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
-    from actors.kv.tiers import KVTiers
+    from actors.kv.tier_io import TierIO
 
 PUT_BATCH_BYTES = 1 << 26
 """A store puts ~64 MiB of adjacent pieces at a time (the last piece alone)."""
@@ -120,7 +120,7 @@ class Puts:
     (`encode_rows(written=True)`); XXH3: its pieces' worker `tasks`. Rows of the arena are owned
     by their blocks from here on."""
 
-    def __init__(self, t: KVTiers, keys, dtype, shape, pieces, batches, lease, adopt,
+    def __init__(self, t: TierIO, keys, dtype, shape, pieces, batches, lease, adopt,
                  marks: Any = None) -> None:  # fmt: skip
         self.t, self.keys, self.dtype, self.shape = t, keys, dtype, shape
         self.pieces, self.batches, self.lease, self.adopt = pieces, batches, lease, adopt
@@ -187,12 +187,12 @@ class Puts:
         self.out += flags
 
 
-def headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
+def headers(t: TierIO, keys, dtype, shape) -> torch.Tensor:
     """A store's headers (actors/kv/offload.py, Step 1): [n, HEADER_WORDS + 2] int64, a host
     scratch (pinned with CUDA): each key's header, its checksum field the MIX64 of the header's
     ten words, the reserved half zero."""
     heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
-    out = t._scratch("heads", len(keys) * HEADER_BYTES, torch.uint8).view(len(keys), -1)
+    out = t.scratch("heads", len(keys) * HEADER_BYTES, torch.uint8).view(len(keys), -1)
     table = out.numpy()
     table[:, : heads.shape[1]] = heads
     table[:, heads.shape[1] :] = 0
@@ -201,18 +201,18 @@ def headers(t: KVTiers, keys, dtype, shape) -> torch.Tensor:
     return words
 
 
-def payload_sums(t: KVTiers, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
+def payload_sums(t: TierIO, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
     """Round 9's store (MOE_KV_STORE_BASE=1, actors/kv/offload.py): the payloads' MIX64 sums
     (`body_mix64`, SUM_GROUP_BYTES at a time) into a pinned scratch [n] int64, on the checks
     stream beside the copies; returns it and the event (pool index `event`) after which it
     holds them."""
     device = src.device
-    checks = t._side_stream(device, 1)
-    checks.wait_event(t._event(device, 0, None))  # the store's start on the caller's stream
-    sums = t._scratch("sums", src.shape[0], torch.int64)
+    checks = t.side_stream(device, 1)
+    checks.wait_event(t.event(device, 0, None))  # the store's start on the caller's stream
+    sums = t.scratch("sums", src.shape[0], torch.int64)
     with torch.cuda.stream(checks):
         sums.copy_(body_mix64(src, group_bytes=SUM_GROUP_BYTES), non_blocking=True)
-        return sums, t._event(device, event, checks)
+        return sums, t.event(device, event, checks)
 
 
 def encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -> list:

@@ -1,7 +1,7 @@
 """Time points of KVTiers' batched calls (actors/kv/offload.py): `Marks` records them (host
-clock and timing CUDA events) into `KVTiers.trace`, or, with MOE_KV_TRACE=<file> in the
+clock and timing CUDA events) into `TierIO.trace`, or, with MOE_KV_TRACE=<file> in the
 environment, into a fresh dict per call whose split (`split_ms`) is appended to that file as one
-JSON line (for benches that make their own KVTiers, e.g. bench/gpu_moe.py).
+JSON line (for benches that make their own TierIO, e.g. bench/gpu_moe.py).
 
 Besides the fixed points (start, first_copy, copies_done, verified, end) a call may mark any
 other name: a store marks, per put batch i, `seen{i}` (the host saw its rows landed) and
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from actors.kv.tiers import KVTiers
+    from actors.kv.tier_io import TierIO
 
 FIXED = ("start", "first_copy", "copies_done", "verified", "end")
 
 
-def trace_for(t: KVTiers) -> dict | None:
-    """The dict this call's time points go to: KVTiers.trace, or a fresh one under MOE_KV_TRACE."""
+def trace_for(t: TierIO) -> dict | None:
+    """The dict this call's time points go to: TierIO.trace, or a fresh one under MOE_KV_TRACE."""
     if t.trace is not None:
         return t.trace
     return {} if os.environ.get("MOE_KV_TRACE") else None

@@ -358,7 +358,7 @@ def predicted_memory(
     model_dir: str | Path, layout: Layout, *, dtype: str, kv_tokens: int, prefill_tokens: int
 ):
     """[pp] the planner's DeviceMemory for this layout with weights and KV held in `dtype`."""
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import predict_memory
 
     label = {"float32": "fp32", "bfloat16": "bf16"}[dtype]

@@ -75,10 +75,11 @@ class VllmReport:
 
 def our_greedy(model_dir: str | Path, sequences: list[list[int]], n: int) -> list[list[int]]:
     """Our engine's greedy continuation of each sequence (in-process, one rank)."""
-    from actors.engine.engine import Engine, SamplingParams
+    from actors.engine.factory import build_engine
+    from actors.engine.sampler import SamplingParams
 
     longest = max(len(s) for s in sequences) + n
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         model_dir,
         block_size=16,
         num_blocks=len(sequences) * (-(-longest // 16)) + 1,

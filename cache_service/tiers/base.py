@@ -29,9 +29,7 @@ from urllib.parse import urlsplit
 from cache_service.block_key import BlockKey
 from cache_service.errors import CacheConfigError
 from cache_service.metrics import CacheMetrics
-from cache_service.namespace import CacheNamespace
 
-SCHEMES = ("device", "host", "redis", "rediss", "redis+cluster", "rediss+cluster", "file")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 
 
@@ -123,41 +121,3 @@ def redact(url: str) -> str:
         return url
     netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
     return parts._replace(netloc=netloc).geturl()
-
-
-def open_tier(
-    url: str,
-    capacity_bytes: int,
-    *,
-    namespace: CacheNamespace,
-    eviction: str = "lru",
-    sink_blocks: int = 4,
-    window_blocks: int = 16,
-    metrics: CacheMetrics | None = None,
-    name: str | None = None,
-) -> Tier:
-    """Open the tier `url` names, with a byte budget and (for in-process tiers) a policy."""
-    from cache_service.eviction import make_policy
-
-    if not isinstance(url, str) or "://" not in url:
-        raise CacheConfigError(f"tier URL {url!r} has no scheme; expected one of {list(SCHEMES)}")
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in SCHEMES:
-        raise CacheConfigError(
-            f"tier URL {redact(url)!r}: unknown scheme {scheme!r}; expected one of {list(SCHEMES)}"
-        )
-    policy = make_policy(eviction, sink_blocks=sink_blocks, window_blocks=window_blocks)
-    common = {"capacity_bytes": capacity_bytes, "metrics": metrics}
-    if scheme in ("device", "host"):
-        from cache_service.tiers.device import DeviceTier
-        from cache_service.tiers.host import HostTier
-
-        cls = DeviceTier if scheme == "device" else HostTier
-        return cls(url=url, name=name or scheme, policy=policy, **common)
-    if scheme == "file":
-        from cache_service.tiers.disk import DiskTier
-
-        return DiskTier(url=url, name=name or "disk", namespace=namespace, policy=policy, **common)
-    from cache_service.tiers.redis_tier import RedisTier
-
-    return RedisTier(url=url, name=name or "redis", namespace=namespace, **common)

@@ -103,7 +103,8 @@ def adapt(path: str | Path, options: AdaptOptions = AdaptOptions(), progress=Non
 
     Inputs (config, context, topology) are checked before any step runs (InputError); `progress`,
     when given, is called with the name of each step as it starts."""
-    from placement.model_spec import load_model_spec, read_config
+    from placement.model_spec import read_config
+    from placement.model_types import load_model_spec
 
     config, _ = read_config(path)
     spec = load_model_spec(path)

@@ -8,7 +8,8 @@ import torch
 
 from deploy.adapt import references as ref
 from deploy.adapt.operator_checks import CheckContext, check_arch, run_checks
-from placement.model_spec import load_model_spec, read_config
+from placement.model_spec import read_config
+from placement.model_types import load_model_spec
 from placement.operators import operator_inventory
 
 EXAMPLES = "placement/examples"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt, run
 from tests.actors.tiny_tokenizer import install
@@ -39,12 +40,12 @@ def test_tier_hits_are_credited_to_the_serving_tier(ckpt, tmp_path, host_bytes, 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ids = prompt(26, 70)
     with TieredCache.from_urls(urls, capacities=[host_bytes, 1 << 26], namespace=ns) as cache:
-        writer = Engine.from_checkpoint(ckpt, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
+        writer = build_engine(ckpt, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
         run(writer, {"a": (ids, params)})
         assert writer.stats()["tier_hits_by_tier"] == {}
         held = {row["name"]: row["blocks"] for row in cache.stats()["tiers"]}
         assert held[serving_tier] >= 6
-        reader = Engine.from_checkpoint(ckpt, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
+        reader = build_engine(ckpt, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
         out = run(reader, {"a": (ids, params)})["a"]
         stats = reader.stats()
         assert out[-1].cached_tokens == 24
@@ -74,8 +75,8 @@ def test_a_cache_without_counters_is_unattributed(ckpt, tmp_path):
     ids = prompt(13, 71)
     with TieredCache.from_urls(["host://"], capacities=[1 << 24], namespace=ns) as cache:
         bare = Bare(cache)
-        writer = Engine.from_checkpoint(ckpt, cache=bare, cache_key_secret=SECRET, **ENGINE_KW)
+        writer = build_engine(ckpt, cache=bare, cache_key_secret=SECRET, **ENGINE_KW)
         run(writer, {"a": (ids, params)})
-        reader = Engine.from_checkpoint(ckpt, cache=bare, cache_key_secret=SECRET, **ENGINE_KW)
+        reader = build_engine(ckpt, cache=bare, cache_key_secret=SECRET, **ENGINE_KW)
         run(reader, {"a": (ids, params)})
         assert reader.stats()["tier_hits_by_tier"] == {"unattributed": 3}

@@ -118,7 +118,7 @@ def default_docs():
 @pytest.fixture(scope="module")
 def deepseek_plan():
     from cluster.topology_file import load_topology
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

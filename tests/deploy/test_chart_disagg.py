@@ -286,7 +286,7 @@ def test_render_with_a_plan_keeps_each_roles_template(deepseek_plan):
 @pytest.fixture(scope="module")
 def deepseek_plan():
     from cluster.topology_file import load_topology
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

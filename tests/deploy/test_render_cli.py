@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
     from cluster.topology_file import load_topology
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

@@ -85,9 +85,10 @@ def tokenizer(checkpoint):
 
 def _ours(checkpoint, ids: list[int], n: int):
     """Our engine's greedy tokens and logprobs for `ids` (in-process, same checkpoint)."""
-    from actors.engine.engine import Engine, SamplingParams
+    from actors.engine.factory import build_engine
+    from actors.engine.sampler import SamplingParams
 
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         checkpoint, block_size=BLOCK, num_blocks=16, max_num_seqs=1, max_num_batched_tokens=256
     )
     engine.add_request("r", ids, SamplingParams(max_tokens=n, logprobs=0, ignore_eos=True))

@@ -14,7 +14,7 @@ from cluster.errors import InputError, MoeError
 from cluster.topology_file import load_example, parse_topology
 from placement import plan_cli
 from placement.disagg import DisaggPlan, DisaggWorkload, plan_disagg
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 from tests.conftest import REPO
 
 EXAMPLES = REPO / "cluster" / "examples"

@@ -7,7 +7,7 @@ import pytest
 from cluster.errors import InputError
 from placement.cost_model import costs_from_spec
 from placement.memory_plan import plan_memory
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 from placement.parallel_dims import Layout, ParallelDims
 from placement.plan import predict_memory
 

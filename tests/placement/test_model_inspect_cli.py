@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 from placement.operators import REGISTRY, operator_inventory
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "placement" / "examples"

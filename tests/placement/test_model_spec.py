@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 
 _ATTN = dict(
     num_attention_heads=4, num_key_value_heads=2, head_dim=12, vocab_size=101, hidden_size=40

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 
 # file: (published total, published active, README "counted" total, counted active, KV bytes/token bf16)
 PUBLISHED = {

@@ -10,7 +10,7 @@ import pytest
 from cluster.errors import InputError
 from cluster.topology_file import load_example
 from placement.cost_model import costs_from_spec
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 from placement.parallel_dims import Axis
 from placement.plan import Plan, build_plan, plan
 from placement.strategy import ClusterView, Workload, search

@@ -1,7 +1,7 @@
 """Worker faults in the middle of generation: a ShardWorker actor is killed with `ray.kill` and
 the engine rebuilds the replica and resumes every request in flight.
 
-The reference is the fault-free in-process engine (`Engine.from_checkpoint`, itself checked
+The reference is the fault-free in-process engine (`build_engine` (`actors.engine.factory`), itself checked
 against transformers in tests/actors/engine/test_engine.py) fed the same requests: a resumed greedy or
 seeded stream must equal it token for token, with no token repeated or dropped, and text deltas
 must concatenate to the fault-free text. The CI size is three faults; the 20-fault series is
@@ -16,7 +16,8 @@ import threading
 
 import pytest
 
-from actors.engine.engine import AsyncEngine, Engine, SamplingParams
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.factory import build_engine
 from actors.engine.recovery import (
     RecoveringEngine,
     RecoveryPolicy,
@@ -24,7 +25,7 @@ from actors.engine.recovery import (
     ReplicaUnavailable,
     is_worker_fault,
 )
-from actors.executor.replica_runner import build_engine
+from actors.engine.sampler import SamplingParams
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt, run, tokens
 from tests.actors.tiny_tokenizer import install
@@ -55,7 +56,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    engine = Engine.from_checkpoint(ckpt, cache_key_secret=SECRET, **KW)
+    engine = build_engine(ckpt, cache_key_secret=SECRET, **KW)
     return run(engine, REQUESTS)
 
 

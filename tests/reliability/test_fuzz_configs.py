@@ -127,7 +127,7 @@ def scratch():
 
 
 def _load_model(scratch: Path):
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
 
     def parse(text: str):
         path = scratch / "config.json"
@@ -216,7 +216,7 @@ def test_serve_yaml_random_text(scratch, text):
 @pytest.fixture(scope="module")
 def plan_doc() -> dict:
     from cluster.topology_file import load_example
-    from placement.model_spec import load_model_spec
+    from placement.model_types import load_model_spec
     from placement.plan import plan
     from placement.strategy import Workload
 

@@ -17,7 +17,10 @@ import time
 
 import pytest
 
-from actors.engine.engine import AsyncEngine, Engine, SamplingParams
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.engine import Engine
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from cache_service.block_key import weights_fingerprint
 from cache_service.namespace import CacheNamespace
 from cache_service.store import TieredCache
@@ -50,7 +53,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    return run(Engine.from_checkpoint(ckpt, cache_key_secret=SECRET, **KW), REQUESTS)
+    return run(build_engine(ckpt, cache_key_secret=SECRET, **KW), REQUESTS)
 
 
 @pytest.fixture
@@ -69,7 +72,7 @@ def open_cache(ckpt, proxy) -> TieredCache:
 
 
 def engine(ckpt, cache) -> Engine:
-    return Engine.from_checkpoint(ckpt, cache=cache, cache_key_secret=SECRET, **KW)
+    return build_engine(ckpt, cache=cache, cache_key_secret=SECRET, **KW)
 
 
 def hit_rate(ckpt, cache, reference) -> float:

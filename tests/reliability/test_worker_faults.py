@@ -34,8 +34,8 @@ def test_failed_load_leaves_the_world_so_the_same_actors_rebuild(ray_session, tm
 
 
 def test_engine_steps_report_collective_wait_per_axis(ray_session, tmp_path):
-    from actors.engine.engine import SamplingParams
-    from actors.executor.replica_runner import build_engine
+    from actors.engine.factory import build_engine
+    from actors.engine.sampler import SamplingParams
 
     path = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt")
     engine = build_engine(

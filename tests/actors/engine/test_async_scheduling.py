@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.engine import Engine
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from actors.executor.runner import LocalRunner
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt
@@ -34,7 +36,7 @@ class Counting(LocalRunner):
 def _engine(ckpt, overlap: bool) -> Engine:
     runner = Counting.from_checkpoint(ckpt)
     runner.fast_decode = True
-    return Engine.from_checkpoint(
+    return build_engine(
         ckpt, runner=runner, num_blocks=NUM_BLOCKS, block_size=4, max_num_batched_tokens=64,
         max_num_seqs=4, batch_invariant=False, async_scheduling=overlap,
     )  # fmt: skip
@@ -91,7 +93,7 @@ def test_overlapped_decode_gives_the_sequential_tokens(ckpt):
 def test_sampled_rows_and_cpu_default_do_not_overlap(ckpt):
     runner = Counting.from_checkpoint(ckpt)
     runner.fast_decode = True
-    default = Engine.from_checkpoint(
+    default = build_engine(
         ckpt, runner=runner, num_blocks=NUM_BLOCKS, block_size=4, max_num_batched_tokens=64,
         max_num_seqs=4, batch_invariant=False,
     )  # fmt: skip

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.block_manager import BlockKeyer, BlockManager, OutOfBlocks
 from actors.engine import block_manager
+from actors.engine.block_manager import BlockKeyer, BlockManager, OutOfBlocks
 from cache_service.block_key import block_key
 from cluster.errors import InputError
 

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 import torch
 
-from actors.engine.engine import AsyncEngine, Engine, SamplingParams
+from actors.engine.async_engine import AsyncEngine
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from cluster.errors import InputError
 from tests.actors.checkpoints import load_reference, make_tiny_checkpoint
 from tests.actors.tiny_tokenizer import install
@@ -31,7 +33,7 @@ def make_engine(path, **kw):
     kw.setdefault("block_size", 4)
     kw.setdefault("max_num_batched_tokens", 32)
     kw.setdefault("max_num_seqs", 4)
-    return Engine.from_checkpoint(path, cache_key_secret=SECRET, **kw)
+    return build_engine(path, cache_key_secret=SECRET, **kw)
 
 
 def run(engine, requests):

@@ -23,8 +23,10 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-from actors.engine.engine import Engine, SamplingParams
-engine = Engine.from_checkpoint({path!r}, cache_key_secret=b"s", num_blocks=32, block_size=4,
+from actors.engine.engine import Engine
+from actors.engine.sampler import SamplingParams
+from actors.engine.factory import build_engine
+engine = build_engine({path!r}, cache_key_secret=b"s", num_blocks=32, block_size=4,
                                 max_num_batched_tokens=16, max_num_seqs=2)
 engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
 out = []

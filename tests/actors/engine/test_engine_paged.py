@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from actors.engine.sampler import RowSampling
-from actors.executor.runner import LocalRunner, StepInput
+from actors.executor.runner import LocalRunner
+from actors.executor.step import StepInput
 from actors.kv.cache import slots_for
 from tests.actors.checkpoints import load_reference, make_tiny_checkpoint, reference_logits
 

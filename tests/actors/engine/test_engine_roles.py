@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from cluster.errors import InputError
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt, run, tokens
@@ -40,7 +41,7 @@ def cache(ckpt, request):
 
 
 def engine(ckpt, cache=None, role="mixed"):
-    return Engine.from_checkpoint(ckpt, cache=cache, cache_key_secret=SECRET, role=role, **KW)
+    return build_engine(ckpt, cache=cache, cache_key_secret=SECRET, role=role, **KW)
 
 
 def hand_over(ckpt, cache, requests):
@@ -195,7 +196,7 @@ def test_async_decode_reads_handed_over_blocks_off_the_step_thread(ckpt, cache):
     engine keeps stepping; the tokens are the mixed engine's, and the blocks were used."""
     import asyncio
 
-    from actors.engine.engine import AsyncEngine
+    from actors.engine.async_engine import AsyncEngine
 
     params = SamplingParams(max_tokens=7, ignore_eos=True)
     ids = prompt(29, 9)
@@ -226,7 +227,7 @@ def test_async_decode_reads_handed_over_blocks_off_the_step_thread(ckpt, cache):
 def test_a_resume_aborted_while_prefetching_is_never_admitted(ckpt, cache):
     import time
 
-    from actors.engine.engine import AsyncEngine
+    from actors.engine.async_engine import AsyncEngine
 
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     h = run(engine(ckpt, cache, "prefill"), {"b": (prompt(21, 10), params)})["b"][-1].handoff

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.engine import SamplingParams
+from actors.engine.sampler import SamplingParams
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import make_engine, prompt, run, tokens
 
@@ -38,15 +38,3 @@ def test_a_prompt_sharing_part_of_a_cached_block_copies_it_and_equals_cold(ckpt)
     assert tokens(hot) == tokens(cold)
     torch.testing.assert_close(_logprobs(hot), _logprobs(cold), rtol=0, atol=1e-4)
     assert engine.stats()["free_blocks"] == baseline == engine.stats()["total_blocks"]
-
-
-def test_a_runner_without_copy_block_copies_through_the_host(ckpt, monkeypatch):
-    shared = prompt(21, 13)
-    engine = make_engine(ckpt, block_size=8)
-    run(engine, {"first": (shared, GREEDY)})
-    runner_type = type(engine.runner)
-    monkeypatch.delattr(runner_type, "copy_block")
-    hot = run(engine, {"second": (shared[:20] + prompt(3, 14), GREEDY)})["second"]
-    assert engine.stats()["prefix_tail_tokens"] >= 4
-    cold = run(make_engine(ckpt, block_size=8), {"second": (shared[:20] + prompt(3, 14), GREEDY)})
-    torch.testing.assert_close(_logprobs(hot), _logprobs(cold["second"]), rtol=0, atol=1e-4)

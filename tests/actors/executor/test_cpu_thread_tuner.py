@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from actors.executor import runner as runner_mod
 from actors.executor.thread_tuner import ThreadTuner
 from tests.actors.checkpoints import make_tiny_checkpoint
@@ -131,7 +132,7 @@ def ckpt(tmp_path_factory):
 def _greedy(ckpt, adapt: bool, monkeypatch, cost) -> tuple[dict, list[int]]:
     monkeypatch.setattr(runner_mod, "ADAPT_THREADS", [adapt])
     torch.set_num_threads(2)
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
         batch_invariant=False,
     )  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine.engine import Engine
+from actors.engine.factory import build_engine
 from actors.executor import runner as runner_module
 from actors.executor.runner import LocalRunner
 from actors.kernels import cpu_attention
@@ -30,7 +31,7 @@ def ckpt(request, tmp_path_factory):
 
 def _generate(ckpt) -> tuple[dict, Engine]:
     """Five greedy requests with logprobs (prefill chunks, mixed and pure decode steps)."""
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
         batch_invariant=False,
     )  # fmt: skip

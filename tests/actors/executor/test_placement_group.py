@@ -7,7 +7,7 @@ import pytest
 from cluster.errors import EnvironmentMissing
 from cluster.topology_file import load_example
 from placement.bundles import NODE_LABEL, bundle_specs
-from placement.model_spec import load_model_spec
+from placement.model_types import load_model_spec
 from placement.parallel_dims import Axis
 from placement.plan import plan
 from placement.strategy import Workload

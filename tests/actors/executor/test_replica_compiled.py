@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from actors.comm.group import CommError
-from actors.engine.engine import SamplingParams
+from actors.engine.factory import build_engine
 from actors.engine.recovery import is_worker_fault
-from actors.executor.replica_runner import build_engine
+from actors.engine.sampler import SamplingParams
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt
 

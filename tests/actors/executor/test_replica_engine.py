@@ -3,7 +3,7 @@ engine's tokens: concurrent requests of different lengths with a shared prefix c
 side on two DP ranks (so a later prefix hit needs blocks copied between them), chunked prefill,
 preemption, abort, KV blocks read from / written to the ranks' parts and through the cache tiers.
 
-The reference is `Engine.from_checkpoint` (the in-process LocalRunner, itself checked against
+The reference is `build_engine` (`actors.engine.factory`) (the in-process LocalRunner, itself checked against
 transformers in tests/actors/engine/test_engine.py) fed the same requests in the same order: the scheduler's
 decisions and block ids are then identical, so tokens, prefix hits and block contents compare.
 """
@@ -15,8 +15,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from actors.engine.engine import Engine, SamplingParams
-from actors.executor.replica_runner import build_engine
+from actors.engine.engine import Engine
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from tests.actors.checkpoints import FAMILIES, make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt, run, tokens
 from tests.actors.tiny_tokenizer import install
@@ -90,7 +91,7 @@ _local: dict[str, tuple[Engine, dict]] = {}
 def local(ckpts, family):
     """The in-process engine after the scenario, and its outputs (computed once per family)."""
     if family not in _local:
-        engine = Engine.from_checkpoint(ckpts[family], cache_key_secret=SECRET, **ENGINE_KW)
+        engine = build_engine(ckpts[family], cache_key_secret=SECRET, **ENGINE_KW)
         _local[family] = (engine, scenario(engine))
     return _local[family]
 
@@ -169,7 +170,7 @@ def test_prefix_tail_is_copied_on_the_ranks(ckpts, actor_pool, layout):
     and tokens and cached tokens are the in-process engine's."""
     shared = prompt(29, 46)  # blocks of 8: three full, then 5 tokens of a fourth
     waves = [{"f": (shared, greedy(4))}, {"s": (shared + prompt(6, 47), greedy(5))}]
-    want_engine = Engine.from_checkpoint(
+    want_engine = build_engine(
         ckpts["qwen3_moe"], cache_key_secret=SECRET, **{**ENGINE_KW, "block_size": 8}
     )
     want = [run(want_engine, w) for w in waves]
@@ -199,7 +200,7 @@ def test_preemption_and_abort_over_replica(ckpts, actor_pool):
         for i in range(3)
     }
     kw = {"num_blocks": 9, "block_size": 4, "max_num_batched_tokens": 32, "max_num_seqs": 3}
-    want = run(Engine.from_checkpoint(ckpts["mixtral"], cache_key_secret=SECRET, **kw), reqs)
+    want = run(build_engine(ckpts["mixtral"], cache_key_secret=SECRET, **kw), reqs)
     engine = replica_engine(ckpts, "mixtral", "ep2", actor_pool, **kw)
     try:
         got = run(engine, reqs)
@@ -222,7 +223,7 @@ def test_preemption_and_abort_over_replica(ckpts, actor_pool):
         assert engine.stats()["free_blocks"] == 9 and not engine.has_unfinished()
         again = run(engine, {"z": (prompt(7, 32), greedy(6))})["z"]
         alone = run(
-            Engine.from_checkpoint(ckpts["mixtral"], cache_key_secret=SECRET, **kw),
+            build_engine(ckpts["mixtral"], cache_key_secret=SECRET, **kw),
             {"z": (prompt(7, 32), greedy(6))},
         )["z"]
         assert tokens(again) == tokens(alone)
@@ -243,7 +244,7 @@ def test_tier_blocks_are_shared_between_layouts(ckpts, actor_pool, tmp_path):
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
     first, second = prompt(26, 60), prompt(23, 61)
     with TieredCache.from_urls(["host://"], capacities=[1 << 24], namespace=ns) as cache:
-        writer = Engine.from_checkpoint(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
+        writer = build_engine(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
         cold = run(writer, {"a": (first, params)})["a"]
         assert writer.stats()["cache"]["stored"] >= 6
         engine = replica_engine(ckpts, "deepseek_v3", "ep2xpp2", actor_pool, cache=cache)
@@ -258,7 +259,7 @@ def test_tier_blocks_are_shared_between_layouts(ckpts, actor_pool, tmp_path):
             assert engine.stats()["cache"]["stored"] >= 5
         finally:
             engine.runner.shutdown()
-        reader = Engine.from_checkpoint(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
+        reader = build_engine(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
         back = run(reader, {"b": (second, params)})["b"]
         assert reader.stats()["tier_hits"] == 5 and tokens(back) == tokens(replica_cold)
 

@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 
 from actors.comm.group import CommError
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.engine import Engine
+from actors.engine.factory import build_engine
 from actors.engine.recovery import (
     RecoveringEngine,
     RecoveryPolicy,
     ReplicaRebuilder,
     is_worker_fault,
 )
+from actors.engine.sampler import SamplingParams
 from actors.executor.replica import Replica
 from actors.executor.step_channel import ACK, StepChannel, StepChannelError
 from actors.model.weights import CheckpointIndex
@@ -49,7 +51,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    return run(Engine.from_checkpoint(ckpt, cache_key_secret=SECRET, **KW), REQUESTS)
+    return run(build_engine(ckpt, cache_key_secret=SECRET, **KW), REQUESTS)
 
 
 def head_node(ray) -> str:
@@ -70,7 +72,7 @@ def engine_on(ray, ckpt, layout: str, **kw) -> Engine:
         timeout_s=30,
         **kw,
     )
-    return Engine.from_checkpoint(ckpt, runner=replica, cache_key_secret=SECRET, **KW)
+    return build_engine(ckpt, runner=replica, cache_key_secret=SECRET, **KW)
 
 
 def cpu_seconds(pid: int) -> float:

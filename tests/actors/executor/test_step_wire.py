@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors.engine.sampler import RowSampling, TokenLogprob, sample
-from actors.executor.runner import StepInput
+from actors.executor.step import StepInput
 from actors.executor.step_wire import pack_output, pack_step, unpack_output, unpack_step
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from actors.kernels import cpu_attention
 from actors.model.layers import attention
 from tests.actors.checkpoints import make_tiny_checkpoint
@@ -24,7 +25,7 @@ def ckpt(request, tmp_path_factory):
 
 
 def generate(ckpt, *, batched: bool, calls: list | None = None):
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
         batch_invariant=False,
     )  # fmt: skip

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from actors.kernels import cpu_attention
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt
@@ -219,7 +220,7 @@ def ckpt(tmp_path_factory):
 
 
 def _generate(ckpt, *, kernel: bool, ops: list | None = None):
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
         batch_invariant=False,
     )  # fmt: skip

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from actors.engine.sampler import RowSampling
-from actors.executor.runner import LocalRunner, StepInput
+from actors.executor.runner import LocalRunner
+from actors.executor.step import StepInput
 from actors.kernels.paged_decode import gqa_decode_torch, mla_decode_torch
 from actors.kv.cache import slots_for
 from tests.actors.checkpoints import make_tiny_checkpoint

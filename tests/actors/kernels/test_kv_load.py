@@ -90,8 +90,8 @@ for broken in (False, True):
         t.copy_(torch.randn(t.shape, generator=g))
     cache = host_cache(adopt="arena", capacity=1 << 26)
     tiers = KVTiers(cache, block_shape=GQA.block_shape, checksum="mix64")
-    tiers._side_stream = lambda d, which=0: _FakeStream(str(which), [])
-    tiers._event = lambda d, i, s: _FakeEvent()
+    tiers.side_stream = lambda d, which=0: _FakeStream(str(which), [])
+    tiers.event = lambda d, i, s: _FakeEvent()
     keys = keys_for(16, seed=5)
     stored = kv_paged.store_from(tiers, kv, IDS, keys) == [True] * 16
     want = kv.read_blocks(IDS)

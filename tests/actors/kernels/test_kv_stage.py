@@ -43,8 +43,8 @@ for name, layout in [("gqa", GQA), ("mla", MLA)]:
             kv_stage_kernel.stage_sum = lambda tensors, ids, rows, gap: (real(tensors, ids, rows, gap), rows[:, gap + 3].add_(1))
         cache = host_cache(adopt="arena", capacity=1 << 26)
         tiers = KVTiers(cache, block_shape=layout.block_shape, checksum="mix64")
-        tiers._side_stream = lambda d, which=0: _FakeStream(str(which), [])
-        tiers._event = lambda d, i, s: _FakeEvent()
+        tiers.side_stream = lambda d, which=0: _FakeStream(str(which), [])
+        tiers.event = lambda d, i, s: _FakeEvent()
         calls = []
         rs = kv_stage_kernel.stage_sum
         kv_stage_kernel.stage_sum = lambda *a: calls.append(len(a[1])) or rs(*a)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from cache_service.block_key import weights_fingerprint
 from cache_service.codec import encode_block
 from cache_service.namespace import CacheNamespace
@@ -35,7 +36,7 @@ def cache(ckpt, tmp_path):
 
 def engine(ckpt, cache, **kw):
     kw.setdefault("num_blocks", 64)
-    return Engine.from_checkpoint(
+    return build_engine(
         ckpt,
         cache=cache,
         cache_key_secret=SECRET,

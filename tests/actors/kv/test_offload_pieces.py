@@ -42,7 +42,7 @@ def _stream_log(monkeypatch, tiers: KVTiers) -> list:
 
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: log.append(s.name))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("cur"))
-    monkeypatch.setattr(tiers, "_side_stream", lambda d, which=0: Stream(names[which]))
+    monkeypatch.setattr(tiers, "side_stream", lambda d, which=0: Stream(names[which]))
     return log
 
 
@@ -143,7 +143,7 @@ def test_the_collector_is_held_off_during_the_launches(eight_a_piece, monkeypatc
         def query(self):
             return False
 
-    monkeypatch.setattr(tiers, "_event", lambda d, i, s: Copying())
+    monkeypatch.setattr(tiers, "event", lambda d, i, s: Copying())
     seen, collected = [], []
     real = kv_offload._launch
     monkeypatch.setattr(kv_offload, "_launch",
@@ -220,7 +220,7 @@ def test_the_collector_is_held_off_during_a_cuda_load(monkeypatch, r12):
         return real(*a, **k)
 
     monkeypatch.setattr(kv_offload, "_load_landed", landed)
-    monkeypatch.setattr(tiers, "_mix64", lambda device: True)
+    monkeypatch.setattr(tiers, "mix64", lambda device: True)
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)  # to the CPU
     assert not kv_offload._holds_gc(False)
     # The CUDA case on the CPU: the predicate as it answers for a CUDA device.

@@ -56,8 +56,8 @@ def _fake_cuda(monkeypatch, tiers: KVTiers) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream("cur", []))
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
-    monkeypatch.setattr(tiers, "_side_stream", lambda d, which=0: _FakeStream(str(which), []))
-    monkeypatch.setattr(tiers, "_event", lambda d, i, s: _FakeEvent())
+    monkeypatch.setattr(tiers, "side_stream", lambda d, which=0: _FakeStream(str(which), []))
+    monkeypatch.setattr(tiers, "event", lambda d, i, s: _FakeEvent())
 
 
 @pytest.fixture

@@ -468,8 +468,8 @@ def test_the_cuda_launch_loop_stages_through_the_ring_and_puts_landed_batches_be
     cache = host_cache(adopt="arena")
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
     names = {0: "copy", 1: "checks", 2: "staging"}
-    monkeypatch.setattr(tiers, "_side_stream", lambda d, which=0: _FakeStream(names[which], log))
-    monkeypatch.setattr(tiers, "_event", lambda d, i, s: _FakeEvent())
+    monkeypatch.setattr(tiers, "side_stream", lambda d, which=0: _FakeStream(names[which], log))
+    monkeypatch.setattr(tiers, "event", lambda d, i, s: _FakeEvent())
     keys, data = keys_for(11, seed=17), blocks(11, seed=17)  # pieces of 3, 3, 3, 2 blocks
     src = data.view(11, -1).view(torch.uint8)
     width = HEADER_BYTES + SHAPE_BYTES

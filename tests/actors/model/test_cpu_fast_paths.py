@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from actors.kernels import cpu_attention
 from actors.kv.cache import KVCache, KVLayout, PagedContext, slots_for
 from actors.model.layers.attention import paged_attend
@@ -41,7 +42,7 @@ def _ops(fn) -> list[str]:
 
 
 def test_cpu_prefill_prefix_hit_and_decode_run_the_flash_kernel(ckpt):
-    engine = Engine.from_checkpoint(
+    engine = build_engine(
         ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
         batch_invariant=False,
     )  # fmt: skip
@@ -136,12 +137,10 @@ def test_the_engine_sets_the_torch_thread_count_it_is_given(ckpt):
 
     before = torch.get_num_threads()
     try:
-        Engine.from_checkpoint(
-            ckpt, num_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, torch_threads=1
-        )
+        build_engine(ckpt, num_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, torch_threads=1)
         assert torch.get_num_threads() == 1
         with pytest.raises(InputError, match="num_threads=0"):
-            Engine.from_checkpoint(
+            build_engine(
                 ckpt, num_blocks=8, max_num_batched_tokens=16, max_num_seqs=2, torch_threads=0
             )
     finally:

@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from actors.engine.engine import Engine, SamplingParams
+from actors.engine.engine import Engine
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
 from actors.executor import runner as runner_module
 from actors.kernels import cpu_attention
 from actors.kv.cache import KVCache, KVLayout, PagedContext, slots_for
@@ -178,7 +180,7 @@ def _generate(ckpt, *, mirror_bytes: int, extended: list | None = None) -> dict:
     (5-7 rows here, on an AMD EPYC host) round differently at 1 and 2 threads."""
     adapt, runner_module.ADAPT_THREADS[0] = runner_module.ADAPT_THREADS[0], False
     try:
-        engine = Engine.from_checkpoint(
+        engine = build_engine(
             ckpt, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
             batch_invariant=False,
         )  # fmt: skip

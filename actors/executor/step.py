@@ -1,0 +1,91 @@
+"""One engine step as a runner sees it: what the engine sends (`StepInput`), what comes back
+(`StepOutput`), and a step launched ahead of its read (`Launched`, async scheduling).
+
+`StepInput` is what the engine sends to every worker of a replica each step (DESIGN.md, "Engine
+and workers"): small tensors and tuples, no activations. A runner executes it and returns only
+the sampled token ids (and logprobs), never vocabulary-sized logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actors.engine.sampler import RowSampling, TokenLogprob
+from cluster.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInput:
+    """One step of continuous batching: the new tokens of every scheduled sequence.
+
+    T is the total number of new tokens, S the number of sequences.
+    """
+
+    token_ids: torch.Tensor
+    """[T] int64: sequence 0's new tokens, then sequence 1's, ..."""
+    positions: torch.Tensor
+    """[T] int64: each token's index in its sequence."""
+    query_lens: tuple[int, ...]
+    """[S]: new tokens per sequence (a prefill chunk, or 1 for a decode)."""
+    context_lens: tuple[int, ...]
+    """[S]: tokens of the sequence in the cache after this step (cached prefix + new)."""
+    block_tables: tuple[tuple[int, ...], ...]
+    """[S][blocks]: global KV block ids of each sequence, covering context_lens[i] tokens."""
+    slot_mapping: torch.Tensor
+    """[T] int64: block_id * block_size + offset where each new token's K/V are written."""
+    sample_seqs: tuple[int, ...]
+    """Indices of the sequences whose last new token is sampled (their prompt is complete)."""
+    sampling: tuple[RowSampling, ...]
+    """One per entry of sample_seqs."""
+    per_sequence: bool = False
+    """Batch-invariant mode: run the model over one sequence at a time, so no matrix product mixes
+    rows of different sequences (CPU/GPU GEMMs give row results that depend on the row count)."""
+
+    def __post_init__(self) -> None:
+        t, s = int(self.token_ids.shape[0]), len(self.query_lens)
+        if sum(self.query_lens) != t or self.positions.shape != (t,):
+            raise InputError(f"step: query_lens sum {sum(self.query_lens)} != {t} new tokens")
+        if self.slot_mapping.shape != (t,):
+            raise InputError(f"step: slot_mapping {tuple(self.slot_mapping.shape)} for {t} tokens")
+        if len(self.context_lens) != s or len(self.block_tables) != s:
+            raise InputError(f"step: context_lens/block_tables must have one entry per {s} seqs")
+        if len(self.sampling) != len(self.sample_seqs):
+            raise InputError(
+                f"step: {len(self.sampling)} sampling rows for {len(self.sample_seqs)} sampled seqs"
+            )
+
+    def sub(self, seq: int) -> StepInput:
+        """The step restricted to sequence `seq` (sampled or not)."""
+        start = sum(self.query_lens[:seq])
+        stop = start + self.query_lens[seq]
+        rows = [r for r, s in enumerate(self.sample_seqs) if s == seq]
+        return StepInput(
+            token_ids=self.token_ids[start:stop],
+            positions=self.positions[start:stop],
+            query_lens=(self.query_lens[seq],),
+            context_lens=(self.context_lens[seq],),
+            block_tables=(self.block_tables[seq],),
+            slot_mapping=self.slot_mapping[start:stop],
+            sample_seqs=(0,) if rows else (),
+            sampling=tuple(self.sampling[r] for r in rows),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepOutput:
+    token_ids: tuple[int, ...]
+    """One sampled token per entry of StepInput.sample_seqs."""
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step `LocalRunner.launch` started: its greedy tokens on the device and their host copy
+    (pinned; ready once `event` has passed; on the CPU the same tensor, no event)."""
+
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: Any
