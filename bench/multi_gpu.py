@@ -1,6 +1,6 @@
 """Thin wrapper: the multi-GPU benchmark lives in `actors.bench.multi_gpu` (see its docstring).
 
-GPU machine (2, 4 or 8 GPUs): `python3 bench/multi_gpu.py` (runbook: bench/notes/multi_gpu_runbook.md).
+GPU machine (2, 4 or 8 GPUs): `python3 bench/multi_gpu.py` (BENCHMARKS.md: the exact command).
 CPU dry run of the same code path: `python3 bench/multi_gpu.py --cpu-dry-run 2 --out /tmp/mg`.
 """
 

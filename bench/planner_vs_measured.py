@@ -1,12 +1,12 @@
-"""The planner's predicted step time against the committed H200 measurements, before and after the
-glue-kernel term (planner round 1; bench/notes/planner_round1.md).
+"""The planner's predicted step time against the committed H200 measurements, without and with the
+glue-kernel term (`cost_model.Constants.count_glue`).
 
 Reads bench/results/multi_gpu_h200x2*.json (one prefill step of each layout, `execute_ms`) and
 bench/results/gpu_moe_20261129T1318.json (single-GPU decode and prefill rows, `ms_per_step`) and recomputes
 every prediction through the benches' own helpers (`actors.bench.multi_gpu_report.planner`,
 `actors.bench.gpu_bench_parts.planner`), twice: with the cost model's constants as they are ("new")
-and with `count_glue=False` ("old", the model before this round; it must reproduce the figure
-the JSON recorded, `recorded`). No GPU; runs in seconds.
+and with `count_glue=False` ("old", the model without the glue term; it must reproduce the figure
+of the JSONs recorded before that term, `recorded`). No GPU; runs in seconds.
 
     .venv/bin/python bench/planner_vs_measured.py [--out bench/results/planner_vs_measured.json]
 """
@@ -29,13 +29,13 @@ from placement import cost_model  # noqa: E402
 
 MULTI = (
     "multi_gpu_h200x2_final.json", "multi_gpu_h200x2_head.json", "multi_gpu_h200x2.json",
-    # Recorded with the glue term (fresh runs after round 1): their recorded figure is the new one.
+    # Recorded with the glue term: their recorded figure is the new one.
     "multi_gpu_h200x2_symm_a_nccl.json", "multi_gpu_h200x2_symm_a_symm.json",
     "multi_gpu_h200x2_symm_b_nccl.json", "multi_gpu_h200x2_symm_b_symm.json",
 )  # fmt: skip
 SINGLE = "gpu_moe_20261129T1318.json"  # recorded before the glue term (the full run of 13:18Z)
 GOAL = 0.25
-"""Issue 15: prediction within 25% of the measured step time."""
+"""The planner's goal: prediction within 25% of the measured step time."""
 
 
 @contextmanager

@@ -12,7 +12,8 @@ the median (and the 10th percentile, less sensitive to a shared machine's load).
 Step 3: over the timed steps, the CPU time of every process of this host (/proc/*/stat, user +
 system) is read before and after: the actors' sum, the driver's, the kernel workers', in ms per
 step; a step that needs more CPU than the host's cores give in its wall time is CPU-bound.
-Compare trees by running this alternately in fresh processes (bench/notes/served_pp_step.md).
+Compare trees by running this alternately in fresh processes (a shared machine's load moves
+between runs).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ RUN_BLOCKS = 64
 DEFAULT_BLOCK_SIZE = 16
 WIRE_BYTES = 2 * DIGEST_BYTES + 4 + DIGEST_BYTES
 _PERSON = b"moe-kv-block-v1"
+_PART_PERSON = b"moe-kv-part-v1"
 _WIRE = struct.Struct(f"<{DIGEST_BYTES}si{DIGEST_BYTES}s{DIGEST_BYTES}s")
 _MAX_HEADER_BYTES = 100 * 2**20
 _TENSOR_SAMPLE_BYTES = 64
@@ -171,6 +172,43 @@ def prefix_block_keys(
         parent = _chain(secret, prefix, block_size, parent, token_ids[start : start + block_size])
         keys.append(parent)
     return keys
+
+
+def part_key(
+    whole: BlockKey,
+    *,
+    secret: bytes,
+    layer_range: tuple[int, int],
+    kv_head_range: tuple[int, int],
+) -> BlockKey:
+    """The key of one slice of a block (a pipeline stage's layers, a TP rank's KV heads) whose
+    whole-model key is `whole`: a rank of a multi-rank replica stores its own slice under it.
+
+    The slice's global ranges are hashed with the whole key's digest under the secret, so two
+    replicas that store the same slice of the same block share it, whatever their plans; the
+    run and root tags are derived the same way, so a run's slices of one range share a Redis
+    Cluster slot. A caller whose slice is the whole block uses `whole` itself."""
+    for name, (lo, hi) in (("layer_range", layer_range), ("kv_head_range", kv_head_range)):
+        if not (0 <= lo < hi < 2**32):
+            raise CacheConfigError(f"{name}=({lo}, {hi}) must satisfy 0 <= start < end")
+    if not isinstance(secret, bytes) or not secret:
+        raise CacheConfigError("the KV cache secret must be non-empty bytes")
+    if len(secret) > 64:
+        secret = hashlib.blake2b(secret).digest()
+    ranges = struct.pack("<IIII", *layer_range, *kv_head_range)
+
+    def derive(digest: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=secret, person=_PART_PERSON)
+        h.update(digest)
+        h.update(ranges)
+        return h.digest()
+
+    return BlockKey(
+        digest=derive(whole.digest),
+        position=whole.position,
+        run=derive(whole.run) if whole.run and whole.run != whole.digest else b"",
+        root=derive(whole.root) if whole.root and whole.root != whole.digest else b"",
+    )
 
 
 def secret_from_env(variable: str = "MOE_CACHE_SECRET") -> bytes:

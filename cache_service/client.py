@@ -88,6 +88,18 @@ class CacheClient:
             )
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.address = address
+        self.options = {
+            "tls": tls,
+            "tls_ca": tls_ca,
+            "tls_server_name": tls_server_name,
+            "timeout_s": timeout_s,
+            "retries": retries,
+            "backoff_s": backoff_s,
+            "chunk_bytes": chunk_bytes,
+            "max_message_bytes": max_message_bytes,
+        }
+        """What another process needs to open an equal client to `address` (the token it reads
+        from its own environment, never from here)."""
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s

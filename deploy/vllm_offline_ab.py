@@ -1,4 +1,4 @@
-"""Offline throughput of our engine and vLLM's, interleaved (issue 13).
+"""Offline throughput of our engine and vLLM's, interleaved.
 
     python -m deploy.vllm_offline_ab [--pairs 6] [--out bench/results/vllm_offline_ab.json]
 

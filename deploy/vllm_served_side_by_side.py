@@ -1,4 +1,4 @@
-"""Side by side with vLLM behind the same OpenAI ingress (issue 13): the served half of
+"""Side by side with vLLM behind the same OpenAI ingress: the served half of
 deploy/vllm_side_by_side.py.
 
     python -m deploy.vllm_side_by_side --part served
@@ -216,7 +216,7 @@ def child_json(argv: list[str], env: dict[str, str], what: str) -> dict[str, Any
 
 
 def served_goals(ours: dict[str, Any], vllm: dict[str, Any]) -> dict[str, bool]:
-    """The issue's served goals: at least half of vLLM's output tokens/s at every level;
+    """The served goals: at least half of vLLM's output tokens/s at every level;
     startup and peak memory below vLLM's (and memory by PSS, where both rows have it)."""
     theirs = {r["concurrency"]: r["tokens_per_s"] for r in vllm["concurrency"]}
     half = all(r["tokens_per_s"] >= 0.5 * theirs[r["concurrency"]] for r in ours["concurrency"])

@@ -1,4 +1,4 @@
-"""Side by side with vLLM (issue 13): our engine in-process and vLLM's in-process engine on the
+"""Side by side with vLLM: our engine in-process and vLLM's in-process engine on the
 same tiny checkpoint (deploy/vllm_checkpoint.py), the same machine, the same token ids.
 
     python -m deploy.vllm_side_by_side [--out bench/results/vllm_side_by_side.json]

@@ -95,3 +95,31 @@ def bundle_specs(
         strategy="PACK",
         bundles=tuple(bundles),
     )
+
+
+def layout_bundle_specs(
+    dims,
+    *,
+    name: str,
+    cpus_per_rank: float,
+    gpus_per_rank: float = 0.0,
+    strategy: str = "PACK",
+    extra_resources: dict[str, float] | None = None,
+):
+    """Bundle specs of a layout without a topology (no Plan): one bundle per rank, in rank
+    order, with the worker's CPU/GPU request (plus `extra_resources`, e.g. the Ray resource of
+    a disaggregated pool's worker group) and no node constraint (Ray places the group; PACK
+    keeps it on as few nodes as fit). `dims`: placement.parallel_dims.ParallelDims."""
+    if cpus_per_rank < 0 or gpus_per_rank < 0 or cpus_per_rank + gpus_per_rank <= 0:
+        raise InputError(
+            f"cpus_per_rank={cpus_per_rank}, gpus_per_rank={gpus_per_rank}: both >= 0, one > 0"
+        )
+    resources = [("CPU", float(cpus_per_rank))]
+    if gpus_per_rank:
+        resources.append(("GPU", float(gpus_per_rank)))
+    resources += [(name, float(amount)) for name, amount in sorted((extra_resources or {}).items())]
+    bundles = tuple(
+        Bundle(rank=r, resources=tuple(resources), label_selector=(), device="")
+        for r in range(dims.world)
+    )
+    return BundleSpecs(name=name, strategy=strategy, bundles=bundles)

@@ -15,8 +15,8 @@ meaning; nothing else in `placement/` hard-codes one. The model, per pipeline st
   efficiency, plus the link latency per message.
 - glue: the engine's non-GEMM kernels (norms, residual adds, rotary, KV writes, the routed-row
   gather and permutations, SwiGLU, the combine) run serially between the GEMMs. Their bytes
-  read + written per token, counted from the engine's code path (`glue_groups`; the table with
-  code references is bench/notes/planner_round1.md), at the HBM rate, each group of launches at
+  read + written per token, counted from the engine's code path (`glue_groups`, a commented group
+  per kernel family), at the HBM rate, each group of launches at
   least `kernel_floor_us` per launch, are ADDED to the layer. The GEMM-like kernels of a layer
   also take at least their launch count x the floor.
 - pipeline: m micro-batches through p stages take (m + p - 1) slowest-stage micro-steps.
@@ -79,11 +79,14 @@ class Constants:
     """Tokens one dispatch of the symmetric-memory EP holds (a deployment's MOE_EP_SYMM_TOKENS
     with MOE_EP_TRANSPORT=symm; its buffers where tp = 1 < ep); 0: the all-to-all path."""
     count_glue: bool = True
-    """Add the non-GEMM ("glue") kernels and the per-launch floor (False: the model before)."""
+    """Add the non-GEMM ("glue") kernels and the per-launch floor (False: GEMMs, memory and
+    communication only)."""
     kernel_floor_us: float = 3.0
     """Least device time of one kernel launch (CUDA graph, H200): the mean of the 11 non-GEMM
     kernel launches per layer of the graphed Qwen3 decode step at batch 1 (gpu_moe.json
-    `profiles`; the list in bench/notes/planner_round1.md; launch gaps not included)."""
+    `profiles`: _qk_rope_write 8.1, _gqa_partial 5.0, _router_logits 4.2, _rms 1.7 x 2,
+    _softmax_topk 3.3, _gqa_merge 2.3, _combine 2.0, _plan 1.9, splitK reduce 1.8, residual add
+    1.3 us; launch gaps not included)."""
     decode_gemm_kernels: int = 6
     """GEMM-like launches per layer of a decode step (qkv, o_proj, _router_logits, _gqa_partial,
     _moe_gate_up, _moe_down), counted on the GQA MoE layer's graphed path; a floor elsewhere."""
@@ -426,7 +429,7 @@ def glue_groups(
 ) -> list[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
     """[(bytes [L], launches [L])] of the engine's non-GEMM kernels on one rank: tokens (a
     micro-batch), routers (those it routes: its 1/tp slice under EP), rows (routed rows it
-    receives), seqs. Code lines: bench/notes/planner_round1.md. Decode: the fused path."""
+    receives), seqs; each group's comment names the kernels it counts. Decode: the fused path."""
     h, he, k, ab = costs.hidden_size, costs.expert_hidden, costs.top_k, c.act_bytes
     moe = costs.array("is_moe")
     attn = costs.array("attn_glue") / tp

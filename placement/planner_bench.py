@@ -26,7 +26,7 @@ CASES = (
     ("mixtral-8x7b-class", "hgx-h200-8gpu", 32_768),
 )
 GOAL_S = 2.0
-"""The issue's goal: a full plan for the 3T model on the 4096-GPU fleet in under 2 s on one core."""
+"""The goal: a full plan for the 3T model on the 4096-GPU fleet in under 2 s on one core."""
 
 
 def time_case(model: str, topology: str, context: int, repeats: int) -> dict:

@@ -1,7 +1,7 @@
-"""Multi-GPU benchmark (issue 15): collectives, every layout against one GPU, EP and the planner.
+"""Multi-GPU benchmark: collectives, every layout against one GPU, EP and the planner.
 
-One command on a machine of 2, 4 or 8 GPUs (`python3 bench/multi_gpu.py`, runbook in
-bench/notes/multi_gpu_runbook.md) does, in one set of processes (one per GPU, torch
+One command on a machine of 2, 4 or 8 GPUs (`python3 bench/multi_gpu.py`; BENCHMARKS.md gives the
+exact command and environment) does, in one set of processes (one per GPU, torch
 multiprocessing, `actors/bench/multi_gpu_ranks.py`):
 
 1. all_reduce, alltoall, all_gather, sendrecv from 1 KiB to 1 GiB over every GPU (the nccl-tests

@@ -361,7 +361,7 @@ def prefill_shard_step(tokens, layout, block_size: int):
     built alike on every rank: blocks handed out in order, owners as the Replica's
     `KVPlacement` assigns them, every sequence sampled greedily. Returns (step, num_blocks)."""
     from actors.engine.sampler import RowSampling
-    from actors.executor.replica_runner import KVPlacement
+    from actors.executor.kv_placement import KVPlacement
     from actors.executor.step import StepInput
     from actors.executor.worker import ShardStep
 

@@ -90,12 +90,6 @@ class WorkerRunner(InOrder):
         self.device = torch.device("cpu")
         self.kv_layout = None
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        return self.worker.read_kv_block(block_id)
-
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        self.worker.write_kv_block(block_id, data)
-
     def copy_block(self, src: int, dst: int) -> None:
         self.worker.copy_kv_block(src, dst)
 

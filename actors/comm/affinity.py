@@ -13,7 +13,7 @@ wait for is running on the other core, not queued behind them.
 
 `MOE_PIN_RANKS`: "1" pins, "0" never, "auto" (the default) pins when this host has more ranks
 than usable cores. The other processes of the host (a Serve replica, its proxy) stay free to
-run on any core. Served ep2xpp2 at concurrency 4 on the 2-core box (bench/notes/served_round2.md):
+run on any core. Served ep2xpp2 at concurrency 4 on a 2-core host:
 144-179 output tokens/s pinned against 82-175 unpinned over 6 interleaved pairs, the unpinned
 runs collapsing to 82-99 in 2 of them under a neighbour's load; ep2 (2 ranks, 2 cores) pinned:
 no change, so "auto" leaves it.

@@ -23,8 +23,8 @@ known, and the rows staying here are gathered while the exchange runs. The combi
 rows of other ranks back and then takes each token's weighted sum of its K rows in one pass,
 reading the returned rows and the rows that never left in place (`actors.kernels.fused.combine`,
 the world-size-1 MoE's own combine): float32 accumulation, one rounding, no copy of the rows,
-no scatter-add. (Summing the rows that stayed here while the exchange runs was tried and
-measured slower: bench/notes/ep_round2.md.)
+no scatter-add. (Summing the rows that stayed here while the exchange runs is slower, +0.04 ms:
+that partial pass competes with the exchange for HBM and SMs; docs/performance.md.)
 """
 
 from __future__ import annotations

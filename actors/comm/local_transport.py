@@ -15,9 +15,9 @@ anything else this member sends or receives on the transport); a receive reads n
 is waited for. Messages between two members are matched in posting order (the tag of gloo's
 p2p is not needed: the stream keeps the order); a collective on the group first completes the
 member's posted sends and receives, so a p2p message must have its receive posted before the
-receiver's next collective on that group (else the collective sees it and raises `CommError`). A gloo p2p wait ran on a helper thread beside
-gloo's own threads: on the 2-core box each pipeline hand-off cost the receiver ~0.3 ms and the
-sender ~0.8 ms of thread wake-ups (bench/notes/served_pp_step.md).
+receiver's next collective on that group (else the collective sees it and raises `CommError`). A gloo p2p wait runs on a helper thread beside
+gloo's own threads: on a 2-core host each pipeline hand-off costs the receiver ~0.3 ms and the
+sender ~0.8 ms of thread wake-ups.
 
 Wire: every message is a 16-byte header (the collective's sequence number, the payload's byte
 count) and the payload, a tensor's raw bytes (no pickle). The receiver checks both against what

@@ -14,8 +14,8 @@ threads (gloo) or streams (NCCL) while this stage computes.
 Over the same-host transport (`Group.local`) an empty micro-batch is handed on too, as a
 zero-byte message: a stage with nothing to compute still waits for its predecessor, so its ranks
 run their (empty) layers and collectives after the earlier stage, not beside it. On a host with
-fewer cores than ranks, a later stage running ahead took the cores of the stage that had the
-tokens (bench/notes/served_pp_step.md).
+fewer cores than ranks, a later stage running ahead would take the cores of the stage that has
+the tokens.
 """
 
 from __future__ import annotations

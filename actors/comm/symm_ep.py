@@ -3,7 +3,7 @@ never waits.
 
 `ExpertParallel` (ep.py) must read the row counts on the host to size `all_to_all_single`: one
 host sync per MoE layer, and ~0.6-1 ms of sort, count exchange and sync before the rows move
-(bench/notes/ep_round2.md). Here every rank maps a buffer of every other rank of the EP group
+(on the H200). Here every rank maps a buffer of every other rank of the EP group
 (`torch.distributed._symmetric_memory`, NVLink peer access) and writes the rows straight into
 their final place in the receiver's buffer:
 

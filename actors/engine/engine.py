@@ -39,6 +39,7 @@ only the standard library; never pydantic, redis, ray or grpc.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -111,6 +112,8 @@ class Engine:
         self._inflight: InFlight | None = None
         layout = runner.allocate_kv(num_blocks, block_size)
         self.block_size, self.kv_dtype = block_size, layout.dtype
+        self.block_bytes = math.prod(layout.block_shape) * layout.dtype.itemsize
+        """Bytes of one whole-model block (every layer, every KV head)."""
         self.keyer = BlockKeyer(
             secret=cache_key_secret,
             weights_fingerprint=weights_fingerprint,
@@ -131,6 +134,8 @@ class Engine:
             if cache is not None
             else None
         )
+        if self.tiers is not None:
+            runner.attach_tiers(self.tiers, key_secret=cache_key_secret)
         self.scheduler = Scheduler(
             config, self.blocks, match_prefix=self._match_prefix, on_preempt=self._write_down
         )
@@ -376,20 +381,19 @@ class Engine:
             self.blocks.acquire(block)
         self.counts["prefix_queries"] += cap
         self.counts["prefix_hits"] += len(table)
-        prefetched, seq.prefetched = seq.prefetched, None
+        held, seq.prefetched = seq.prefetched, None
         if self.tiers is not None and len(table) < cap:
             rest = keys[len(table) :]
-            if prefetched is not None:  # read off the step thread (prefetch): no round trip now
-                loaded = prefetched[len(table) : len(table) + self.blocks.free_count]
-            else:
-                with self._tier_lock:
-                    count = min(self.tiers.available(rest), self.blocks.free_count)
-                    loaded = (
-                        self.tiers.load_many(rest[:count], dtype=self.kv_dtype) if count else ()
-                    )
-            for _, data in zip(rest, loaded, strict=False):
-                block = self.blocks.allocate()
-                self.runner.write_block(block, data)
+            with self._tier_lock:
+                if held is None:
+                    held = self.runner.available_kv(rest)
+                else:  # counted off the step thread (prefetch): no lookup round trip now
+                    held = max(0, held - len(table))
+                count = min(held, len(rest), self.blocks.free_count)
+                blocks = [self.blocks.allocate() for _ in range(count)]
+                landed = self.runner.load_kv(rest[:count], blocks) if count else 0
+            self.blocks.release(blocks[landed:])
+            for block in blocks[:landed]:
                 self._register_block(seq, len(table), block)
                 self.blocks.stored[block] = True
                 table.append(block)
@@ -439,14 +443,13 @@ class Engine:
         ]
         if not todo:
             return 0
-        data = torch.stack([self.runner.read_block(block) for block, _ in todo])
         with self._tier_lock:
             faults = self.tiers.counts["faults"]
-            flags = self.tiers.store_many([key for _, key in todo], data)  # one put per chunk
+            flags = self.runner.store_kv([b for b, _ in todo], [k for _, k in todo])
             intact = self.tiers.counts["faults"] == faults
         for block, _ in todo:
             self.blocks.stored[block] = intact
-        return sum(flags) * (data[0].numel() * data.element_size())
+        return sum(flags) * self.block_bytes
 
     # --------------------------------------------------------------- recovery
 
@@ -470,21 +473,19 @@ class Engine:
         self.runner.allocate_kv(self.blocks.num_blocks, self.block_size)
         return dropped
 
-    def prefetch(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> torch.Tensor:
-        """The leading prefix blocks of a request about to be resumed, read from the tiers
-        ([m, *block_shape]; m = 0 without tiers). Touches no engine state but the tier counters
-        (under a lock), so AsyncEngine runs it on a worker thread while the engine steps: the
-        round trips to the cache stay out of the step that admits the request."""
+    def prefetch(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
+        """How many leading prefix blocks of a request about to be resumed the tiers hold (0
+        without tiers). Touches no engine state but the tier counters (under a lock), so
+        AsyncEngine runs it on a worker thread while the engine steps: the lookup round trip to
+        the cache stays out of the step that admits the request, which then loads that many
+        blocks through the runner (`load_kv`)."""
         tokens = [*prompt_token_ids, *output_token_ids]
         keys: list = []
         self.keyer.extend(keys, tokens, (len(tokens) - 1) // self.block_size)
         if self.tiers is None or not keys:
-            return torch.empty(0)
+            return 0
         with self._tier_lock:
-            count = self.tiers.available(keys)
-            return (
-                self.tiers.load_many(keys[:count], dtype=self.kv_dtype) if count else torch.empty(0)
-            )
+            return self.runner.available_kv(keys)
 
     def resume_request(
         self,
@@ -495,7 +496,7 @@ class Engine:
         seed: int,
         output_token_ids: list[int],
         cached_tokens: int | None = None,
-        prefetched: torch.Tensor | None = None,
+        prefetched: int | None = None,
     ) -> None:
         """Re-admit a request whose client already has `output_token_ids`.
 
@@ -503,8 +504,8 @@ class Engine:
         back), then sampling continues at step len(output_token_ids) with the same seed, so a
         greedy or seeded stream goes on as without the fault (the sampler is keyed by seed and
         step). The detokenizer replays the tokens silently: no text is emitted twice.
-        `prefetched`: the leading prefix blocks already read from the tiers (`prefetch`, off
-        the step thread); admission then takes them instead of asking the tiers.
+        `prefetched`: how many leading prefix blocks the tiers hold, counted off the step thread
+        (`prefetch`); admission then loads them without a lookup.
         """
         self.add_request(request_id, prompt_token_ids, replace(params, seed=seed))
         seq = self.seqs[request_id]

@@ -20,7 +20,7 @@ Step 3: `recover=True` (a Replica only) wraps the engine in `RecoveringEngine`, 
 Replica options (`Replica`'s docstring has the details): `compiled_graph` sends each step
 through a Ray compiled graph; otherwise `step_channel` (default) over a Unix socket to each rank
 on this node, `False` plain actor calls. `bundles` (BundleSpecs: `placement.bundles.bundle_specs`
-or `actors.executor.replica_runner.layout_bundle_specs`) starts rank r in bundle r of a placement
+or `placement.bundles.layout_bundle_specs`) starts rank r in bundle r of a placement
 group created here and removed at shutdown; `placement_group` uses one the caller made. Call
 `engine.runner.shutdown()` to stop the actors.
 """

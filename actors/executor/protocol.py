@@ -15,11 +15,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from actors.executor.step import StepInput, StepOutput
     from actors.kv.cache import KVLayout
+    from actors.kv.tiers import KVTiers
     from actors.model.arch import ArchConfig
+    from cache_service.block_key import BlockKey
 
 
 @runtime_checkable
@@ -58,20 +62,37 @@ class Runner(Protocol):
         """The tokens of a launched step (waits for them)."""
         ...
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """Block `block_id` of the whole layout, [*kv_layout.block_shape] on the CPU."""
-        ...
-
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Write a whole block (`kv_layout.block_shape`) into `block_id`."""
-        ...
-
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` into block `dst` where it lives (no host round trip)."""
         ...
 
     def timing_stats(self) -> dict[str, object]:
         """Per-step timing the runner measures (per pipeline stage and comm axis); {} if none."""
+        ...
+
+    # -- KV blocks and the tiers: the data moves where the KV lives, the engine sends keys --
+
+    def attach_tiers(self, tiers: KVTiers, *, key_secret: bytes) -> None:
+        """Move blocks through `tiers` (the engine's door to the cache, its counters the
+        engine's): the in-process runner uses it as it is; a multi-rank replica has each rank
+        open its own over the same cache, for its own slice of every block, whose key it
+        derives with `key_secret` (the engine's block-key secret)."""
+        ...
+
+    def available_kv(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading blocks of `keys` (whole-model block keys) the tiers hold whole
+        (every slice of them, where the ranks store slices); a lookup, no data moves."""
+        ...
+
+    def store_kv(self, blocks: Sequence[int], keys: Sequence[BlockKey]) -> list[bool]:
+        """Write device blocks `blocks` to the tiers under `keys` (whole-model block keys), in
+        one batched call per rank; one flag per block: newly stored (False: the tiers had it, or
+        a put faulted, counted in the tiers' `faults`)."""
+        ...
+
+    def load_kv(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> int:
+        """Read the leading blocks of `keys` from the tiers into device blocks `blocks` (one
+        batched call per rank); how many leading blocks landed whole and verified."""
         ...
 
 

@@ -18,13 +18,15 @@ stage: forward seconds (`stage_forward`), per op (attention, moe, dense_mlp) and
 the collective wait per axis (`wait_<axis>` where the worker reports it); `timing_stats()` shows
 them, `drain_stage_samples()` hands each step's per-stage figures to the metrics.
 
-`Replica` is also an engine runner (`actors/executor/runner.py`): `allocate_kv`, `execute` (the step
-written to the step channel of every rank on the driver's node, `actors/executor/step_channel.py`, and
-one Ray call to every other rank, issued together, then every answer read; or one Ray call per
-rank gathered with one `ray.get`; or one compiled-graph execute; the step and the answers travel
-as bytes in the layout of `actors/executor/step_wire.py`),
-`read_block` / `write_block`
-(whole-model blocks assembled from / split into the ranks' parts), `kv_layout`, `arch`.
+`Replica` is also an engine runner (`actors/executor/protocol.py`): `allocate_kv`, `execute` (the
+step written to the step channel of every rank on the driver's node,
+`actors/executor/step_channel.py`, and one Ray call to every other rank, issued together, then
+every answer read; or one Ray call per rank gathered with one `ray.get`; or one compiled-graph
+execute; the step and the answers travel as bytes in the layout of
+`actors/executor/step_wire.py`), `copy_block` (each rank copies its own slice), and the tier calls
+`available_kv` / `store_kv` / `load_kv`: every rank moves its own slice of a block between its
+paged cache and the tiers, under the slice's key, through its own client of the engine's cache;
+the driver sends block ids and keys only.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from actors.executor.step_channel import StepChannel, StepChannelError
 from actors.executor.step_wire import pack_step, unpack_output
 from actors.executor.worker import StepBatch, StepResult
 from actors.kv.cache import KVLayout
+from actors.kv.tiers import KVTiers
+from cache_service.block_key import BlockKey, part_key
+from cluster.errors import InputError
 from placement.parallel_dims import Layout
 
 log = logging.getLogger(__name__)
@@ -156,6 +161,9 @@ class Replica(InOrder):
         self._parts: list[KVLayout] | None = None
         self._kv_layout: KVLayout | None = None
         self.placement = None
+        self.tiers: KVTiers | None = None
+        self._tier_spec: dict | None = None
+        self._key_secret = b""
         self.last_timings: tuple[dict[str, float], ...] = ()
         self._ema: dict[str, dict[str, float]] = {}
         self._samples: deque[dict[str, dict[str, float]]] = deque(maxlen=MAX_SAMPLES)
@@ -254,6 +262,7 @@ class Replica(InOrder):
         ray.get(refs, timeout=self.timeout_s * 2)
         if self.step_channel:
             self._open_channels()
+        self._open_tiers()  # fresh ShardWorkers: each opens its own client again
 
     def _open_channels(self) -> None:
         """A step channel to every rank on the driver's Ray node (None for the others, and for
@@ -315,7 +324,7 @@ class Replica(InOrder):
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> KVLayout:
         """Every rank allocates an empty paged cache of its part; returns the whole layout."""
-        from actors.executor.replica_runner import KVPlacement
+        from actors.executor.kv_placement import KVPlacement
 
         refs = [a.allocate_kv.remote(num_blocks, block_size) for a in self.actors]
         self._parts = self._ray.get(refs, timeout=self.timeout_s)
@@ -453,23 +462,6 @@ class Replica(InOrder):
             self._dag.teardown()
             self._dag = None
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """A whole-model block (`kv_layout.block_shape`), assembled from the parts of one rank
-        per (stage, KV-head range) on a DP rank holding the block."""
-        from actors.executor.replica_runner import assemble_block, distinct_parts
-
-        dims = self.layout.dims
-        holder = self.placement.holder(block_id)
-        candidates = [r for r in range(dims.world) if dims.coords(r).dp == holder]
-        ranks = distinct_parts(self._parts, candidates)
-        data = self._ray.get(
-            [self.actors[r].read_kv_block.remote(block_id) for r in ranks],
-            timeout=self.timeout_s,
-        )
-        return assemble_block(
-            self.kv_layout, [(self._parts[r], d) for r, d in zip(ranks, data, strict=True)]
-        )
-
     def copy_block(self, src: int, dst: int) -> None:
         """Block `dst` becomes a copy of block `src` on every rank (each copies its own part;
         nothing passes through the driver); `dst` is valid on the DP ranks where `src` was."""
@@ -477,19 +469,114 @@ class Replica(InOrder):
         self._ray.get(refs, timeout=self.timeout_s)
         self.placement.copied(src, dst)
 
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Fill one block on every rank from a whole-model block (each rank gets its part)."""
-        from actors.executor.replica_runner import part_slices
+    # -- KV blocks and the tiers: every rank moves its own slice, the driver sends keys -------
 
-        whole = self.kv_layout
-        if tuple(data.shape) != whole.block_shape:
-            raise ValueError(f"KV block of shape {tuple(data.shape)}; expected {whole.block_shape}")
-        refs = [
-            actor.write_kv_block.remote(block_id, data[part_slices(whole, part)].contiguous())
-            for actor, part in zip(self.actors, self._parts, strict=True)
+    def attach_tiers(self, tiers: KVTiers, *, key_secret: bytes) -> None:
+        """Each rank opens its own client of the engine's cache (it must be reachable from the
+        ranks: a gRPC `CacheClient`) and stores its slice of a block under the slice's key
+        (`cache_service.block_key.part_key`; a rank holding whole blocks uses the block's key,
+        so such a replica shares blocks with the in-process engine)."""
+        address = getattr(tiers.cache, "address", None)
+        if not isinstance(address, str):
+            raise InputError(
+                f"a {self.layout.dims.world}-rank replica's ranks read and write their KV to the "
+                f"tiers themselves: the engine's cache must be one they can reach (a "
+                f"cache_service.client.CacheClient), not a {type(tiers.cache).__name__}"
+            )
+        self.tiers, self._key_secret = tiers, key_secret
+        self._tier_spec = {
+            "address": address,
+            "codec": tiers.codec,
+            "compression": tiers.compression,
+            "checksum": tiers.checksum,
+            "client": dict(getattr(tiers.cache, "options", {})),
+        }
+        self._open_tiers()
+
+    def _open_tiers(self) -> None:
+        if self._tier_spec is not None:
+            refs = [a.open_tiers.remote(self._tier_spec) for a in self.actors]
+            self._ray.get(refs, timeout=self.timeout_s)
+
+    def _slice_keys(self, rank: int, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The keys of `rank`'s slice of the blocks of `keys` (the keys themselves when the
+        rank holds whole blocks)."""
+        part, whole = self._parts[rank], self.kv_layout
+        if (part.layer_range, part.kv_head_range) == (whole.layer_range, whole.kv_head_range):
+            return list(keys)
+        return [
+            part_key(
+                k,
+                secret=self._key_secret,
+                layer_range=part.layer_range,
+                kv_head_range=part.kv_head_range,
+            )
+            for k in keys
         ]
-        self._ray.get(refs, timeout=self.timeout_s)
-        self.placement.written_everywhere(block_id)
+
+    def _keys_for(self, rank: int, keys: Sequence[BlockKey]) -> bytes:
+        """The wire form of `rank`'s slice keys (52 bytes each, end to end)."""
+        return b"".join(k.to_wire() for k in self._slice_keys(rank, keys))
+
+    def available_kv(self, keys: Sequence[BlockKey]) -> int:
+        """The leading blocks of which the tiers hold every distinct slice (one lookup per
+        distinct slice, from the driver: keys only)."""
+        from actors.executor.kv_placement import distinct_parts
+
+        ranks = distinct_parts(self._parts, range(self.layout.dims.world))
+        return min(self.tiers.available(self._slice_keys(r, keys)) for r in ranks)
+
+    def store_kv(self, blocks: Sequence[int], keys: Sequence[BlockKey]) -> list[bool]:
+        """Each block's slices stored by the ranks of a DP rank holding it (one of each distinct
+        slice), one call per rank; a block is newly stored when every slice was."""
+        from actors.executor.kv_placement import distinct_parts
+
+        dims = self.layout.dims
+        todo: dict[int, list[int]] = {}
+        for i, block in enumerate(blocks):
+            holder = self.placement.holder(block)
+            candidates = [r for r in range(dims.world) if dims.coords(r).dp == holder]
+            for rank in distinct_parts(self._parts, candidates):
+                todo.setdefault(rank, []).append(i)
+        refs = [
+            self.actors[rank].store_kv.remote(
+                [blocks[i] for i in idx], self._keys_for(rank, [keys[i] for i in idx])
+            )
+            for rank, idx in todo.items()
+        ]
+        flags = [True] * len(blocks)
+        for idx, (got, moved) in zip(
+            todo.values(), self._ray.get(refs, timeout=self.timeout_s), strict=True
+        ):
+            for i, ok in zip(idx, got, strict=True):
+                flags[i] = flags[i] and ok
+            for name in ("faults", "corrupt"):
+                self.tiers.counts[name] += moved.get(name, 0)
+        self.tiers.counts["stored"] += sum(flags)
+        return flags
+
+    def load_kv(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> int:
+        """Every rank reads its slice of the leading keys' blocks into `blocks` (one call per
+        rank); the blocks every slice of which landed are valid on every DP rank."""
+        refs = [
+            actor.load_kv.remote(self._keys_for(rank, keys), list(blocks))
+            for rank, actor in enumerate(self.actors)
+        ]
+        results = self._ray.get(refs, timeout=self.timeout_s)
+        landed = min(n for n, _, _ in results)
+        for name in ("faults", "corrupt"):
+            self.tiers.counts[name] += sum(moved.get(name, 0) for _, moved, _ in results)
+        self.tiers.counts["hits"] += landed
+        self.tiers.counts["misses"] += int(landed < len(keys))
+        left = landed
+        for tier, n in results[0][2].items():  # rank 0 read every block: its tiers served them
+            credit = min(left, n)
+            if credit:
+                self.tiers.tier_hits[tier] = self.tiers.tier_hits.get(tier, 0) + credit
+                left -= credit
+        for block in blocks[:landed]:
+            self.placement.written_everywhere(block)
+        return landed
 
     def abort(self) -> list[bool]:
         """Abort every worker through its control slot; returns which had a step in flight."""

@@ -26,6 +26,7 @@ under its own layer-group key.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,12 @@ from actors.executor.step import Launched, StepInput, StepOutput
 from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
 from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
+from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks
+from actors.kv.tiers import KVTiers
 from actors.model.arch import ArchConfig
 from actors.model.stage import StageModel
+from cache_service.block_key import BlockKey
 from cluster.errors import InputError
 
 
@@ -63,6 +67,7 @@ class LocalRunner:
         self.arch: ArchConfig = model.arch
         self.dtype = next(model.parameters()).dtype
         self.kv: KVCache | None = None
+        self.tiers: KVTiers | None = None
         self.mirror: DecodeMirror | None = None
         cuda = self.device.type == "cuda"
         if not cuda:
@@ -89,9 +94,9 @@ class LocalRunner:
     ) -> LocalRunner:
         """`num_threads`: torch's intra-op threads for this process (None: leave them). On a
         CPU shared with other work, 1: with more, every parallel region waits for all of its
-        OpenMP threads, and one the OS has descheduled stalls it for a time slice (measured
-        on 2 busy cores: decode steps 10-50x slower at 2 threads, bench/notes/cpu_engine_speed.md),
-        as ShardWorker(num_threads=1) does for a Ray rank."""
+        OpenMP threads, and one the OS has descheduled stalls it for a time slice (on 2 busy
+        cores decode steps are 10-50x slower at 2 threads), as ShardWorker(num_threads=1) does
+        for a Ray rank."""
         from actors.model.weights import load_stage_model
 
         if num_threads is not None:
@@ -101,7 +106,7 @@ class LocalRunner:
 
         arch_layers = _num_layers(model_dir)
         model, _ = load_stage_model(model_dir, layer_range=(0, arch_layers), device=device)
-        if torch.device(device).type == "cpu" and COLUMN_MAJOR[0] and _plain_cpu():
+        if torch.device(device).type == "cpu" and _plain_cpu():
             model.column_major_weights()  # not for Triton (interpreted): its kernels want rows
         return cls(model, device=device)
 
@@ -142,7 +147,7 @@ class LocalRunner:
         view tracking on the step's tensors: ~1-2 us less per op, ~500 ops a decode step; the
         same values). The tensors it keeps (the decode mirror, the stacked q/k/v weights) are then
         inference tensors, only ever changed in place inside a step."""
-        with torch.inference_mode(self.plain_cpu and INFERENCE_MODE[0]):
+        with torch.inference_mode(self.plain_cpu):
             if self.tuner is None or all_rows or not self.tuner.start(step):
                 return self._step_logits(step, all_rows=all_rows, tokens=tokens)
             logits = self._step_logits(step, tokens=tokens)  # on the CPU: done when it returns
@@ -290,6 +295,31 @@ class LocalRunner:
         if self.mirror is not None:
             self.mirror.drop()
 
+    def attach_tiers(self, tiers: KVTiers, *, key_secret: bytes) -> None:
+        """One rank holds whole blocks: they go under the engine's keys as they are."""
+        self.tiers = tiers
+
+    def available_kv(self, keys: Sequence[BlockKey]) -> int:
+        return self._tiers().available(keys)
+
+    def store_kv(self, blocks: Sequence[int], keys: Sequence[BlockKey]) -> list[bool]:
+        """Blocks staged straight from the paged cache to the tiers (`actors.kv.paged`)."""
+        return paged.store_from(self._tiers(), self._kv(), list(blocks), list(keys))
+
+    def load_kv(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> int:
+        """Blocks read from the tiers straight into the paged cache (`actors.kv.paged`)."""
+        return paged.load_into(self._tiers(), self._kv(), list(blocks), list(keys))
+
+    def _tiers(self) -> KVTiers:
+        if self.tiers is None:
+            raise RuntimeError("no tiers attached (attach_tiers)")
+        return self.tiers
+
+    def _kv(self) -> KVCache:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv has not been called")
+        return self.kv
+
     def timing_stats(self) -> dict[str, object]:
         """No per-stage figures: one rank runs every layer."""
         return {}
@@ -300,12 +330,11 @@ class LocalRunner:
             self.mirror.drop()
 
 
-INFERENCE_MODE = [os.environ.get("MOE_CPU_INFERENCE_MODE", "1") == "1"]
-"""Switch of the CPU steps' inference mode (`LocalRunner._logits`; tests, A/B)."""
-COLUMN_MAJOR = [os.environ.get("MOE_CPU_COLUMN_MAJOR", "1") == "1"]
-"""Switch of `StageModel.column_major_weights` in `LocalRunner.from_checkpoint` (tests, A/B)."""
 ADAPT_THREADS = [os.environ.get("MOE_CPU_ADAPT_THREADS", "1") == "1"]
-"""Switch of a CPU runner's `ThreadTuner` (tests, A/B)."""
+"""Whether a CPU runner adapts its torch thread count (`ThreadTuner`). `MOE_CPU_ADAPT_THREADS=0`
+keeps the count set at start-up: on a dedicated host, where N threads always win and the
+tuner's trial steps at 1 thread only cost time, or for a batched engine whose float32 results
+must not move in their last bits with the machine's timing. Tests set it to the same ends."""
 
 
 def _plain_cpu() -> bool:

@@ -41,7 +41,9 @@ from actors.comm.tp import TensorParallel
 from actors.engine.sampler import TokenLogprob, sample
 from actors.executor.runner import keep_freed_memory
 from actors.executor.step import StepInput
+from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks, to_device
+from actors.kv.tiers import KVTiers
 from actors.model.layers.moe import MoE
 from actors.model.microbatch import (
     empty_microbatch,
@@ -50,6 +52,7 @@ from actors.model.microbatch import (
     split_round_robin,
 )
 from actors.model.weights import load_stage_model
+from cache_service.block_key import BlockKey
 from cluster.errors import InputError
 from placement.parallel_dims import Axis, Layout
 
@@ -230,6 +233,8 @@ class ShardWorker:
                 destroy_world()
             raise
         self.kv: KVCache | None = None
+        self.tiers: KVTiers | None = None
+        self._tier_spec: dict | None = None
         self._timings: dict[str, float] = defaultdict(float)
         self._install_timers()
 
@@ -392,6 +397,8 @@ class ShardWorker:
         )
         self.kv = None
         self.kv = KVCache(layout, num_blocks, self.device)
+        if self.tiers is not None and self.tiers.block_shape != layout.block_shape:
+            self.tiers = None  # reopened for the new block shape on first use
         return layout
 
     def read_kv_block(self, block_id: int) -> torch.Tensor:
@@ -410,6 +417,47 @@ class ShardWorker:
         if self.kv is None:
             raise RuntimeError(f"rank {self.rank}: allocate_kv has not been called")
         return self.kv
+
+    # -- this rank's slice of KV blocks and the tiers (the driver sends keys only) -------------
+
+    def open_tiers(self, spec: dict) -> None:
+        """Read and write this rank's slice of blocks through its own client of the engine's
+        cache: `spec` = {"address", "codec", "compression", "checksum", "client": CacheClient
+        options}; the token comes from this process's MOE_CACHE_TOKEN."""
+        self._tier_spec, self.tiers = dict(spec), None
+
+    def store_kv(self, blocks: list[int], keys_wire: bytes) -> tuple[list[bool], dict[str, int]]:
+        """Stage this rank's slice of `blocks` from its paged cache to the tiers under the keys
+        in `keys_wire` (52 bytes each); the flags, and the tiers' counters that moved."""
+        tiers = self._tiers()
+        before = dict(tiers.counts)
+        flags = paged.store_from(tiers, self._cache(), blocks, _keys(keys_wire))
+        return flags, _moved(before, tiers.counts)
+
+    def load_kv(self, keys_wire: bytes, blocks: list[int]) -> tuple[int, dict, dict]:
+        """Read this rank's slice of the leading keys' blocks into `blocks`; how many landed,
+        the tiers' counters that moved, and the blocks credited to each tier."""
+        tiers = self._tiers()
+        before, by_tier = dict(tiers.counts), dict(tiers.tier_hits)
+        landed = paged.load_into(tiers, self._cache(), blocks, _keys(keys_wire))
+        return landed, _moved(before, tiers.counts), _moved(by_tier, tiers.tier_hits)
+
+    def _tiers(self) -> KVTiers:
+        """This rank's KVTiers, opened on first use (after allocate_kv: its block shape)."""
+        if self.tiers is None:
+            if self._tier_spec is None:
+                raise RuntimeError(f"rank {self.rank}: no tiers opened (open_tiers)")
+            from cache_service.client import CacheClient
+
+            spec = self._tier_spec
+            self.tiers = KVTiers(
+                CacheClient(spec["address"], **spec.get("client", {})),
+                codec=spec["codec"],
+                compression=spec["compression"],
+                checksum=spec["checksum"],
+                block_shape=self._cache().layout.block_shape,
+            )
+        return self.tiers
 
     def execute(self, shard: ShardStep) -> ShardStepOutput:
         """Run one engine step over the paged cache; the last stage's TP rank 0 samples.
@@ -594,5 +642,20 @@ class ShardWorker:
 
     def close(self) -> None:
         """Leave the world (destroys this process's process groups)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers.cache.close()
+            self.tiers = None
         if self.layout.dims.world > 1:
             destroy_world()
+
+
+def _keys(wire: bytes) -> list[BlockKey]:
+    """Block keys from their wire forms laid end to end (`BlockKey.to_wire`)."""
+    size = len(BlockKey(digest=bytes(16)).to_wire())
+    return [BlockKey.from_wire(wire[i : i + size]) for i in range(0, len(wire), size)]
+
+
+def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters of `after` that differ from `before`, as differences."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}

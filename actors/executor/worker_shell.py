@@ -111,6 +111,20 @@ def shard_worker_actor():
             with self._lock:
                 self.worker.copy_kv_block(src, dst)
 
+        def open_tiers(self, spec: dict) -> None:
+            with self._lock:
+                self.worker.open_tiers(spec)
+
+        def store_kv(self, blocks: list[int], keys_wire: bytes):
+            """This rank's slice of `blocks` to the tiers: (flags, counters moved)."""
+            with self._lock:
+                return self.worker.store_kv(blocks, keys_wire)
+
+        def load_kv(self, keys_wire: bytes, blocks: list[int]):
+            """This rank's slice of the keys' blocks from the tiers: (landed, moved, by tier)."""
+            with self._lock:
+                return self.worker.load_kv(keys_wire, blocks)
+
         @ray.method(concurrency_group="control")
         def abort(self) -> bool:
             return self.worker.abort() if self.worker is not None else False

@@ -1,7 +1,7 @@
-"""Attention on the CPU in C, reading the paged cache in place (issue 13).
+"""Attention on the CPU in C, reading the paged cache in place.
 
-A decode step's attention on the CPU went through SDPA's flash kernel after gathering every
-context into a padded copy: ~0.85 ms a layer of the tiny checkpoint's batch-64 step (64 x 2 KV
+Through SDPA's flash kernel, a decode step's attention on the CPU first gathers every context
+into a padded copy: ~0.85 ms a layer of the tiny checkpoint's batch-64 step (64 x 2 KV
 heads x 4 query rows over ~170 keys of 32) on a 2-core AMD EPYC, where vLLM's C++ kernel, which
 reads its paged cache, takes ~0.35. `cpu_paged_attention.c` is such a kernel: the new tokens of
 each sequence (a decode token, a prompt chunk, a chunk after a prefix hit: any mix in one call),
@@ -10,7 +10,7 @@ tiles of keys skipped, the scores of 16 keys summed at once (AVX-512) and the re
 the compiler for this CPU, each group of 4 query rows' sums of p V kept in registers, a short
 context's K and V prefetched towards L2 as its task starts (in a real step the other layers
 have pushed them out of cache): ~0.36 ms a layer in the same decode step, ~0.18 with a warm
-cache (BENCHMARKS.md, twelfth session).
+cache (docs/performance.md).
 
 It is compiled at first use (`cc -O3 -march=native -ffast-math -fopenmp`, ~0.3 s) into
 `$MOE_KERNEL_CACHE` (default ~/.cache/moe-orchestrator/cpu-kernels), keyed by the source, the
@@ -47,7 +47,11 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 whose constructor turns on flush-to-zero for the whole process when the library loads."""
 LIBS = (("-lmvec", "-lm"), ("-lm",))  # libmvec holds the vectorised expf; not on every libc
 ENABLED = [os.environ.get("MOE_CPU_ATTENTION_KERNEL", "1") != "0"]
-"""Switch of the kernel (tests and A/B benches flip it; the environment variable sets it)."""
+"""Whether steps may use the kernel. `MOE_CPU_ATTENTION_KERNEL=0` keeps every CPU attention on
+SDPA: for a host that must not compile and load native code at run time, or a CPU without
+AVX-512, where only the compiler-vectorised loops are built and the kernel has not been timed
+against SDPA. Tests set it to run SDPA's path (the one MLA, sliding windows and machines without
+a compiler take)."""
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr] * 8 + [_i64] * 7 + [ctypes.c_float] + [_i64] * 4 + [ctypes.c_int]

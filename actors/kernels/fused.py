@@ -37,21 +37,20 @@ PLAN_SORT = [True]
 ids in chunks); the benchmark times both on the device and keeps the faster."""
 ROUTER_TILES = {"small": (2, 2048, 4), "mid": (2, 2048, 4), "large": (2, 2048, 4)}
 """(experts per program, hidden columns a step, num_warps) of the router logits kernel for up to
-4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens, round 7:
-a whole 2048-wide row of two experts per program); the benchmark times candidates and may
-retune."""
+4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens: a whole
+2048-wide row of two experts per program); the benchmark times candidates and may retune."""
 NORM_IN_ROUTER = [True]
 """A decode step's post-attention RMSNorm (and residual add) inside the router logits kernel
-where the MoE takes it (`norm_in_router`). On the H200 (round 14, `bench/pdl_ab.py`, one
-process): Qwen3 1 x 1K 2.81 -> 2.74-2.75 ms, 1 x 8K 3.25 -> 3.18-3.20, 32 x 1K unchanged."""
+where the MoE takes it (`norm_in_router`). On the H200 (Qwen3 device ms, one process):
+1 x 1K 2.81 -> 2.74-2.75, 1 x 8K 3.25 -> 3.18-3.20, 32 x 1K unchanged."""
 COMBINE_EARLY = [True]
-"""`combine(settled=True)` reads pos and weights before the PDL wait. On the H200 (round 16,
-call 10, Qwen3 device ms, three rounds): 1 x 1K 2.653-2.670 -> 2.637-2.646, 1 x 8K 2.853-2.862
--> 2.834-2.843, 32 x 1K unchanged within noise."""
+"""`combine(settled=True)` reads pos and weights before the PDL wait. On the H200 (Qwen3 device
+ms, three runs): 1 x 1K 2.653-2.670 -> 2.637-2.646, 1 x 8K 2.853-2.862 -> 2.834-2.843,
+32 x 1K unchanged within noise."""
 SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
-one warp they need no shared memory). One warp was fastest of 1/2/4/8 on the H200 (round 7:
-rope write 7.4 -> 3.4 us, router + top-k 5.3 -> 4.2 us at 1 token); the benchmark retimes."""
+one warp they need no shared memory). One warp is the fastest of 1/2/4/8 on the H200 (rope
+write 7.4 -> 3.4 us, router + top-k 5.3 -> 4.2 us at 1 token); the benchmark retimes."""
 
 
 def use_triton(x: torch.Tensor) -> bool:

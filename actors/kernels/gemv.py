@@ -27,19 +27,19 @@ PDL_ENABLED = [True]
 """Launch the GEMV (and other PDL-aware kernels) with the PDL attribute on sm90+."""
 PDL_SKIP: set[str] = {"moe_gate_up"}
 """Kernels (by the name given to `pdl_kwargs`) launched without PDL. The gate/up expert kernel
-launched early made Qwen3's batch-1 step 0.14-0.19 ms slower on the H200 (round 11, calls 5-6,
-one process each: device 2.91 ms without it, 3.05 with it; the down kernel with PDL gains
-0.05 ms); `bench/pdl_ab.py` times the sets."""
+launched early makes Qwen3's batch-1 step 0.14-0.19 ms slower on the H200 (device 2.91 ms
+without it, 3.05 with it, one process each; the cause is not established, docs/performance.md);
+the down kernel with PDL gains 0.05 ms."""
 GEMV_MAX_ROWS = 1
-"""The GEMV serves up to this many tokens; beyond, cuBLAS. At 4 tokens it was slower than cuBLAS
-on the H200 (round 11 probe: 2048 -> 5120 in 10.2-11.3 us vs 8.2), at 1 token faster."""
+"""The GEMV serves up to this many tokens; beyond, cuBLAS. At 4 tokens it is slower than cuBLAS
+on the H200 (2048 -> 5120 in 10.2-11.3 us vs 8.2), at 1 token faster."""
 GEMV_TILES: dict[int, tuple[int, int, int, int]] = {
     2048: (8, 2048, 2048, 4),
     4096: (4, 4096, 4096, 4),
 }
-"""K -> (BN, KP, BK, num_warps) on the H200 (round 11: probe after a latency-bound kernel, then
-in the step: Qwen3's 2048 -> 5120 with 8 rows a program 0.015 ms a step faster than 4 or 2);
-other K: `default_tile`."""
+"""K -> (BN, KP, BK, num_warps), timed on the H200 after a latency-bound kernel and then in the
+step (Qwen3's 2048 -> 5120 with 8 rows a program: 0.015 ms a step faster than 4 or 2); other K:
+`default_tile`."""
 
 
 def default_tile(k: int, n: int) -> tuple[int, int, int, int]:

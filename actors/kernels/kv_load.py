@@ -1,11 +1,10 @@
 """A load span's checks and paged writes in three Triton kernels instead of ~35 torch launches
-(offload round 13; the inverse of round 12's `kv_stage_kernel`).
+(the inverse of `kv_stage_kernel`).
 
 A MIX64 load (actors/kv/offload.py `_load_landed`) verifies each landed span on the device and
 writes it into the paged cache: `verify_rows` (~20 element-wise launches), the header compare
-(~4) and `KVCache.write_blocks` (~10). On the H200 the host's launches per span (~0.8-1.3 ms)
-fell behind the span's copies (~1.2 ms) in the benchmark's own process (round 13 trace): the
-copy engine waited for the host. Here, per span:
+(~4) and `KVCache.write_blocks` (~10). Issued as torch ops, the host's launches per span take
+about as long as the span's copies, so the copy engine waits for the host. Here, per span:
 
 - `_scatter_sum`, program (row r, layer l, part p) of the K (then V) stacked tensor: BLOCK payload
   words of row r's layer l copied to block ids[r] (word j of the payload: (l * n_kv + kv) *
@@ -18,16 +17,12 @@ copy engine waited for the host. Here, per span:
 
 `FusedLoad` (what kv_paged hands kv_offload as `scatter.fused`) compares the fused form with the
 torch form on its first span of a (device, shape) and keeps the torch form if they differ
-(logged). On by default on CUDA (MOE_KV_FUSED_LOAD=0 turns it off; =1 also under the
-interpreter). On the H200 (2026-11-30, `bench/offload_ab.py --r13-ab`, the offload row after
-the decode rows in gpu_moe's process): the load 11.2-12.5 -> 8.6-9.1 ms, its copies at the
-pinned rate, 0.05 ms after them; the round trip 66-72% -> 78-82% of the pinned one.
+(logged). Used on CUDA devices with Triton (`fused_load_on`); elsewhere the torch form runs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
@@ -50,11 +45,8 @@ _VERDICT: dict[tuple, bool] = {}
 
 
 def fused_load_on(device: torch.device) -> bool:
-    """On CUDA unless MOE_KV_FUSED_LOAD=0; under the interpreter only with MOE_KV_FUSED_LOAD=1."""
-    flag = os.environ.get("MOE_KV_FUSED_LOAD")
-    if triton is None or flag == "0":
-        return False
-    return device.type == "cuda" or (flag == "1" and os.environ.get("TRITON_INTERPRET") == "1")
+    """The fused load applies: Triton and a CUDA device."""
+    return triton is not None and device.type == "cuda"
 
 
 if triton is not None:

@@ -1,7 +1,7 @@
-"""Offload round 12: a store piece's payloads staged from the paged cache and their MIX64 sums
-added, in one Triton kernel per stacked tensor (K, then V), instead of a strided copy each and ~8
-torch kernels of `mix64` plus an add (actors/kv/offload.py's launch loop; ~12 launches a piece,
-the host's launches being the store's critical path before its first copies).
+"""A store piece's payloads staged from the paged cache and their MIX64 sums added, in one Triton
+kernel per stacked tensor (K, then V), instead of a strided copy each and ~8 torch kernels of
+`mix64` plus an add (actors/kv/offload.py's launch loop; ~12 launches a piece, the host's
+launches being the store's critical path before its first copies).
 
 Program (row r, layer l, part p) copies BLOCK words of block ids[r]'s layer l from the stacked
 tensor into the staging row's payload (word j of the payload: (l * n_kv + kv) * chunk + offset,
@@ -9,7 +9,7 @@ the layout `KVCache.read_blocks` gives), mixes each word as `cache_service.mix64
 HEADER_WORDS + j, and adds the words' sum into the row's checksum field (an atomic add modulo
 2^64; the field already holds the header's own sum, copied in before). Same bytes as the torch
 form; `check` compares the two on a device's first use and keeps the torch form on a mismatch.
-MOE_KV_FUSED=0 (or MOE_KV_R12=0, or no Triton) keeps the torch form.
+Without Triton (or off CUDA, outside the interpreter) the torch form runs.
 """
 
 from __future__ import annotations
@@ -37,10 +37,8 @@ _VERDICT: dict[tuple, bool] = {}
 
 
 def fused_on(device: torch.device) -> bool:
-    """The fused staging applies: Triton, a CUDA device (or the interpreter), switches on."""
-    if triton is None or os.environ.get("MOE_KV_FUSED", "1") == "0":
-        return False
-    if os.environ.get("MOE_KV_R12", "1") == "0":
+    """The fused staging applies: Triton, and a CUDA device (or the Triton interpreter)."""
+    if triton is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -1,7 +1,6 @@
-"""The routed SwiGLU experts of a decode batch in two Triton kernels (moved out of fused.py):
-`moe_experts(x, src, offsets, w_gate_up, w_down)`, one program per
-busy expert and column tile (each expert's weights read once, the rows gathered from x inside the
-kernel). Both kernels take part in Programmatic Dependent Launch on sm90 (`gemv.gdc_enter`)."""
+"""The routed SwiGLU experts of a decode batch in two Triton kernels:
+`moe_experts(x, src, offsets, w_gate_up, w_down)`, one program per busy expert and column tile
+(each expert's weights read once, the rows gathered from x inside the kernel). Both kernels take part in Programmatic Dependent Launch on sm90 (`gemv.gdc_enter`)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,9 @@ routed rows ("small") and beyond ("large"); the benchmark times candidates and m
 
 DOWN_GEMV = [False]
 """One token: the down projection by `_moe_down_gemv` (weights in registers, loaded while the
-gate/up kernel still runs when PDL is on) instead of `_moe_down`. Off: on the H200 it made
-Qwen3's batch-1 step 0.14 ms slower (round 11, call 7: device 3.08 vs 2.94 ms; 3.15 without its
-early reads), so the register-tile GEMV streams 25 MB worse than `_moe_down`'s pipelined tiles."""
+gate/up kernel still runs when PDL is on) instead of `_moe_down`. Off: on the H200 it makes
+Qwen3's batch-1 step 0.14 ms slower (device 3.08 vs 2.94 ms; 3.15 without its early reads): the
+register-tile GEMV streams the 25 MB worse than `_moe_down`'s pipelined tiles."""
 DOWN_GEMV_TILE = (16, 4)
 """(hidden rows a program, num_warps) of `_moe_down_gemv`."""
 SILU_MUL = [True]

@@ -92,10 +92,10 @@ def mla_decode_torch(
 DECODE_TILES = {"small": (64, 4, 4, 3), "large": (64, 4, 4, 3)}
 """(TILE tokens read per loop step, programs per SM aimed at, num_warps, num_stages) of the
 partial kernel, for batches up to DECODE_SMALL_BATCH ("small") and beyond ("large"); the
-benchmark times candidates on the device (`gpu_checks.triton_check`) and may retune. "small"
-was round 6's (16, 2, 4, 3) until round 15 timed Qwen3's batch-1 step with each in one process
-(H200, device ms at 1K / 8K): (16, 2, 4, 3) 2.70-2.71 / 3.12, (32, 4, 4, 3) 2.66-2.69 /
-2.89-2.90, (64, 4, 4, 3) 2.67-2.68 / 2.85-2.86."""
+benchmark times candidates on the device (`gpu_checks.triton_check`) and may retune. The
+"small" default is the best of three for Qwen3's batch-1 step, each timed in one process (H200,
+device ms at 1K / 8K): (16, 2, 4, 3) 2.70-2.71 / 3.12, (32, 4, 4, 3) 2.66-2.69 / 2.89-2.90,
+(64, 4, 4, 3) 2.67-2.68 / 2.85-2.86."""
 DECODE_SMALL_BATCH = 4
 
 
@@ -335,8 +335,7 @@ if triton_available():
 MLA_TILES = (64, 1, 8, 2, 32)
 """(TILE tokens a loop step, programs per SM aimed at, num_warps, num_stages, query heads a
 program) of `_mla_partial` (heads: at least 16, the products' smallest M): the fastest of
-`gpu_tune.MLA_CANDIDATES` at every tuned shape on the H200 (2026-11-30 00:25Z; the tuning
-rewrites it)."""
+`gpu_tune.MLA_CANDIDATES` at every tuned shape on the H200 (the tuning rewrites it)."""
 mla_enabled = True
 """Cleared by `gpu_checks.triton_check` when the MLA kernel fails its check on the device (the
 torch path then serves MLA; GQA keeps its kernel)."""
@@ -408,15 +407,16 @@ def mla_decode_triton(
 KV_BEFORE_WAIT = [True]
 """Where each program has one tile, the decode attention's partial kernel reads the context
 length, block table and that tile's K/V before the PDL wait (`_gqa_partial(EARLY=1)`). On the
-H200 (round 16, call 6, Qwen3 device ms): 1 x 1K 2.69-2.72 -> 2.65-2.66; with several tiles a
-program the peeled first tile cost more than it saved (1 x 8K 2.84 -> 3.07, 32 x 1K 15.3 ->
-15.6), so those keep the plain loop."""
+H200 (Qwen3 device ms): 1 x 1K 2.69-2.72 -> 2.65-2.66; with several tiles a program the peeled
+first tile costs more than it saves (1 x 8K 2.84 -> 3.07, 32 x 1K 15.3 -> 15.6), so those keep
+the plain loop."""
 ROPE_IN_PARTIAL = [True]
 """CUDA decode steps: the q/k norm, rotary and K/V write run inside the attention's partial
 kernel (`RopeWrite`) instead of a kernel of their own (the benchmark times both)."""
 ROPE_IN_PARTIAL_MAX_BATCH = 4
-"""Up to this many sequences (round 13 on the H200: Qwen3 1 x 1K -0.14 ms a step; at 32 x 1K
-the first form was 1.5 ms slower, the batch's own rotary kernel being cheap per sequence)."""
+"""Up to this many sequences (on the H200: Qwen3 1 x 1K -0.14 ms a step; at 32 x 1K the rotary
+inside the partial kernel is 1.5 ms slower, the batch's own rotary kernel being cheap per
+sequence)."""
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 `router_plan(x, weight, k, ...)` = `fused.router_softmax_topk` + `fused.dispatch_plan` (three
 kernels) as two: the logits kernel, then one program for every token's top-k and the plan built
-from the ids in its registers. On the H200 (round 13 of `bench/notes/gpu_attempts.md`, Qwen3
-1 x 1K, one process) 0.02 ms a step faster than the three; a one-launch form (the last logits
-program to arrive on an acq_rel counter doing the rest) was about equal to the three and was
-dropped.
+from the ids in its registers. On the H200 (Qwen3 1 x 1K, one process) 0.02 ms a step faster
+than the three. A one-launch form (the last logits program to arrive on an acq_rel counter doing
+the rest) is only equal to the three, slower than these two: its serial tail outweighs the launch
+it saves (docs/performance.md).
 
 Same outputs as the three kernels: logits [T, E] float32, ids [T, k] int64, weights [T, k]
 float32, src [T*k], pos [T*k] int64, offsets [E] int32; `routed_counts` [E] gains the counts.

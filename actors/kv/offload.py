@@ -5,9 +5,8 @@ move in a few large copies instead of one small copy per layer and block.
   host rows `[HEADER_BYTES | payload]` (one async device->host copy per piece, through a device
   staging ring). MIX64: each block's header (`row_headers`, the header words' sum in the
   checksum field) is written into its staging row on the device and the payloads' sums added to
-  it there, piece by piece on the staging stream (round 10; MOE_KV_STORE_BASE=1: round 9's sums
-  on a second stream, added by the host to the landed fields); the host checks the headers
-  (`codec.encode_rows(written=True)`, one compare) and puts the rows, a batch of pieces
+  it there, piece by piece on the staging stream, so the rows land whole; the host checks the
+  headers (`codec.encode_rows(written=True)`, one compare) and puts the rows, a batch of pieces
   (<= PUT_BATCH_BYTES, the last piece alone) at a time. XXH3: worker threads hash each piece as
   it lands (8 workers: 13 GB/s on the H200 VM). Rows: a top tier with an arena (the host tier
   with CUDA: `PinnedArena`) lends rows of its recycled slabs and keeps them as they are; a tier
@@ -26,10 +25,11 @@ move in a few large copies instead of one small copy per layer and block.
   scratch buffers the TierIO keeps), no new CUDA events (a pool, re-recorded each call), and
   with a cache that reports its tiers' hits per read (TieredCache's `tier_hits`) no stats().
   Every call waits for its copies before it returns (scratch and fetched rows are then free).
+- Garbage collection: on CUDA the collector is off while a call queues its launches (a full
+  collection in a process of many objects would hold the later copies back); a store runs one
+  gen-0 collection where the host would wait for its last copies anyway.
 - `TierIO.trace`: a dict to fill with the time points of the last call (host clock and CUDA
-  events: start, first copy, copies done, verified, end), for bench/offload_profile.py; with
-  MOE_KV_TRACE=<file> in the environment every batched call appends its split (`split_ms`) to
-  that file as one JSON line (for benches that make their own TierIO, e.g. bench/gpu_moe.py).
+  events: start, first copy, copies done, verified, end; `actors.kv.trace`).
 """
 
 from __future__ import annotations
@@ -50,17 +50,13 @@ from actors.kv.cache_calls import (
 from actors.kv.store_puts import (
     Puts,
     add_row,
-    base_store,
     cut,
     encode_part,
     piece_bounds,
     plan_batches,
-    r12_load_on,
-    r12_on,
 )
 from actors.kv.store_puts import headers as _headers
-from actors.kv.store_puts import payload_sums as _payload_sums
-from actors.kv.trace import Marks, trace_for
+from actors.kv.trace import Marks
 from cache_service.block_key import BlockKey
 from cache_service.codec import (
     CHECKSUMS,
@@ -81,12 +77,12 @@ if TYPE_CHECKING:
 
 STORE_CHUNK_BYTES = 1 << 25
 """Rows per device->host copy: ~32 MiB (Qwen3: 13 pieces of a 384 MiB store, not 26: the host's
-launches per piece are the store's critical path on the lent VMs, round 8)."""
+launches per piece are the store's critical path)."""
 LOAD_CHUNK_BYTES = 1 << 23
 """The first span of a load (~8 MiB: the first copy starts after one span's host checks)."""
 VERIFY_GROUP_BYTES = 1 << 26
-"""The largest span of a load, and the MIX64 sums of a store, ~64 MiB at a time: a few launches
-of ~20 kernels per call, each overlapping the copies still in flight."""
+"""The largest span of a load, ~64 MiB: a few verification launches of ~20 kernels per call, each
+overlapping the copies still in flight."""
 LOAD_TAIL_BYTES = 1 << 24
 """The last span of a large load is at most ~16 MiB: only its verification follows the last
 copy."""
@@ -115,9 +111,9 @@ def store_many(t: TierIO, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     cuda = src.device.type == "cuda"
     mix = t.mix64(src.device) and src.shape[1] % 8 == 0
     arena = host_arena(t.cache) if adopt else None
-    marks = Marks(trace_for(t), src.device if cuda else None)
-    # Round 12: no collection inside the launches; one gen-0 collection where the host waits for
-    # the last copies (`_store_pieces`), the collector back on at the end.
+    marks = Marks(t.trace, src.device if cuda else None)
+    # No collection inside the launches; one gen-0 collection where the host waits for the last
+    # copies (`_store_pieces`), the collector back on at the end.
     with _collector_off(_holds_gc(_on_cuda(src))) as hold:
         lease = arena.take(width, n) if arena is not None else None
         marks.mark("leased")
@@ -133,7 +129,6 @@ def store_many(t: TierIO, keys: Sequence[BlockKey], blocks: Any) -> list[bool]:
     if not adopt:
         t._spare_rows.setdefault(width, []).extend(p[2] for p in pieces if not p[4])
     marks.mark("end")
-    marks.log("store", n, width, mix64=mix, base=base_store())
     return out
 
 
@@ -188,8 +183,8 @@ def _store_pieces(t: TierIO, keys, src, dtype, shape, pieces, lease, adopt, mix,
                 for lo in range(0, b - a, per_task)
             ])  # fmt: skip
     # Step 4: the batches not put during the launches (`_launch`), in order, each once its
-    # rows landed. idle_gc (round 12, the collector held off since the call began): one gen-0
-    # collection now if the third-to-last piece is still copying (the host would only wait).
+    # rows landed. idle_gc (the collector held off since the call began): one gen-0 collection
+    # now if the third-to-last piece is still copying (the host would only wait).
     if idle_gc and landed and not landed[max(0, len(landed) - 3)].query():
         gc.collect(0)
         marks.mark("gc_idle")
@@ -197,8 +192,6 @@ def _store_pieces(t: TierIO, keys, src, dtype, shape, pieces, lease, adopt, mix,
         hi = batches[puts.done][1]
         if landed:
             landed[hi - 1].synchronize()
-            if puts.summed is not None:
-                puts.summed.synchronize()
         puts.put_next()
     marks.mark("puts_done")
     del staging
@@ -212,30 +205,28 @@ def _on_cuda(src: torch.Tensor) -> bool:
 
 def _launch(t: TierIO, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
             paged: Any = None) -> tuple:  # fmt: skip
-    """Steps 1-2 of a store on CUDA: the pieces' staging and device->host copies queued, a round
-    of up to STAGING_SLOTS pieces at a time (the first piece alone, so its copy starts early); the
-    payloads' sums (`_payload_sums`) after the first round; MIX64: after each round, the batches
-    whose rows landed are put (Step 4 overlaps the copies still in flight). Returns, per piece,
-    the event after which its rows landed, and the staging ring (the caller keeps it until then).
+    """Steps 1-2 of a store on CUDA: the pieces' staging and device->host copies queued; MIX64:
+    after each round of launches, the batches whose rows landed are put (Step 4 overlaps the
+    copies still in flight). Returns, per piece, the event after which its rows landed, and the
+    staging ring (the caller keeps it until then).
 
     Step 1 (MIX64, `_headers`): every block's header (its checksum field: the MIX64 of its
     words) uploaded once; it goes into each row's header gap and the piece's payload sums
-    (`mix64`, ~9 kernels a piece; round 12, paged: kv_stage_kernel's one kernel per stacked
-    tensor, staging too) are added there, so the rows land whole blocks and a batch's put waits
-    for nothing but its own rows (MOE_KV_STORE_BASE=1: the sums on the checks stream after the
-    first round, `_payload_sums`, added in Step 4). Step 2: each piece's payloads (and headers)
-    go into a ring of STAGING_SLOTS device buffers on a staging stream; the copy stream runs only
-    the device->host copies, back to back: piece c is staged once the copy of piece c -
-    STAGING_SLOTS left its slot. None waits for the payloads' sums (round 8). Round 12 (a shaped
-    plan, `piece_bounds`): each piece's copy is queued right after its own staging. `paged`
-    (kv_paged.PagedBlocks): each piece's payloads are gathered from the paged cache straight
-    into its staging rows. Host marks (round 15): ring, heads, staged0, staged1."""
+    (`mix64`, ~9 kernels a piece; paged: kv_stage_kernel's one kernel per stacked tensor, which
+    stages too) are added there, so the rows land whole blocks and a batch's put waits for
+    nothing but its own rows. Step 2: each piece's payloads (and headers) go into a ring of
+    STAGING_SLOTS device buffers on a staging stream; the copy stream runs only the device->host
+    copies, back to back: piece c is staged once the copy of piece c - STAGING_SLOTS left its
+    slot. A shaped plan (`piece_bounds`) queues each piece's copy right after its own staging;
+    an unshaped one stages up to STAGING_SLOTS pieces before their copies (the first piece
+    alone, so its copy starts early). `paged` (kv_paged.PagedBlocks): each piece's payloads are
+    gathered from the paged cache straight into its staging rows. Host marks: ring, heads,
+    staged0, staged1."""
     device, width, np_ = src.device, row_bytes(src.shape[1]), len(pieces)
     stream, staging_stream = t.side_stream(device), t.side_stream(device, 2)
     current = torch.cuda.current_stream(device)
-    on_device = mix and src.shape[1] % 8 == 0 and not base_store()
     # kv_stage_kernel (its ids uploaded on the caller's stream, before `start`)
-    fused = on_device and paged is not None and paged.fused()
+    fused = mix and paged is not None and paged.fused()
     start = t.event(device, 0, current)
     stream.wait_event(start)
     staging_stream.wait_event(start)
@@ -257,12 +248,12 @@ def _launch(t: TierIO, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
         return out
 
     landed: list[Any] = []
-    if r12_on() and piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)):
-        rounds = [(c, c + 1) for c in range(np_)]  # round 12, shaped plans: piece by piece
-    else:  # round 11: the staging of up to `slots` pieces, then their copies
+    if piece_bounds(src.shape[0], max(1, STORE_CHUNK_BYTES // width)):
+        rounds = [(c, c + 1) for c in range(np_)]  # a shaped plan: piece by piece
+    else:  # the staging of up to `slots` pieces, then their copies
         rounds = [(0, 1)] + [(c, min(np_, c + slots)) for c in range(1, np_, slots)]
     try:
-        for r, (c0, c1) in enumerate(rounds):
+        for c0, c1 in rounds:
             torch.cuda.set_stream(staging_stream)
             for c in range(c0, c1):
                 slot, k = c % slots, sizes[c]
@@ -270,7 +261,7 @@ def _launch(t: TierIO, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                     staging_stream.wait_event(landed[c - slots])
                 body = bodies[slot] if k == per else bodies[slot][:k]
                 gap_c = gaps[slot] if k == per else gaps[slot][:k]
-                if fused:  # round 12: the headers in, then one kernel stages and sums
+                if fused:  # the headers in, then one kernel stages and sums
                     heads = heads or upload()
                     gap_c.copy_(heads[c])
                     paged.stage_summed(staging_w[slot][:k], gap, pieces[c][0], pieces[c][1])
@@ -278,11 +269,10 @@ def _launch(t: TierIO, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                     paged.stage(body, pieces[c][0], pieces[c][1])
                 else:
                     body.copy_(parts[c])
-                if mix and not fused:
+                if mix and not fused:  # the headers in, the payloads' sums added to them
                     heads = heads or upload()
                     gap_c.copy_(heads[c])
-                    if on_device:  # the payloads' sums into the checksum fields, here
-                        gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
+                    gap_c[:, HEADER_WORDS].add_(mix64(body, first=HEADER_WORDS))
                 t.event(device, 1 + np_ + c, staging_stream)  # staged
                 if c < 2:
                     marks.mark(f"staged{c}")
@@ -299,8 +289,6 @@ def _launch(t: TierIO, keys, src, dtype, shape, pieces, mix, marks, puts: Puts,
                 if marks.on:
                     marks.mark(f"landed{c}", stream)
                     marks.mark(f"queued{c}")  # host clock: the copy was queued
-            if mix and r == 0 and not on_device:
-                puts.sums, puts.summed = _payload_sums(t, src, 1 + 2 * np_)
             if mix:
                 puts.put_landed(c1, landed)
     finally:
@@ -321,7 +309,7 @@ def load_many(t: TierIO, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     for dim in shape:
         payload *= dim
     width = row_bytes(payload)
-    marks = Marks(trace_for(t), device if device.type == "cuda" else None)
+    marks = Marks(t.trace, device if device.type == "cuda" else None)
     staging = torch.empty((n, width), dtype=torch.uint8, device=device)
     stream = None
     if device.type == "cuda":
@@ -329,8 +317,8 @@ def load_many(t: TierIO, keys: Sequence[BlockKey], *, dtype: torch.dtype,
         stream.wait_event(t.event(device, 0, torch.cuda.current_stream(device)))
     hits: dict | None = {} if t.counts_tier_hits() else None
     before = t.tier_counters() if hits is None else {}
-    # As in a CUDA store (round 12): no collection between the spans' launches (a full one in a
-    # process of many objects would hold the later spans' copies back).
+    # As in a CUDA store: no collection between the spans' launches (a full one in a process of
+    # many objects would hold the later spans' copies back).
     with _collector_off(_holds_gc(device.type == "cuda")):
         # MIX64 blocks are verified where they land (`_load_landed`), so the cache need not hash
         # them: an in-process TieredCache is asked for unverified reads. Otherwise every block
@@ -348,13 +336,12 @@ def load_many(t: TierIO, keys: Sequence[BlockKey], *, dtype: torch.dtype,
     t.counts["hits"] += m
     t.credit(before, hits if hits is not None else t.tier_counters(), m)
     marks.mark("end")
-    marks.log("load", n, width, mix64=t.mix64(device) and width % 8 == 0)
     return staging[:m, HEADER_BYTES:].view(dtype).reshape(m, *shape)
 
 
 def _holds_gc(cuda: bool) -> bool:
-    """Whether a store or load runs with the collector off (on CUDA, round 12, collector on)."""
-    return cuda and r12_on() and gc.isenabled()
+    """Whether a store or load runs with the collector off (on CUDA, where it is on)."""
+    return cuda and gc.isenabled()
 
 
 @contextmanager
@@ -403,16 +390,14 @@ def _load_landed(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, str
     device, flat = staging.device, staging.view(-1)
     context = nullcontext() if stream is None else torch.cuda.stream(stream)
     checks = None if stream is None else t.side_stream(device, 1)
-    head, r12 = 0, r12_load_on()
-    on = checks is not None and scatter is not None and r12
-    writes = t.side_stream(device, 3) if on else None
+    head = 0
     hosted: list[int] = []  # rows verified on the host (XXH3 blocks)
     verdict = torch.empty(n, dtype=torch.bool, device=device)
     want: Any = None
 
     def expect() -> None:
-        """Step 2 (once; round 11: after the first copies are queued, on the copy stream; round
-        12: the second span's, on the checks stream): the rows' first 80 header bytes."""
+        """Step 2 (once, after the first span's copies are queued, on the copy stream): the rows'
+        expected first 80 header bytes."""
         nonlocal want, head
         heads = row_headers(keys, dtype=dtype, shape=shape, checksum="mix64")
         head = heads.shape[1]
@@ -428,12 +413,10 @@ def _load_landed(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, str
         if checks is not None:
             checks.wait_event(t.event(device, 1 + s, None))
         with nullcontext() if checks is None else torch.cuda.stream(checks):
-            if want is None:
-                expect()
             rows = staging[a : a + ok]
             mine = [r - a for r in hosted if a <= r < a + ok]
-            fused = getattr(scatter, "fused", None) if writes is None and not mine else None
-            if fused is not None:  # checks, verdicts and paged writes in 3 kernels (round 13)
+            fused = getattr(scatter, "fused", None) if not mine else None
+            if fused is not None:  # checks, verdicts and paged writes in 3 kernels (kv_load)
                 return fused(a, rows, want[a : a + ok], verdict[a : a + ok])
             good = verify_rows(rows) & (rows[:, :head] == want[a : a + ok]).all(dim=1)
             if mine:
@@ -441,12 +424,8 @@ def _load_landed(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, str
                 mask[mine] = True
                 good |= mask.to(device)
             verdict[a : a + ok] = good
-            if scatter is not None and writes is None:
+            if scatter is not None:
                 scatter(a, rows)
-        if writes is not None:  # round 12: the scatter beside the verification, not after it
-            writes.wait_event(t.event(device, 1 + s, None))
-            with torch.cuda.stream(writes):
-                scatter(a, staging[a : a + ok])
 
     m, stop = 0, None
     keep = []  # every fetched span's blocks stay referenced until the copies are done
@@ -491,9 +470,8 @@ def _load_landed(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, str
                 flat[row * width : row * width + end - start].copy_(
                     owner[start:end], non_blocking=True
                 )
-            if want is None and (s or not r12):  # round 12: after the second span's copies
-                with nullcontext() if checks is None or not r12 else torch.cuda.stream(checks):
-                    expect()
+            if want is None:
+                expect()
             if stream is not None:
                 t.event(device, 1 + s, stream)  # span s (and `want`) landed
                 if marks.on:
@@ -529,9 +507,6 @@ def _load_landed(t: TierIO, keys: Sequence[BlockKey], staging: torch.Tensor, str
         current = torch.cuda.current_stream(device)
         current.wait_event(t.event(device, 0, stream))
         current.wait_event(t.event(device, 1 + n, checks))
-        if writes is not None:
-            current.wait_event(t.event(device, 2 + n, writes))
-            t.event(device, 2 + n, None).synchronize()  # scattered
         t.event(device, 1 + n, None).synchronize()  # verified (and scattered), `lead` landed
         stream.synchronize()  # no copy from a fetched row may still run once `keep` is dropped
     if m and int(lead[0]) < m:

@@ -1,20 +1,17 @@
 """KV blocks moved between the paged cache (`KVCache`) and the tiers without a separate gather or
-scatter pass (offload round 11): `store_from` stages each store piece straight from the paged K
-and V tensors into its device staging rows (no `read_blocks` of the whole store first), and
-`load_into` writes each verified span of a load into the paged blocks right after its
-verification, on the checks stream while later spans still copy (no `write_blocks` of the whole
-load after it).
+scatter pass: `store_from` stages each store piece straight from the paged K and V tensors into
+its device staging rows (no `read_blocks` of the whole store first), and `load_into` writes each
+verified span of a load into the paged blocks right after its verification, on the checks stream
+while later spans still copy (no `write_blocks` of the whole load after it).
 
 Both fall back to the two-pass form (`read_blocks` + `KVTiers.store_many`, `load_many` +
 `write_blocks`) where the one-pass form does not apply: a CPU cache, XXH3, a codec other than raw,
-payloads not a whole number of 8-byte words, round 9's store (MOE_KV_STORE_BASE=1), or
-MOE_KV_PAGED=0 (the A/B switch of bench/offload_ab.py).
+or payloads not a whole number of 8-byte words.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -24,18 +21,12 @@ from actors.kernels import kv_load as kv_load_kernel
 from actors.kernels import kv_stage as kv_stage_kernel
 from actors.kv import offload as kv_offload
 from actors.kv.cache import KVCache
-from actors.kv.store_puts import base_store
 from cache_service.block_key import BlockKey
 from cache_service.codec import HEADER_WORDS
 from cache_service.mix64 import mix64
 
 if TYPE_CHECKING:
     from actors.kv.tiers import KVTiers
-
-
-def paged_on() -> bool:
-    """MOE_KV_PAGED=0 selects the two-pass form (round 10), for A/B runs in one process."""
-    return os.environ.get("MOE_KV_PAGED", "1") != "0"
 
 
 class PagedBlocks:
@@ -62,7 +53,7 @@ class PagedBlocks:
         self.kv.read_blocks(self.ids[a:b], out=out)
 
     def fused(self) -> bool:
-        """Round 12: `stage_summed` can stage with kv_stage_kernel (Triton, switches on, the
+        """`stage_summed` can stage with kv_stage_kernel (`kv_stage_kernel.fused_on`, the
         stacked tensors readable as words); the blocks' ids go to the device once."""
         if self._fused is None:
             self._fused = ()
@@ -108,14 +99,7 @@ def _payload_bytes(layout) -> int:
 
 
 def _one_pass(t: KVTiers, kv: KVCache, width_ok: bool) -> bool:
-    return (
-        paged_on()
-        and not base_store()
-        and width_ok
-        and t.codec == "raw"
-        and t.compression in (None, "none")
-        and t.mix64(kv.device)
-    )
+    return width_ok and t.codec == "raw" and t.compression in (None, "none") and t.mix64(kv.device)
 
 
 def store_from(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[BlockKey]) -> list[bool]:

@@ -7,7 +7,6 @@ threads' `encode_part`)."""
 from __future__ import annotations
 
 import itertools
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from actors.kv.cache_calls import put_many
 from cache_service.codec import (
     HEADER_BYTES,
     HEADER_WORDS,
-    body_mix64,
     encode_rows,
     freeze,
     is_buffer_block,
@@ -32,10 +30,6 @@ if TYPE_CHECKING:
 PUT_BATCH_BYTES = 1 << 26
 """A store puts ~64 MiB of adjacent pieces at a time (the last piece alone)."""
 
-SUM_GROUP_BYTES = 1 << 28
-"""A store's MIX64 payload sums, ~256 MiB at a time (Qwen3's 384 MiB in two launch groups of
-~8 kernels, not six; temporaries twice the group, on the device)."""
-
 TAIL_MIN_ROWS = 8
 """`piece_bounds` shapes stores whose full pieces hold at least this many rows (Qwen3's 1.5 MB
 blocks: 21 a piece); smaller pieces gain nothing from quartering."""
@@ -47,8 +41,8 @@ def piece_bounds(n: int, per: int) -> list[int] | None:
     starts early; a quarter's would end before the next piece is staged) and ends with a half
     and two quarter pieces, each put alone (`plan_batches(alone=3)`): a batch's put then runs
     while the later, smaller pieces copy, and only a quarter piece's put follows the last copy.
-    None (round 9's plan: MOE_KV_STORE_BASE=1, or a smaller store): full pieces per arena run."""
-    if base_store() or per < TAIL_MIN_ROWS or n < 3 * per:
+    None (a smaller store): full pieces per arena run."""
+    if per < TAIL_MIN_ROWS or n < 3 * per:
         return None
     head, tail = max(1, per // 2), [max(1, per // 2), max(1, per // 4), max(1, per // 4)]
     body = n - head - sum(tail)
@@ -66,27 +60,6 @@ def cut(a: int, b: int, cuts: list[int] | None, per: int) -> list[tuple[int, int
         return [(x, min(b, x + per)) for x in range(a, b, per)]
     edges = [a] + [c for c in cuts if a < c < b] + [b]
     return [(x, y) for x, y in itertools.pairwise(edges) if y > x]
-
-
-def base_store() -> bool:
-    """MOE_KV_STORE_BASE=1: round 9's store (full pieces, the payloads' sums on the checks
-    stream and added on the host), for A/B runs in one process."""
-    return os.environ.get("MOE_KV_STORE_BASE") == "1"
-
-
-def r12_load_on() -> bool:
-    """MOE_KV_R12_LOAD=1: round 12's load (each span's scatter on a stream of its own beside
-    its verification, the expected headers after the second span's copies). Off by default: on
-    the H200 (fresh-process A/B, 2026-11-30 06:00Z) its copies took 9.3 ms against round 11's
-    8.1 (bench/notes/offload_round12.md), while round 12's store was faster (7.4 vs 8.1)."""
-    return r12_on() and os.environ.get("MOE_KV_R12_LOAD", "0") == "1"
-
-
-def r12_on() -> bool:
-    """MOE_KV_R12=0: round 11's store (the launch loop's rounds of up to STAGING_SLOTS pieces,
-    the garbage collector left running during the call) and arena (freed rows drained by the
-    next `take`), for A/B runs in fresh processes (bench/offload_ab.py --r12-ab)."""
-    return os.environ.get("MOE_KV_R12", "1") != "0"
 
 
 def plan_batches(pieces: list, width: int, alone: int = 1) -> list[tuple[int, int]]:
@@ -114,25 +87,23 @@ def landed_batches(batches: list, done: int, queued: int, landed) -> int:
 
 class Puts:
     """Step 4 of a store: the batches (`plan_batches`) put in order, each once its rows landed.
-    MIX64 (`written`): the payloads' sums (`sums`, ready after the event `summed` on CUDA; None
-    where the device added them) added to the landed checksum fields (one numpy add) and the
-    headers checked against `row_headers`
-    (`encode_rows(written=True)`); XXH3: its pieces' worker `tasks`. Rows of the arena are owned
-    by their blocks from here on."""
+    MIX64 (`written`): the payloads' sums (`sums`, where the host computed them; None where the
+    device added them) added to the landed checksum fields (one numpy add) and the headers
+    checked against `row_headers` (`encode_rows(written=True)`); XXH3: its pieces' worker
+    `tasks`. Rows of the arena are owned by their blocks from here on."""
 
     def __init__(self, t: TierIO, keys, dtype, shape, pieces, batches, lease, adopt,
                  marks: Any = None) -> None:  # fmt: skip
         self.t, self.keys, self.dtype, self.shape = t, keys, dtype, shape
         self.pieces, self.batches, self.lease, self.adopt = pieces, batches, lease, adopt
         self.marks = marks
-        """kv_trace.Marks or None: `seen{i}` / `put{i}` per batch i (its rows seen landed, its
-        put returned)."""
+        """actors.kv.trace.Marks or None: `seen{i}` / `put{i}` per batch i (its rows seen landed,
+        its put returned)."""
         self.written = False
         """MIX64: the rows land with their headers written (checked here, not written)."""
         self.sums: Any = None
-        """MIX64 with the payloads' sums added on the host: [n] int64 (else None: the device
-        added them to the headers before the copies)."""
-        self.summed: Any = None
+        """MIX64 with the payloads' sums added on the host (the CPU path): [n] int64 (else None:
+        the device added them to the headers before the copies)."""
         self.tasks: list = []
         self.done = 0  # batches put
         self.out: list[bool] = []
@@ -142,7 +113,7 @@ class Puts:
         `queued` are queued, `landed[c]` the event after which piece c's rows landed (CUDA)."""
 
         def ready(c: int) -> bool:
-            return bool(landed[c].query()) and (self.summed is None or self.summed.query())
+            return bool(landed[c].query())
 
         for _ in range(self.done, landed_batches(self.batches, self.done, queued, ready)):
             self.put_next()
@@ -199,20 +170,6 @@ def headers(t: TierIO, keys, dtype, shape) -> torch.Tensor:
     words = out.view(torch.int64)
     words[:, HEADER_WORDS] = mix64(torch.from_numpy(heads).view(torch.int64))
     return words
-
-
-def payload_sums(t: TierIO, src: torch.Tensor, event: int) -> tuple[torch.Tensor, Any]:
-    """Round 9's store (MOE_KV_STORE_BASE=1, actors/kv/offload.py): the payloads' MIX64 sums
-    (`body_mix64`, SUM_GROUP_BYTES at a time) into a pinned scratch [n] int64, on the checks
-    stream beside the copies; returns it and the event (pool index `event`) after which it
-    holds them."""
-    device = src.device
-    checks = t.side_stream(device, 1)
-    checks.wait_event(t.event(device, 0, None))  # the store's start on the caller's stream
-    sums = t.scratch("sums", src.shape[0], torch.int64)
-    with torch.cuda.stream(checks):
-        sums.copy_(body_mix64(src, group_bytes=SUM_GROUP_BYTES), non_blocking=True)
-        return sums, t.event(device, event, checks)
 
 
 def encode_part(host, keys, dtype, shape, first: int, lo: int, hi: int, ready) -> list:

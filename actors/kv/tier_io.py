@@ -70,8 +70,8 @@ class TierIO:
         self.batch_lock = threading.Lock()
         self._tier_hits_read: bool | None = None
         self.trace: dict | None = None
-        """A dict to fill with the time points of each batched call (kv_offload's `_Marks`):
-        bench/offload_profile.py splits load_many's time with it."""
+        """A dict to fill with the time points of each batched call (`actors.kv.trace.Marks`;
+        `actors.kv.trace.split_ms` splits a call's time with it)."""
 
     def tier_counters(self) -> dict[str, int] | None:
         """{tier name: hits so far} from the cache's stats(), or None (no stats, or a fault)."""

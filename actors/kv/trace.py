@@ -1,7 +1,6 @@
 """Time points of KVTiers' batched calls (actors/kv/offload.py): `Marks` records them (host
-clock and timing CUDA events) into `TierIO.trace`, or, with MOE_KV_TRACE=<file> in the
-environment, into a fresh dict per call whose split (`split_ms`) is appended to that file as one
-JSON line (for benches that make their own TierIO, e.g. bench/gpu_moe.py).
+clock and timing CUDA events) into `TierIO.trace` when the caller set it to a dict (None, the
+default: nothing is recorded); `split_ms` turns one call's points into milliseconds.
 
 Besides the fixed points (start, first_copy, copies_done, verified, end) a call may mark any
 other name: a store marks, per put batch i, `seen{i}` (the host saw its rows landed) and
@@ -13,24 +12,12 @@ the process counts them)."""
 from __future__ import annotations
 
 import gc
-import json
-import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from actors.kv.tier_io import TierIO
-
 FIXED = ("start", "first_copy", "copies_done", "verified", "end")
-
-
-def trace_for(t: TierIO) -> dict | None:
-    """The dict this call's time points go to: TierIO.trace, or a fresh one under MOE_KV_TRACE."""
-    if t.trace is not None:
-        return t.trace
-    return {} if os.environ.get("MOE_KV_TRACE") else None
 
 
 def split_ms(trace: dict) -> dict:
@@ -105,12 +92,3 @@ class Marks:
         self.trace[name] = (time.perf_counter(), event)
         if name == "end" and self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-
-    def log(self, op: str, n: int, width: int, **extra: Any) -> None:
-        """Append this call's split to the MOE_KV_TRACE file, if set (one JSON line)."""
-        path = os.environ.get("MOE_KV_TRACE")
-        if self.trace is None or not path:
-            return
-        row = {"op": op, "blocks": n, "row_bytes": width, **extra, **split_ms(self.trace)}
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")

@@ -43,9 +43,8 @@ def empty_microbatch(model, *, expert_parallel: bool, dtype: torch.dtype, device
     in its dispatch and combine (the tokens of other DP ranks may route to this rank's experts,
     which run on them). The embedding, attention, norms, dense MLPs and lm_head of zero rows are
     skipped: they exchange nothing with other DP ranks, and the members of a TP group share
-    their tokens, so a TP group is empty together. At batch 1 on ep2xpp2 the empty ranks ran
-    every layer of zero rows, ~4.5 ms of CPU a step each on a 2-core host
-    (bench/notes/served_pp_step.md)."""
+    their tokens, so a TP group is empty together. Running every layer of zero rows would cost
+    each empty rank ~4.5 ms of CPU a step at batch 1 on ep2xpp2 on a 2-core host."""
     x = torch.empty(0, model.arch.hidden_size, dtype=dtype, device=device)
     if not expert_parallel:
         return x

@@ -9,9 +9,7 @@ from cache_service.metrics import CacheMetrics
 from cache_service.namespace import CacheNamespace
 from cache_service.tiers.base import Tier, redact
 from cache_service.tiers.device import DeviceTier
-from cache_service.tiers.disk import DiskTier
 from cache_service.tiers.host import HostTier
-from cache_service.tiers.redis_tier import RedisTier
 
 SCHEMES = ("device", "host", "redis", "rediss", "redis+cluster", "rediss+cluster", "file")
 
@@ -41,5 +39,10 @@ def open_tier(
         cls = DeviceTier if scheme == "device" else HostTier
         return cls(url=url, name=name or scheme, policy=policy, **common)
     if scheme == "file":
+        from cache_service.tiers.disk import DiskTier
+
         return DiskTier(url=url, name=name or "disk", namespace=namespace, policy=policy, **common)
+    # redis is imported only for a redis tier: an engine host with in-process tiers needs none
+    from cache_service.tiers.redis_tier import RedisTier
+
     return RedisTier(url=url, name=name or "redis", namespace=namespace, **common)

@@ -20,12 +20,12 @@ more: not the tier (evicted, deleted, overwritten), not a load that is still cop
 (KVTiers keeps the blocks it fetched until its copies are done), not a view of it (numpy views and
 memoryviews keep their base alive). So a live block's row is never handed out again. The callback
 may run on any thread, at any point where a block is dropped (inside a tier's lock too): it marks
-the row free itself (offload round 12: one numpy element, no lock, so `take` has no backlog of an
-eviction's rows to drain before a store's first copy; a row turning free while `take` scans
-cannot be one it hands out, since it was not free when scanned). MOE_KV_R12=0 (round 11): the
-callback only appends to a deque, which `take` drains under the arena's own lock.
+the row free itself (one numpy element, no lock, so `take` has no backlog of an eviction's rows
+to drain before a store's first copy; a row turning free while `take` scans cannot be one it
+hands out, since it was not free when scanned). Rows a lease did not use (`Lease.close`) are
+queued and marked free by the next `take` under the arena's own lock.
 
-Placement (round 12): on a machine of several NUMA nodes a pinned slab is allocated from the
+Placement: on a machine of several NUMA nodes a pinned slab is allocated from the
 GPU's node (`near_gpu`), so a process's copy rate does not depend on where its thread happened
 to run when the tier grew.
 """
@@ -51,11 +51,6 @@ MOST_SLAB_BYTES = 1 << 28
 """Later slabs double up to 256 MiB: few slabs, so a load copies long runs of adjacent rows."""
 
 
-def eager_free() -> bool:
-    """Rows freed by their blocks' callbacks (round 12); MOE_KV_R12=0: drained by `take`."""
-    return os.environ.get("MOE_KV_R12", "1") != "0"
-
-
 def gpu_node_cpus() -> set[int] | None:
     """The CPUs of the current GPU's NUMA node, where the machine has more than one node and
     the node is known (sysfs); else None."""
@@ -79,7 +74,7 @@ def gpu_node_cpus() -> set[int] | None:
 
 @contextmanager
 def near_gpu(on: bool = True):
-    """Pinned memory allocated inside is placed on the GPU's NUMA node (round 12): the calling
+    """Pinned memory allocated inside is placed on the GPU's NUMA node: the calling
     thread runs on that node's CPUs meanwhile (pinning faults the pages in on the node of the
     CPU that pins them). A no-op on one node, where the node is unknown, or `on` False."""
     cpus = gpu_node_cpus() if on else None
@@ -158,14 +153,12 @@ class PinnedArena:
         self._slabs: list[_Slab] = []
         self._by_ptr: dict[int, int] = {}
         """Slab index by the data pointer of its first byte."""
-        self._slots: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
-        """id(weak reference to a block) -> (that reference, the block's (slab, row))."""
         self._refs: dict[int, _RowRef] = {}
-        """The live blocks' `_RowRef`s by id (round 12; a reference must outlive its block to
-        call back; a weak reference hashes as its block, which does not hash)."""
+        """The live blocks' `_RowRef`s by id (a reference must outlive its block to call back; a
+        weak reference hashes as its block, which does not hash)."""
         self._returned: deque = deque()
-        """Dead block references (callbacks) and (slab, row)s (`Lease.close`) not yet marked free
-        (drained by `take`)."""
+        """(slab, row)s of leases' unused rows (`Lease.close`) not yet marked free (drained by
+        `take`)."""
         self._lock = threading.Lock()
         self.allocated_bytes = 0
         self.reused_rows = 0
@@ -220,7 +213,7 @@ class PinnedArena:
         if rows < 1:
             return None
         pin = self.pinned and torch.cuda.is_available()
-        with near_gpu(pin and eager_free()):
+        with near_gpu(pin):
             tensor = torch.empty((rows, width), dtype=torch.uint8, pin_memory=pin)
         self._slabs.append(_Slab(rows=tensor, free=np.ones(rows, dtype=bool),
                                  used=np.zeros(rows, dtype=bool), width=width))  # fmt: skip
@@ -232,40 +225,28 @@ class PinnedArena:
         if not blocks:
             return
         with self._lock:  # the callbacks never take it
-            returned, slots = self._returned, self._slots
             owner = blocks[0].owner
             index = self._by_ptr.get(owner.data_ptr())
             if index is None:
                 raise ValueError("adopt: a block outside this arena's slabs")
             width = self._slabs[index].width
-            eager, free, refs = eager_free(), self._slabs[index].free, self._refs
+            free, refs = self._slabs[index].free, self._refs
             for block in blocks:
                 if block.owner is not owner and block.owner.data_ptr() != owner.data_ptr():
                     raise ValueError("adopt: blocks of one call come from one slab")
                 slot = (index, block.offset // width)
                 adopted.add(slot)
-                if eager:
-                    ref = _RowRef(block, _freed)
-                    ref.free, ref.row, ref.refs = free, slot[1], refs
-                    refs[id(ref)] = ref
-                    continue
-                # The callback is the deque's own append (no Python frame per block): it hands
-                # the dead reference over, and `_drain` finds its slot by the reference's id.
-                ref = weakref.ref(block, returned.append)
-                slots[id(ref)] = (ref, slot)
+                ref = _RowRef(block, _freed)
+                ref.free, ref.row, ref.refs = free, slot[1], refs
+                refs[id(ref)] = ref
 
     def _drain(self) -> None:
-        """Mark the rows freed since the last call free (under the lock)."""
-        returned, slots = self._returned, self._slots
+        """Mark the rows leases gave back since the last call free (under the lock)."""
+        returned = self._returned
         rows: dict[int, list[int]] = {}
         while returned:
-            item = returned.popleft()
-            if isinstance(item, weakref.ref):
-                entry = slots.pop(id(item), None)
-                if entry is None:
-                    continue
-                item = entry[1]
-            rows.setdefault(item[0], []).append(item[1])
+            index, row = returned.popleft()
+            rows.setdefault(index, []).append(row)
         for index, free in rows.items():
             self._slabs[index].free[free] = True
 
@@ -280,7 +261,7 @@ class PinnedArena:
     def close(self) -> None:
         """Forget the slabs (blocks still alive keep their memory through their own views)."""
         with self._lock:
-            self._slabs, self._by_ptr, self._slots, self._refs = [], {}, {}, {}
-            self._returned = deque()  # callbacks of blocks still alive append to the old one
+            self._slabs, self._by_ptr, self._refs = [], {}, {}
+            self._returned = deque()  # rows of the old slabs not yet drained
             self._generation += 1
             self.allocated_bytes = 0

@@ -3,7 +3,7 @@
 vLLM lives in its own venv (`deploy/vllm_env.py`; `make test` builds or reuses it), so each family
 runs `vllm_scenario.py` there once, in-process engine, against a redis-server this module owns
 (the scenario shuts it down in its last phase), and the tests read its JSON report. The
-checkpoints use the shapes vLLM's CPU backends accept (bench/notes/vllm_spike.md): head_dim 32
+checkpoints use the shapes vLLM's CPU backends accept: head_dim 32
 and block size 32 for GQA; MLA latent 512 + rope 64, block size 16 (forced by vLLM).
 """
 

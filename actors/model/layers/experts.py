@@ -194,10 +194,11 @@ than a product per expert, which decide at these sizes (measured on the 2-core C
 2 threads: 128 pairs 0.54 vs 0.70 ms a layer, 256 pairs 0.48 vs 0.60; 512 pairs 4.7 vs 2.4)."""
 
 PADDED_HIT_ONLY = [True]
-"""Switch (tests, A/B) of `_padded_into_pairs`' products over the hit experts only. Measured on
-the 2-core CPU box (8 experts of 256 -> 128, weights not in cache, us a layer, all experts /
-hit only): 2 hit, 1 row each 281 / 98; 4 hit 242 / 149; 6 hit, 2 rows 288 / 234; the side by
-side's model's batch-1 decode step 5.73 -> 4.63 and 4.82 -> 3.35 ms (two A/Bs in one process)."""
+"""Whether `_padded_into_pairs` runs its products over the hit experts only (a test turns it off
+to compare with every expert). On a 2-core CPU (8 experts of 256 -> 128, weights not in cache,
+us a layer, all experts / hit only): 2 hit, 1 row each 281 / 98; 4 hit 242 / 149; 6 hit, 2 rows
+288 / 234; the side by side's model's batch-1 decode step 5.73 -> 4.63 and 4.82 -> 3.35 ms (each
+pair in one process)."""
 
 
 def grouped_mm_suits(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""The CPU runner's adaptive torch thread count (`actors.executor.thread_tuner.ThreadTuner`, issue 13): it
+"""The CPU runner's adaptive torch thread count (`actors.executor.thread_tuner.ThreadTuner`): it
 moves to 1 thread when decode steps at 1 thread take less time per token, stays at N otherwise,
 and the thread count does not change the tokens."""
 

@@ -1,6 +1,7 @@
 """The runner protocol (`actors.executor.protocol.Runner`) is every call the engine makes: both
 runners implement all of it, and an engine whose runner exposes nothing else still serves
-prefix tails (`copy_block`), tier hits (`write_block`) and its stats (`timing_stats`)."""
+prefix tails (`copy_block`), tier hits (`available_kv`, `load_kv`), write-downs (`store_kv`) and
+its stats (`timing_stats`)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def ckpt(tmp_path_factory):
 
 
 def test_the_protocol_names_what_the_engine_needs():
-    assert {"execute", "allocate_kv", "read_block", "write_block", "copy_block"} <= MEMBERS
+    assert {"execute", "allocate_kv", "copy_block", "attach_tiers"} <= MEMBERS
+    assert {"available_kv", "store_kv", "load_kv"} <= MEMBERS
     assert {"overlaps", "launch", "collect", "timing_stats", "device", "kv_layout"} <= MEMBERS
 
 
@@ -79,4 +81,4 @@ def test_an_engine_over_the_protocol_alone_serves_tails_and_tier_hits(ckpt, tmp_
         stats = engine.stats()
     assert stats["tier_hits"] > 0 and stats["prefix_tail_tokens"] >= 4
     assert tokens(hot) == cold
-    assert {"write_block", "copy_block", "timing_stats", "execute"} <= runner.asked
+    assert {"load_kv", "available_kv", "store_kv", "copy_block", "timing_stats"} <= runner.asked

@@ -10,6 +10,9 @@ decisions and block ids are then identical, so tokens, prefix hits and block con
 
 from __future__ import annotations
 
+import math
+import pickle
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -18,6 +21,7 @@ import torch
 from actors.engine.engine import Engine
 from actors.engine.factory import build_engine
 from actors.engine.sampler import SamplingParams
+from actors.kv.cache import KVLayout
 from tests.actors.checkpoints import FAMILIES, make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt, run, tokens
 from tests.actors.tiny_tokenizer import install
@@ -103,6 +107,47 @@ def replica_engine(ckpts, family, layout, actor_pool, **kw):
     )
 
 
+def gather_block(replica, block: int) -> torch.Tensor:
+    """A whole-model block put together from the ranks' slices (`read_kv_block` of one rank of
+    each distinct slice on a DP rank holding it): what the tests compare, never a serving path."""
+    import ray
+
+    from actors.executor.kv_placement import distinct_parts
+
+    dims, parts = replica.layout.dims, replica._parts
+    holder = replica.placement.holder(block)
+    ranks = distinct_parts(parts, [r for r in range(dims.world) if dims.coords(r).dp == holder])
+    data = ray.get([replica.actors[r].read_kv_block.remote(block) for r in ranks])
+    return assemble_block(
+        replica.kv_layout, [(parts[r], d) for r, d in zip(ranks, data, strict=True)]
+    )
+
+
+def part_slices(whole: KVLayout, part: KVLayout) -> tuple[slice, ...]:
+    """Index of `part` (a rank's layers and KV heads) inside a whole-model block.
+
+    Whole block GQA `[layers, 2, block_size, kv_heads, head_dim]`, MLA `[layers, block_size,
+    latent]`; layer and head ranges are global, so the part sits at [l0:l1] (and [h0:h1])."""
+    base = whole.layer_range[0]
+    layers = slice(part.layer_range[0] - base, part.layer_range[1] - base)
+    if whole.mla:
+        return (layers,)
+    return (layers, slice(None), slice(None), slice(*part.kv_head_range))
+
+
+def assemble_block(whole: KVLayout, parts: Sequence[tuple[KVLayout, torch.Tensor]]) -> torch.Tensor:
+    """One whole-model block `whole.block_shape` from rank parts that cover it."""
+    out = torch.zeros(whole.block_shape, dtype=whole.dtype)
+    covered = torch.zeros(whole.block_shape, dtype=torch.bool)
+    for part, data in parts:
+        index = part_slices(whole, part)
+        out[index] = data.to(whole.dtype)
+        covered[index] = True
+    if not bool(covered.all()):
+        raise RuntimeError("the ranks' KV parts do not cover the whole block")
+    return out
+
+
 CASES = [(f, "ep2xpp2") for f in FAMILIES] + [
     ("mixtral", "ep2"),
     ("mixtral", "pp2"),
@@ -138,27 +183,10 @@ def test_replica_engine_matches_in_process(ckpts, actor_pool, family, layout):
         assert keyed == [b for b in range(64) if want_engine.blocks.key[b] is not None]
         for b in keyed:
             torch.testing.assert_close(
-                replica.read_block(b), want_engine.runner.read_block(b), atol=2e-5, rtol=1e-4
+                gather_block(replica, b), want_engine.runner.read_block(b), atol=2e-5, rtol=1e-4
             )
         stats = engine.stats()
         assert stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
-    finally:
-        engine.runner.shutdown()
-
-
-def test_write_block_fans_out_parts_and_reads_back(ckpts, actor_pool):
-    engine = replica_engine(ckpts, "qwen3_moe", "ep2xpp2", actor_pool)
-    try:
-        replica = engine.runner
-        shape = replica.kv_layout.block_shape
-        assert shape == (4, 2, 4, 2, 16)  # layers, k/v, block, KV heads, head_dim
-        data = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-        replica.write_block(5, data)
-        assert torch.equal(replica.read_block(5), data)
-        # Each rank holds its stage's layers only: rank 3 (stage 1) holds layers 2-3.
-        ray = pytest.importorskip("ray")
-        part = ray.get(replica.actors[3].read_kv_block.remote(5))
-        assert torch.equal(part, data[2:4])
     finally:
         engine.runner.shutdown()
 
@@ -231,37 +259,148 @@ def test_preemption_and_abort_over_replica(ckpts, actor_pool):
         engine.runner.shutdown()
 
 
-def test_tier_blocks_are_shared_between_layouts(ckpts, actor_pool, tmp_path):
-    """Blocks the in-process engine wrote down the tiers load into an ep2xpp2 replica (every
-    rank takes its part) and give the same tokens, and the replica's blocks load back in-process:
-    the whole-model key is plan-independent."""
+class Recorded:
+    """An actor handle that records every call made through it: method, and the pickled bytes
+    of its arguments (the results are read back by `sizes`)."""
+
+    def __init__(self, actor, log: list) -> None:
+        self._actor, self._log = actor, log
+
+    def __getattr__(self, name: str):
+        method = getattr(self._actor, name)
+        log = self._log
+
+        class Remote:
+            def remote(self, *args, **kwargs):
+                ref = method.remote(*args, **kwargs)
+                log.append((name, len(pickle.dumps((args, kwargs))), ref))
+                return ref
+
+        return Remote()
+
+
+def _tensors_in(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_tensors_in(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_tensors_in(v) for v in value)
+    return False
+
+
+@pytest.fixture
+def grpc_cache(ckpts):
+    """A host:// TieredCache behind a gRPC cache server on loopback: the ranks of a replica (Ray
+    actors, other processes) open their own clients of it, as `moectl serve` has them do."""
+    from cache_service.block_key import weights_fingerprint
+    from cache_service.client import CacheClient
+    from cache_service.namespace import CacheNamespace
+    from cache_service.store import TieredCache
+    from tests.cache_service.grpc_helpers import running_server
+
+    ns = CacheNamespace(
+        model_fingerprint=weights_fingerprint(ckpts["deepseek_v3"]), deployment="replica-test"
+    )
+    with (
+        TieredCache.from_urls(["host://"], capacities=[1 << 26], namespace=ns) as store,
+        running_server(store) as server,
+    ):
+        client = CacheClient(f"127.0.0.1:{server.port}")
+        yield client
+        client.close()
+
+
+def test_tier_io_moves_no_kv_through_the_driver(ckpts, actor_pool, grpc_cache):
+    """An ep2xpp2 replica writes down and loads back its blocks: every rank stores and loads
+    its own slice (its stage's layers) under the slice's key; the driver's calls to the ranks
+    carry block ids and keys (52 bytes each) and get back flags and counters, never KV; no
+    rank is asked for a whole block; a second replica of the same layout loads the blocks and
+    gives the tokens of a cold run."""
+    path = ckpts["deepseek_v3"]
+    kw = {**ENGINE_KW, "block_size": 16}
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    first = prompt(70, 60)  # four full blocks of 16 tokens written down at the end
+    cold = run(build_engine(path, cache_key_secret=SECRET, **kw), {"a": (first, params)})["a"]
+    log: list = []
+    writer = replica_engine(ckpts, "deepseek_v3", "ep2xpp2", actor_pool, cache=grpc_cache, **kw)
+    try:
+        writer.runner.actors = [Recorded(a, log) for a in writer.runner.actors]
+        assert tokens(run(writer, {"a": (first, params)})["a"]) == tokens(cold)
+        assert writer.stats()["cache"]["stored"] == 4
+    finally:
+        writer.runner.shutdown()
+    reader = replica_engine(ckpts, "deepseek_v3", "ep2xpp2", actor_pool, cache=grpc_cache, **kw)
+    try:
+        reader.runner.actors = [Recorded(a, log) for a in reader.runner.actors]
+        warm = run(reader, {"a": (first, params)})["a"]
+        assert reader.stats()["tier_hits"] == 4 and warm[-1].cached_tokens == 64
+        assert tokens(warm) == tokens(cold)
+        assert warm[0].logprobs[0].logprob == pytest.approx(cold[0].logprobs[0].logprob, abs=1e-4)
+    finally:
+        reader.runner.shutdown()
+
+    import ray
+
+    called = {name for name, _, _ in log}
+    assert {"store_kv", "load_kv"} <= called
+    assert not called & {"read_kv_block", "write_kv_block"}
+    part_bytes = math.prod(reader.runner._parts[0].block_shape) * 4  # float32 KV
+    for name, sent, ref in log:
+        if name in ("store_kv", "load_kv"):
+            back = ray.get(ref)
+            assert not _tensors_in(back), f"{name} returned a tensor"
+            assert sent < 52 * 8 + 1024 < part_bytes, f"{name} sent {sent} bytes"
+            assert len(pickle.dumps(back)) < 1024
+
+
+def test_whole_block_layouts_share_tier_blocks_with_the_in_process_engine(
+    ckpts, actor_pool, grpc_cache
+):
+    """ep2 ranks hold whole blocks (every layer, every KV head), so they store them under the
+    engine's own keys: blocks the in-process engine wrote load into the replica, and the
+    replica's load back in-process. An ep2xpp2 replica's slices do not (other keys)."""
+    path = ckpts["deepseek_v3"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    first, second, third = prompt(26, 62), prompt(23, 63), prompt(22, 64)
+    writer = build_engine(path, cache=grpc_cache, cache_key_secret=SECRET, **ENGINE_KW)
+    cold = run(writer, {"a": (first, params)})["a"]
+    assert writer.stats()["cache"]["stored"] >= 6
+    engine = replica_engine(ckpts, "deepseek_v3", "ep2", actor_pool, cache=grpc_cache)
+    try:
+        warm = run(engine, {"a": (first, params)})["a"]
+        assert engine.stats()["tier_hits"] == 6 and warm[-1].cached_tokens == 24
+        assert tokens(warm) == tokens(cold)
+        replica_cold = run(engine, {"b": (second, params)})["b"]
+        assert engine.stats()["cache"]["stored"] >= 5
+    finally:
+        engine.runner.shutdown()
+    reader = build_engine(path, cache=grpc_cache, cache_key_secret=SECRET, **ENGINE_KW)
+    back = run(reader, {"b": (second, params)})["b"]
+    assert reader.stats()["tier_hits"] == 5 and tokens(back) == tokens(replica_cold)
+    staged = replica_engine(ckpts, "deepseek_v3", "ep2xpp2", actor_pool, cache=grpc_cache)
+    try:
+        run(staged, {"c": (third, params)})
+        assert staged.stats()["cache"]["stored"] >= 5
+    finally:
+        staged.runner.shutdown()
+    other = build_engine(path, cache=grpc_cache, cache_key_secret=SECRET, **ENGINE_KW)
+    run(other, {"c": (third, params)})
+    assert other.stats()["tier_hits"] == 0
+
+
+def test_a_replica_refuses_a_cache_its_ranks_cannot_reach(ckpts, actor_pool):
     from cache_service.block_key import weights_fingerprint
     from cache_service.namespace import CacheNamespace
     from cache_service.store import TieredCache
+    from cluster.errors import InputError
 
-    path = ckpts["deepseek_v3"]
-    ns = CacheNamespace(model_fingerprint=weights_fingerprint(path), deployment="replica-test")
-    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
-    first, second = prompt(26, 60), prompt(23, 61)
-    with TieredCache.from_urls(["host://"], capacities=[1 << 24], namespace=ns) as cache:
-        writer = build_engine(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
-        cold = run(writer, {"a": (first, params)})["a"]
-        assert writer.stats()["cache"]["stored"] >= 6
-        engine = replica_engine(ckpts, "deepseek_v3", "ep2xpp2", actor_pool, cache=cache)
-        try:
-            warm = run(engine, {"a": (first, params)})["a"]
-            assert engine.stats()["tier_hits"] == 6 and warm[-1].cached_tokens == 24
-            assert tokens(warm) == tokens(cold)
-            assert warm[0].logprobs[0].logprob == pytest.approx(
-                cold[0].logprobs[0].logprob, abs=1e-4
-            )
-            replica_cold = run(engine, {"b": (second, params)})["b"]
-            assert engine.stats()["cache"]["stored"] >= 5
-        finally:
-            engine.runner.shutdown()
-        reader = build_engine(path, cache=cache, cache_key_secret=SECRET, **ENGINE_KW)
-        back = run(reader, {"b": (second, params)})["b"]
-        assert reader.stats()["tier_hits"] == 5 and tokens(back) == tokens(replica_cold)
+    ns = CacheNamespace(model_fingerprint=weights_fingerprint(ckpts["mixtral"]), deployment="x")
+    with (
+        TieredCache.from_urls(["host://"], capacities=[1 << 20], namespace=ns) as cache,
+        pytest.raises(InputError, match=r"a cache_service.client.CacheClient\), not a TieredCache"),
+    ):
+        replica_engine(ckpts, "mixtral", "ep2", actor_pool, cache=cache)
 
 
 def test_compiled_graph_steps_match(ckpts, actor_pool):
@@ -298,8 +437,7 @@ def test_replica_in_placement_group_keeps_stage_timings(ray_session, ckpts):
 
     from actors.executor.placement_group import bundle_nodes
     from actors.executor.replica import EMA_WEIGHT
-    from actors.executor.replica_runner import layout_bundle_specs
-    from placement.bundles import NODE_LABEL
+    from placement.bundles import NODE_LABEL, layout_bundle_specs
     from placement.parallel_dims import parse_layout
 
     dims = parse_layout("ep2xpp2")

@@ -29,6 +29,7 @@ from actors.model.weights import CheckpointIndex
 from placement.parallel_dims import Layout, parse_layout
 from tests.actors.checkpoints import make_tiny_checkpoint
 from tests.actors.engine.test_engine import prompt, run, tokens
+from tests.actors.executor.test_replica_engine import gather_block
 
 pytestmark = pytest.mark.ray
 
@@ -102,8 +103,8 @@ def test_channel_tokens_equal_plain_calls(ray_session, ckpt, reference):
         assert all(n >= 9 for n in served), served  # the steps went through the sockets
         assert all(h["channel_steps"] is None for h in plain.runner.health())
         for block in range(4):
-            a = via_channel.runner.read_block(block)
-            assert a.equal(plain.runner.read_block(block))
+            a = gather_block(via_channel.runner, block)
+            assert a.equal(gather_block(plain.runner, block))
         # A step the worker refuses comes back as a reply (not a fault); the channel stays in step.
         channel = via_channel.runner._channels[1]
         channel.send(bytes(64))

@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (actors/kernels/cpu_attention.py, issue 13): built here at
+"""The CPU paged-attention kernel (actors/kernels/cpu_attention.py): built here at
 first use, it reads the paged cache in place and must give float64 causal attention's values
 over ragged contexts (decode tokens, whole prompts, chunks after a prefix hit, mixed) for every
 head shape and block size, never read a slot past what a token may see, give a token the same

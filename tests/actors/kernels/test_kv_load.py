@@ -1,9 +1,9 @@
-"""Offload round 13's fused load kernels (actors/kernels/kv_load.py) under TRITON_INTERPRET=1: a
-span's verification and paged writes equal the torch form's (verify_rows, the header compare,
+"""The fused load kernels (actors/kernels/kv_load.py) under TRITON_INTERPRET=1: a span's
+verification and paged writes equal the torch form's (verify_rows, the header compare,
 KVCache.write_blocks) for GQA and MLA blocks, good rows and rows broken three ways; through a
-paged store and load (the faked-CUDA loop of test_kv_stage_kernel) with MOE_KV_FUSED_LOAD=1 the
-blocks come back exact; a kernel that writes a wrong word is caught on first use and the torch
-form's results are kept."""
+paged store and load (the faked-CUDA loop of test_kv_stage.py, the fused load switched on as on
+CUDA) the blocks come back exact; a kernel that writes a wrong word is caught on first use and
+the torch form's results are kept."""
 
 from __future__ import annotations
 
@@ -56,9 +56,8 @@ def test_fused_load_span_equals_the_torch_form():
 
 
 LOOP = r"""
-import json, os, torch
+import json, torch
 from contextlib import nullcontext
-os.environ["MOE_KV_FUSED_LOAD"] = "1"
 from actors.kernels import kv_load as kv_load_kernel
 from actors.kv import offload as kv_offload, paged as kv_paged
 from actors.kv.cache import KVCache, KVLayout
@@ -70,6 +69,7 @@ from tests.cache_service.kv_blocks import keys_for
 GQA = KVLayout(mla=False, block_size=16, layer_range=(0, 2), kv_head_range=(0, 2), head_dim=16, dtype=torch.float16)
 IDS = [3, 4, 5, 6, 7, 8, 9, 10, 30, 12, 13, 14, 1, 33, 34, 35]
 kv_offload._on_cuda = lambda src: True
+kv_load_kernel.fused_load_on = lambda device: True  # as on CUDA
 torch.cuda.current_stream = lambda device=None: _FakeStream("cur", [])
 torch.cuda.set_stream = lambda s: None
 torch.cuda.stream = lambda s: nullcontext()

@@ -1,4 +1,4 @@
-"""Offload round 12's fused staging kernel (actors/kernels/kv_stage.py) under TRITON_INTERPRET=1:
+"""The fused staging kernel (actors/kernels/kv_stage.py) under TRITON_INTERPRET=1:
 a paged store through the (faked-CUDA) launch loop stages every piece with the kernel (K and V,
 or MLA's one tensor; ids with runs and out-of-order blocks; a latent row of 160 words, not a
 multiple of the kernel's block) and lands `encode_block`'s rows byte for byte, checksums

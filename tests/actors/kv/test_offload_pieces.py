@@ -1,9 +1,9 @@
-"""Offload round 12 (actors/kv/offload.py, cache_service/tiers/pinned_arena.py): a shaped store
-queues each piece's copy right after its own staging, the arena's rows are freed by their blocks'
-callbacks (no drain backlog for the next store's `take`), the collector is held off during a CUDA
-store. The CUDA launch loop runs on CPU tensors with its streams and events faked (as in
-test_store_tail.py). MOE_KV_R12=0 (the A/B switch) gives round 11's form; both land the same
-rows byte for byte, and a bit flipped in host memory is still caught."""
+"""The store's launch order and the arena's recycling (actors/kv/offload.py,
+cache_service/tiers/pinned_arena.py): a shaped store queues each piece's copy right after its own
+staging, the arena's rows are freed by their blocks' callbacks (no drain backlog for the next
+store's `take`), the collector is held off during a CUDA store or load. The CUDA launch loop runs
+on CPU tensors with its streams and events faked (as in test_store_tail.py). The rows land byte
+for byte, and a bit flipped in host memory is still caught."""
 
 from __future__ import annotations
 
@@ -46,19 +46,16 @@ def _stream_log(monkeypatch, tiers: KVTiers) -> list:
     return log
 
 
-@pytest.mark.parametrize("r12", ["1", "0"], ids=["r12", "r11"])
-def test_each_piece_is_copied_right_after_its_staging(eight_a_piece, monkeypatch, r12):
-    """Round 12: staging and copy alternate piece by piece (8 pieces: 8 rounds); round 11 stages
-    up to STAGING_SLOTS pieces before their copies (rounds [0], [1-4], [5-7]). The same rows."""
-    monkeypatch.setenv("MOE_KV_R12", r12)
+def test_each_piece_is_copied_right_after_its_staging(eight_a_piece, monkeypatch):
+    """Staging and copy alternate piece by piece (8 pieces: 8 rounds); the rows are
+    `encode_block`'s."""
     cache = host_cache(adopt="arena", capacity=1 << 26)
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
     _fake_cuda(monkeypatch, tiers)
     log = _stream_log(monkeypatch, tiers)
     keys, data = keys_for(40, seed=81), blocks(40, seed=81)
     assert tiers.store_many(keys, data) == [True] * 40
-    rounds = 8 if r12 == "1" else 3
-    assert log == ["staging", "copy"] * rounds + ["cur"]
+    assert log == ["staging", "copy"] * 8 + ["cur"]
     for i, key in enumerate(keys):
         row = cache.tiers[0]._blocks[key][0]
         assert bytes(memoryview(row)) == bytes(encode_block(data[i], key=key, checksum="mix64"))
@@ -66,8 +63,9 @@ def test_each_piece_is_copied_right_after_its_staging(eight_a_piece, monkeypatch
     assert torch.equal(tiers.load_many(keys, dtype=torch.float16), data)
 
 
-def test_a_store_that_is_not_shaped_keeps_round_11s_rounds(monkeypatch):
-    """A store of fewer than three full pieces (round 9's plan) keeps the grouped rounds."""
+def test_a_store_that_is_not_shaped_stages_its_pieces_in_groups(monkeypatch):
+    """A store of fewer than three full pieces (full pieces, not shaped) stages the first piece
+    alone, then up to STAGING_SLOTS pieces before their copies."""
     monkeypatch.setattr(kv_offload, "STORE_CHUNK_BYTES", 8 * WIDTH)
     cache = host_cache(adopt="arena", capacity=1 << 26)
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
@@ -78,13 +76,10 @@ def test_a_store_that_is_not_shaped_keeps_round_11s_rounds(monkeypatch):
     assert log == ["staging", "copy", "staging", "copy", "cur"]
 
 
-@pytest.mark.parametrize("r12", ["1", "0"], ids=["r12", "r11"])
-def test_an_evicted_blocks_row_is_free_at_once_and_a_live_one_never(eight_a_piece, monkeypatch,
-                                                                    r12):  # fmt: skip
-    """Round 12: evicting blocks frees their rows in the callbacks (nothing left for `take` to
-    drain); round 11 queues them for `take`. Either way the next store reuses exactly the freed
-    rows and no live block's row, whose bytes stay as they were."""
-    monkeypatch.setenv("MOE_KV_R12", r12)
+def test_an_evicted_blocks_row_is_free_at_once_and_a_live_one_never(eight_a_piece, monkeypatch):
+    """Evicting blocks frees their rows in the callbacks (nothing left for `take` to drain); the
+    next store reuses exactly the freed rows and no live block's row, whose bytes stay as they
+    were."""
     cache = host_cache(adopt="arena", capacity=1 << 26)
     arena = cache.tiers[0].arena
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
@@ -96,10 +91,7 @@ def test_an_evicted_blocks_row_is_free_at_once_and_a_live_one_never(eight_a_piec
     freed = {cache.tiers[0]._blocks[k][0].offset for k in a_keys[1::2]}
     assert cache.evict(a_keys[1::2]) == 20
     marked = int(sum(s.free.sum() for s in arena._slabs)) - free_before
-    if r12 == "1":
-        assert marked == 20 and len(arena._returned) == 0 and len(arena._refs) == 20
-    else:
-        assert marked == 0 and len(arena._returned) == 20
+    assert marked == 20 and len(arena._returned) == 0 and len(arena._refs) == 20
     b_keys, b_data = keys_for(20, seed=84), blocks(20, seed=84)
     assert tiers.store_many(b_keys, b_data) == [True] * 20
     assert {cache.tiers[0]._blocks[k][0].offset for k in b_keys} == freed
@@ -129,12 +121,10 @@ def test_a_closed_arenas_callbacks_touch_only_its_old_slabs():
     assert arena.free_rows(WIDTH) == len(arena._slabs[0].free)
 
 
-@pytest.mark.parametrize("r12", ["1", "0"], ids=["r12", "r11"])
-def test_the_collector_is_held_off_during_the_launches(eight_a_piece, monkeypatch, r12):
-    """Round 12 on (faked) CUDA: no collection can run inside the launch loop (the collector is
-    off there), one gen-0 collection runs where the host would wait for the last copies, and the
-    collector is back on after the call; round 11 leaves it on."""
-    monkeypatch.setenv("MOE_KV_R12", r12)
+def test_the_collector_is_held_off_during_the_launches(eight_a_piece, monkeypatch):
+    """On (faked) CUDA: no collection can run inside the launch loop (the collector is off
+    there), one gen-0 collection runs where the host would wait for the last copies, and the
+    collector is back on after the call."""
     cache = host_cache(adopt="arena", capacity=1 << 26)
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
     _fake_cuda(monkeypatch, tiers)
@@ -152,16 +142,13 @@ def test_the_collector_is_held_off_during_the_launches(eight_a_piece, monkeypatc
     keys, data = keys_for(40, seed=86), blocks(40, seed=86)
     assert gc.isenabled()
     assert tiers.store_many(keys, data) == [True] * 40
-    want = (False, [0]) if r12 == "1" else (True, [])
-    assert (seen[0], collected) == want and gc.isenabled()
+    assert (seen[0], collected) == (False, [0]) and gc.isenabled()
 
 
-@pytest.mark.parametrize("r12", ["1", "0"], ids=["r12", "r11"])
-def test_a_flipped_bit_in_host_memory_is_still_caught(monkeypatch, r12):
-    """The paged store through the round 12 launch loop (faked CUDA), a payload bit flipped in a
-    stored row: the paged load stops at that block (counted corrupt, dropped), the blocks before
-    it exact."""
-    monkeypatch.setenv("MOE_KV_R12", r12)
+def test_a_flipped_bit_in_host_memory_is_still_caught(monkeypatch):
+    """The paged store through the launch loop (faked CUDA), a payload bit flipped in a stored
+    row: the paged load stops at that block (counted corrupt, dropped), the blocks before it
+    exact."""
     monkeypatch.setattr(kv_offload, "STORE_CHUNK_BYTES", 8 * row_width(GQA))
     monkeypatch.setattr(kv_offload, "LOAD_CHUNK_BYTES", 4 * row_width(GQA))
     monkeypatch.setattr(kv_offload, "SMALL_LOAD_BYTES", 8 * row_width(GQA))
@@ -201,12 +188,10 @@ def test_pinned_slabs_are_allocated_from_the_gpus_node(monkeypatch):
         assert os.sched_getaffinity(0) == before
 
 
-@pytest.mark.parametrize("r12", ["1", "0"], ids=["r12", "r11"])
-def test_the_collector_is_held_off_during_a_cuda_load(monkeypatch, r12):
-    """A load bound for CUDA runs its spans with the collector off (round 12; a full collection
-    in a process of many objects would hold the later spans' copies back), back on after, also
-    when the load raises; round 11 leaves it on. A load to the CPU leaves it on."""
-    monkeypatch.setenv("MOE_KV_R12", r12)
+def test_the_collector_is_held_off_during_a_cuda_load(monkeypatch):
+    """A load bound for CUDA runs its spans with the collector off (a full collection in a
+    process of many objects would hold the later spans' copies back), back on after, also when
+    the load raises. A load to the CPU leaves it on."""
     tiers = KVTiers(
         host_cache(adopt="arena", capacity=1 << 26), block_shape=SHAPE, checksum="mix64"
     )
@@ -230,5 +215,5 @@ def test_the_collector_is_held_off_during_a_cuda_load(monkeypatch, r12):
     monkeypatch.setattr(kv_offload, "_load_landed", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         tiers.load_many(keys, dtype=torch.float16)
-    assert holds == (r12 == "1")
-    assert seen == [True, r12 != "1"] and gc.isenabled()
+    assert holds
+    assert seen == [True, False] and gc.isenabled()

@@ -1,8 +1,8 @@
-"""Offload round 11 (actors/kv/paged.py): a store staged straight from the paged cache and a load
-scattered straight into it. The CUDA launch loop runs on CPU tensors with its streams and events
-faked (as in test_store_tail.py); the load's span-by-span scatter runs on the CPU path of the
-MIX64 load (no streams). Every round trip byte for byte; a corrupted row is counted and dropped;
-MOE_KV_PAGED=0 (the A/B switch) gives the same rows through the two-pass form."""
+"""actors/kv/paged.py: a store staged straight from the paged cache and a load scattered straight
+into it. The CUDA launch loop runs on CPU tensors with its streams and events faked (as in
+test_store_tail.py); the load's span-by-span scatter runs on the CPU path of the MIX64 load (no
+streams). Every round trip byte for byte; a corrupted row is counted and dropped; XXH3 takes the
+two-pass form."""
 
 from __future__ import annotations
 
@@ -40,12 +40,10 @@ def row_width(layout: KVLayout) -> int:
 
 
 @pytest.mark.parametrize("layout", [GQA, MLA], ids=["gqa", "mla"])
-@pytest.mark.parametrize("switch", ["1", "0"], ids=["paged", "two_pass"])
-def test_a_store_from_the_paged_cache_lands_encode_blocks_rows(monkeypatch, layout, switch):
+def test_a_store_from_the_paged_cache_lands_encode_blocks_rows(monkeypatch, layout):
     """On (faked) CUDA each piece is staged from the paged K and V (no gather of the whole
-    store: `read_blocks` only ever fills a staging view); MOE_KV_PAGED=0 gathers first. Both
-    land `encode_block`'s rows of `read_blocks(ids)`."""
-    monkeypatch.setenv("MOE_KV_PAGED", switch)
+    store: `read_blocks` only ever fills a staging view), landing `encode_block`'s rows of
+    `read_blocks(ids)`."""
     # Pieces of 8 blocks: a store of 40 blocks is shaped [4, 8, 8, 8, 4, 4, 2, 2].
     monkeypatch.setattr(kv_offload, "STORE_CHUNK_BYTES", 8 * row_width(layout))
     kv = paged(layout, seed=5)
@@ -63,10 +61,7 @@ def test_a_store_from_the_paged_cache_lands_encode_blocks_rows(monkeypatch, layo
     monkeypatch.setattr(KVCache, "read_blocks", spy)
     keys = keys_for(40, seed=51)
     assert kv_paged.store_from(tiers, kv, IDS, keys) == [True] * 40
-    if switch == "1":
-        assert calls == [(k, True) for k in [4, 8, 8, 8, 4, 4, 2, 2]]
-    else:
-        assert calls == [(40, False)]
+    assert calls == [(k, True) for k in [4, 8, 8, 8, 4, 4, 2, 2]]
     for i, key in enumerate(keys):
         row = cache.tiers[0]._blocks[key][0]
         assert bytes(memoryview(row)) == bytes(encode_block(want[i], key=key, checksum="mix64"))
@@ -101,12 +96,10 @@ def test_a_load_into_the_paged_cache_scatters_each_span_after_its_verification(m
     assert torch.equal(dst._stacked["max"], ref._stacked["max"])
 
 
-@pytest.mark.parametrize("switch", ["1", "0"], ids=["paged", "two_pass"])
-def test_a_corrupt_row_ends_the_paged_load_and_is_dropped(monkeypatch, switch):
+def test_a_corrupt_row_ends_the_paged_load_and_is_dropped(monkeypatch):
     """A payload bit flipped in host memory: the load into the paged cache stops there (the
     leading good rows read as one number from the device), counts it and drops it; the blocks
     before it are exact."""
-    monkeypatch.setenv("MOE_KV_PAGED", switch)
     monkeypatch.setattr(kv_offload, "LOAD_CHUNK_BYTES", 2 * row_width(GQA))
     monkeypatch.setattr(kv_offload, "SMALL_LOAD_BYTES", 4 * row_width(GQA))
     src, dst = paged(GQA, seed=8), paged(GQA, seed=9)
@@ -123,20 +116,11 @@ def test_a_corrupt_row_ends_the_paged_load_and_is_dropped(monkeypatch, switch):
     assert tiers.counts["corrupt"] == 1 and cache.contains([keys[7]]) == [False]
 
 
-def test_the_switch_and_the_base_store_fall_back_to_two_passes(monkeypatch):
-    """MOE_KV_PAGED=0, round 9's store (MOE_KV_STORE_BASE=1) and XXH3 take the two-pass form
-    (kv_offload never sees a PagedBlocks); the rows are the same."""
+def test_xxh3_falls_back_to_two_passes(monkeypatch):
+    """XXH3 takes the two-pass form (kv_offload never sees a PagedBlocks)."""
     kv = paged(GQA, seed=10)
-    for env, checksum in [
-        ("MOE_KV_PAGED", "mix64"),
-        ("MOE_KV_STORE_BASE", "mix64"),
-        (None, "xxh3"),
-    ]:
-        with monkeypatch.context() as m:
-            if env:
-                m.setenv(env, "0" if env == "MOE_KV_PAGED" else "1")
-            m.setattr(kv_offload, "store_many", lambda *a: pytest.fail("one-pass store"))
-            m.setattr(kv_offload, "load_many", lambda *a, **k: pytest.fail("one-pass load"))
-            m.setattr(KVTiers, "store_many", lambda self, keys, blocks: ["two"] * len(keys))
-            tiers = KVTiers(host_cache(adopt="arena"), block_shape=SHAPE, checksum=checksum)
-            assert kv_paged.store_from(tiers, kv, [1, 2], keys_for(2)) == ["two", "two"]
+    monkeypatch.setattr(kv_offload, "store_many", lambda *a: pytest.fail("one-pass store"))
+    monkeypatch.setattr(kv_offload, "load_many", lambda *a, **k: pytest.fail("one-pass load"))
+    monkeypatch.setattr(KVTiers, "store_many", lambda self, keys, blocks: ["two"] * len(keys))
+    tiers = KVTiers(host_cache(adopt="arena"), block_shape=SHAPE, checksum="xxh3")
+    assert kv_paged.store_from(tiers, kv, [1, 2], keys_for(2)) == ["two", "two"]

@@ -1,8 +1,8 @@
-"""The store's tail (offload round 10): the piece plan of a large store (a half piece first,
-a half and two quarter pieces last, each of those put alone), the payloads' MIX64 sums added
-into the staging rows' checksum fields on the device (no host add), the round 9 plan behind
-MOE_KV_STORE_BASE=1, and the trace's per-batch points. The CUDA launch loop runs on CPU tensors
-with its streams and events faked (a GPU cannot run here), as in test_tiers_batched.py."""
+"""The store's tail: the piece plan of a large store (a half piece first, a half and two quarter
+pieces last, each of those put alone), the payloads' MIX64 sums added into the staging rows'
+checksum fields on the device (no host add), and the trace's per-batch points. The CUDA launch
+loop runs on CPU tensors with its streams and events faked (a GPU cannot run here), as in
+test_tiers_batched.py."""
 
 from __future__ import annotations
 
@@ -34,13 +34,8 @@ def test_a_large_store_starts_with_a_half_piece_and_ends_with_a_half_and_two_qua
     cuts = piece_bounds(256, 21)
     sizes = [b - a for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
     assert sizes == [10] + [21] * 10 + [16, 10, 5, 5] and cuts[-1] == 256
-    assert piece_bounds(62, 21) is None  # fewer than three full pieces: round 9's plan
+    assert piece_bounds(62, 21) is None  # fewer than three full pieces: full pieces
     assert piece_bounds(256, 7) is None  # pieces too small to quarter
-
-
-def test_the_base_switch_selects_round_9s_plan(monkeypatch):
-    monkeypatch.setenv("MOE_KV_STORE_BASE", "1")
-    assert piece_bounds(256, 21) is None
 
 
 def test_the_last_pieces_are_put_alone():
@@ -66,16 +61,11 @@ def eight_a_piece(monkeypatch):
     monkeypatch.setattr(kv_offload, "STORE_CHUNK_BYTES", 8 * WIDTH)
 
 
-@pytest.mark.parametrize("base", [False, True], ids=["round10", "base"])
-def test_cuda_store_with_device_sums_lands_encode_blocks_rows(eight_a_piece, monkeypatch, base):
-    """Round 10 (sums added on the device, shaped pieces) and the base switch (round 9: sums on
-    the checks stream, added by the host) land the same rows, byte for byte `encode_block`'s;
-    round 10 never takes the host's sums path."""
-    if base:
-        monkeypatch.setenv("MOE_KV_STORE_BASE", "1")
-    else:
-        monkeypatch.setattr(kv_offload, "_payload_sums",
-                            lambda *a: pytest.fail("round 10 sums on the device"))  # fmt: skip
+def test_cuda_store_with_device_sums_lands_encode_blocks_rows(eight_a_piece, monkeypatch):
+    """Sums added on the device, shaped pieces: the rows land byte for byte `encode_block`'s,
+    and the host never sums a payload."""
+    monkeypatch.setattr(kv_offload, "body_mix64",
+                        lambda *a, **k: pytest.fail("payload sums on the host"))  # fmt: skip
     cache = host_cache(adopt="arena", capacity=1 << 26)
     tiers = KVTiers(cache, block_shape=SHAPE, checksum="mix64")
     _fake_cuda(monkeypatch, tiers)
@@ -85,7 +75,7 @@ def test_cuda_store_with_device_sums_lands_encode_blocks_rows(eight_a_piece, mon
         [b - a for a, b, *_ in p]) or real_plan(p, w, alone))  # fmt: skip
     keys, data = keys_for(40, seed=31), blocks(40, seed=31)
     assert tiers.store_many(keys, data) == [True] * 40
-    assert sizes == [[8] * 5] if base else [[4, 8, 8, 8, 4, 4, 2, 2]]
+    assert sizes == [[4, 8, 8, 8, 4, 4, 2, 2]]
     for i, key in enumerate(keys):
         row = cache.tiers[0]._blocks[key][0]
         assert bytes(memoryview(row)) == bytes(encode_block(data[i], key=key, checksum="mix64"))

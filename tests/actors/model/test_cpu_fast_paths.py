@@ -1,4 +1,4 @@
-"""The engine's CPU paths (issue 13, bench/notes/cpu_engine_speed.md): paged attention through
+"""The engine's CPU paths: paged attention through
 SDPA's CPU flash kernel (never the math kernel, which materialises the [heads, n, ctx] scores),
 its three mask forms equal bit for bit, and the routed experts as GEMMs over the busy experts only.
 SDPA is the path where the C kernel is off (`MOE_CPU_ATTENTION_KERNEL=0`, no compiler, MLA,

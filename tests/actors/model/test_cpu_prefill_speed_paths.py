@@ -1,5 +1,5 @@
-"""The CPU prefill paths of issue 13's second round (bench/notes/cpu_engine_speed.md): they must
-give the values of the paths they replace, bit for bit, and really be taken.
+"""The CPU engine's prefill and decode fast paths: they must give the values of the general paths
+they stand in for, bit for bit, and really be taken.
 
 - consecutive fresh GQA prompts of one length attend in one batched causal call over the K/V the
   step just wrote (no gather, no call per sequence);

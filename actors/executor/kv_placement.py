@@ -1,7 +1,6 @@
-"""The Engine over one Ray replica: where each KV block lives across DP ranks, and the factory.
-
-The engine's runner protocol (`actors/executor/runner.py`) is implemented by `actors.executor.replica.Replica`; this
-module holds what it needs on the driver side:
+"""Where each KV block lives across the data-parallel ranks of a replica (`KVPlacement`), and
+which ranks hold distinct slices of a block (`distinct_parts`), on the driver side of
+`actors.executor.replica.Replica`.
 
 - `KVPlacement`: which data-parallel ranks hold valid KV for each global block id, and the DP
   rank (owner) of each sequence of a step. Block tables are global (the same ids on every worker),
@@ -11,19 +10,13 @@ module holds what it needs on the driver side:
   prefixes find their blocks. When a prefix was assembled from blocks computed on different DP
   ranks (two requests with one prefix computed side by side, each registering part of it), the
   missing blocks are copied rank to rank over the collective backend before the forward.
-- `block_parts` / `assemble_block` / `split_block`: a whole-model block (`KVLayout.block_shape` of
-  all layers and KV heads) from/to the parts the ranks store (their stage's layers, their heads).
-- `build_engine(model_dir, layout="ep2xpp2", ...)`: an `Engine` whose runner is a `Replica`.
-
-The tiers store whole-model blocks keyed over layers [0, L) and KV heads [0, H): the same key and
-bytes as the in-process engine, so a block written by one layout is read by any other.
+- `distinct_parts`: of some ranks, one per distinct (layer range, KV-head range) slice: the ranks
+  that store a block's slices to the tiers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
 
 from actors.executor.step import StepInput
 from actors.kv.cache import KVLayout
@@ -109,18 +102,6 @@ class KVPlacement:
         self.holders[dst] = self.holders[src]
 
 
-def part_slices(whole: KVLayout, part: KVLayout) -> tuple[slice, ...]:
-    """Index of `part` (a rank's layers and KV heads) inside a whole-model block.
-
-    Whole block GQA `[layers, 2, block_size, kv_heads, head_dim]`, MLA `[layers, block_size,
-    latent]`; layer and head ranges are global, so the part sits at [l0:l1] (and [h0:h1])."""
-    base = whole.layer_range[0]
-    layers = slice(part.layer_range[0] - base, part.layer_range[1] - base)
-    if whole.mla:
-        return (layers,)
-    return (layers, slice(None), slice(None), slice(*part.kv_head_range))
-
-
 def distinct_parts(parts: Sequence[KVLayout], candidates: Sequence[int]) -> list[int]:
     """Of `candidates` (ranks), the first rank of each distinct (layer range, KV-head range)."""
     seen: set[tuple[tuple[int, int], tuple[int, int]]] = set()
@@ -131,46 +112,3 @@ def distinct_parts(parts: Sequence[KVLayout], candidates: Sequence[int]) -> list
             seen.add(key)
             out.append(rank)
     return out
-
-
-def assemble_block(whole: KVLayout, parts: Sequence[tuple[KVLayout, torch.Tensor]]) -> torch.Tensor:
-    """One whole-model block `whole.block_shape` from rank parts that cover it."""
-    out = torch.zeros(whole.block_shape, dtype=whole.dtype)
-    covered = torch.zeros(whole.block_shape, dtype=torch.bool)
-    for part, data in parts:
-        index = part_slices(whole, part)
-        out[index] = data.to(whole.dtype)
-        covered[index] = True
-    if not bool(covered.all()):
-        raise RuntimeError("the ranks' KV parts do not cover the whole block")
-    return out
-
-
-def layout_bundle_specs(
-    dims,
-    *,
-    name: str,
-    cpus_per_rank: float,
-    gpus_per_rank: float = 0.0,
-    strategy: str = "PACK",
-    extra_resources: dict[str, float] | None = None,
-):
-    """Bundle specs of a layout without a topology (no Plan): one bundle per rank, in rank
-    order, with the worker's CPU/GPU request (plus `extra_resources`, e.g. the Ray resource of
-    a disaggregated pool's worker group) and no node constraint (Ray places the group; PACK
-    keeps it on as few nodes as fit). `dims`: placement.parallel_dims.ParallelDims."""
-    from placement.bundles import Bundle, BundleSpecs
-
-    if cpus_per_rank < 0 or gpus_per_rank < 0 or cpus_per_rank + gpus_per_rank <= 0:
-        raise InputError(
-            f"cpus_per_rank={cpus_per_rank}, gpus_per_rank={gpus_per_rank}: both >= 0, one > 0"
-        )
-    resources = [("CPU", float(cpus_per_rank))]
-    if gpus_per_rank:
-        resources.append(("GPU", float(gpus_per_rank)))
-    resources += [(name, float(amount)) for name, amount in sorted((extra_resources or {}).items())]
-    bundles = tuple(
-        Bundle(rank=r, resources=tuple(resources), label_selector=(), device="")
-        for r in range(dims.world)
-    )
-    return BundleSpecs(name=name, strategy=strategy, bundles=bundles)
