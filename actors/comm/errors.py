@@ -1,4 +1,4 @@
-"""The errors of `actors/comm` (re-exported by `actors.comm.group` and `actors.comm`)."""
+"""The errors of `actors/comm`: a collective that timed out, was aborted, or failed."""
 
 
 class CommError(RuntimeError):

@@ -1,7 +1,7 @@
 """An Engine stepped by a background thread, fed and read from asyncio (`AsyncEngine`).
 
-Imports only the standard library: the engine it steps is handed in (actors/engine/engine.py re-exports
-this class beside Engine).
+Imports only the standard library and the engine's output types: the engine it steps is handed in
+(an `Engine`, a `RecoveringEngine`, or anything with their calls).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.comm.group import CommError
+from actors.comm.errors import CommError
 from cluster.errors import InputError
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from actors.comm.group import CommError, Rendezvous
+from actors.comm.errors import CommError
+from actors.comm.group import Rendezvous
 from actors.executor.protocol import InOrder
 from actors.executor.rank_runner import run_ranks
 from actors.executor.step import StepInput, StepOutput

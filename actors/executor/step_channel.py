@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from actors.comm.group import CommError
+from actors.comm.errors import CommError
 from actors.comm.local_transport import peer_uid, private_socket_path, recv_exact
 
 TOKEN_BYTES = 32

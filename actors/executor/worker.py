@@ -26,15 +26,8 @@ import torch
 
 from actors.comm import local_transport
 from actors.comm.affinity import pin_rank
-from actors.comm.group import (
-    CommAborted,
-    CommError,
-    Group,
-    Rendezvous,
-    destroy_world,
-    init_world,
-    new_axis_group,
-)
+from actors.comm.errors import CommAborted, CommError
+from actors.comm.group import Group, Rendezvous, destroy_world, init_world, new_axis_group
 from actors.comm.pp import PipelineParallel
 from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel

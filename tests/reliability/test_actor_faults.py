@@ -172,7 +172,7 @@ def test_unrebuildable_replica_fails_requests_retryably_then_heals(ckpt, tmp_pat
 
 
 def test_only_worker_faults_are_recovered():
-    from actors.comm.group import CollectiveTimeout
+    from actors.comm.errors import CollectiveTimeout
 
     assert is_worker_fault(CollectiveTimeout("all_to_all did not complete"))
     assert not is_worker_fault(ValueError("a bug"))

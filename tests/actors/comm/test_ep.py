@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.comm import ExpertParallel, Group, Rendezvous, init_world, new_axis_group
+from actors.comm.ep import ExpertParallel
+from actors.comm.group import Group, Rendezvous, init_world, new_axis_group
 from actors.executor.rank_runner import run_ranks
 from placement.parallel_dims import Layout, ParallelDims
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from actors.comm import CollectiveTimeout, CommAborted, CommError, Rendezvous, init_world
-from actors.comm.group import host_store
+from actors.comm.errors import CollectiveTimeout, CommAborted, CommError
+from actors.comm.group import Rendezvous, host_store, init_world
 from actors.executor.rank_runner import run_ranks
 
 SHORT_TIMEOUT_S = 5.0

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.comm import CommError, Rendezvous, init_world
-from actors.comm.group import new_axis_group
+from actors.comm.errors import CommError
+from actors.comm.group import Rendezvous, init_world, new_axis_group
 from actors.executor.rank_runner import run_ranks
 
 

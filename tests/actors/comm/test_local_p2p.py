@@ -9,8 +9,9 @@ import time
 
 import torch
 
-from actors.comm import PipelineParallel, init_world, new_axis_group
+from actors.comm.group import init_world, new_axis_group
 from actors.comm.local_transport import P2PWork
+from actors.comm.pp import PipelineParallel
 from actors.executor.rank_runner import run_ranks
 from placement.parallel_dims import ParallelDims
 

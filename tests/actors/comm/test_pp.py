@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.comm import Group, PipelineParallel, init_world, new_axis_group
+from actors.comm.group import Group, init_world, new_axis_group
+from actors.comm.pp import PipelineParallel
 from actors.executor.rank_runner import run_ranks
 from placement.parallel_dims import ParallelDims
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.comm.group import CommError
+from actors.comm.errors import CommError
 from actors.engine.factory import build_engine
 from actors.engine.recovery import is_worker_fault
 from actors.engine.sampler import SamplingParams

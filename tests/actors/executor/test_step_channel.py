@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.comm.group import CommError
+from actors.comm.errors import CommError
 from actors.engine.engine import Engine
 from actors.engine.factory import build_engine
 from actors.engine.recovery import (

@@ -4,7 +4,7 @@ one process."""
 
 from __future__ import annotations
 
-from actors.comm import Rendezvous
+from actors.comm.group import Rendezvous
 from actors.executor.rank_runner import run_ranks
 from actors.executor.worker import ShardStep, ShardWorker
 from placement.parallel_dims import Layout, parse_layout
