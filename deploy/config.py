@@ -179,6 +179,10 @@ class EngineSection(_Strict):
     backend: Literal["native", "vllm"] = "native"
     """`native`: our engine; `vllm`: vLLM's AsyncLLM in the vLLM venv (deploy/vllm_engine.py).
     `engine: vllm` is short for `engine: {backend: vllm}`."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the engine runs (deploy/device.py): `cuda`, one GPU per rank (the replica, or each
+    ShardWorker, asks Ray for one); `cpu`; `auto`, `cuda` when the Ray cluster `moectl serve`
+    joins has a GPU for every rank of a replica, else `cpu`."""
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int | None = Field(default=None, ge=1)
     """KV blocks per replica; or give kv_memory."""
@@ -435,6 +439,14 @@ def request_router_config(cfg: ServeConfig) -> dict[str, Any] | None:
     }
 
 
+def replica_world(cfg: ServeConfig, role: str = "mixed") -> int:
+    """Ranks of one replica of `role` (a disaggregated pool's layout, or plan's)."""
+    dims = cfg.plan.dims()
+    if role != "mixed":
+        dims = getattr(cfg.disaggregation, role).dims(dims)
+    return 1 if dims is None else dims.world
+
+
 def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
     """The Serve deployment entries of the model: one autoscaled `ModelServer`, or, with
     disaggregation, a `PrefillServer` and a `DecodeServer` pool of fixed sizes."""
@@ -442,6 +454,8 @@ def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
     routing = {} if router is None else {"request_router_config": router}
     if not cfg.disaggregation.enabled:
         options: dict[str, Any] = {"num_cpus": cfg.engine.num_cpus}
+        if cfg.engine.device == "cuda" and cfg.plan.world == 1:  # the engine in this actor
+            options["num_gpus"] = 1
         if cfg.engine.backend == "vllm":  # the replica runs in the vLLM venv's interpreter
             from deploy.vllm_engine import vllm_runtime_env
 
@@ -460,6 +474,8 @@ def model_deployments(cfg: ServeConfig) -> list[dict[str, Any]]:
     for role, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
         pool = getattr(cfg.disaggregation, role)
         options: dict[str, Any] = {"num_cpus": pool.num_cpus}
+        if cfg.engine.device == "cuda" and replica_world(cfg, role) == 1:
+            options["num_gpus"] = 1
         if pool.resources:
             options["resources"] = dict(pool.resources)
         out.append(

@@ -35,7 +35,7 @@ def resolve_model_path(cfg: ServeConfig) -> Path:
 
 
 def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> dict[str, Any]:
-    """Keyword arguments of Engine.from_checkpoint from the serve YAML.
+    """Keyword arguments of `actors.engine.factory.build_engine` from the serve YAML.
 
     `kv_memory` becomes a block count: bytes // (block_size x KV bytes per token of the model,
     placement's ModelSpec, at the compute dtype). A prefill or decode replica takes its pool's
@@ -59,7 +59,19 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
         "max_num_batched_tokens": budget,
         "batch_invariant": e.batch_invariant,
         "role": role,
+        "device": _device(e.device),
     }
+
+
+def _device(requested: str) -> str:
+    """The engine's device in this replica: as `moectl serve` resolved it (deploy/device.py);
+    `auto` left in a config rendered for `serve deploy` runs where this actor is (it asked Ray
+    for no GPU, so `cpu` unless the cluster hands the process one anyway)."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -199,10 +211,12 @@ class ModelServer:
         from placement.bundles import layout_bundle_specs
 
         pool = None if self.role == "mixed" else getattr(self.cfg.disaggregation, self.role)
+        gpus = 1 if kw["device"] == "cuda" else 0  # one GPU per rank, in its bundle
         specs = layout_bundle_specs(
             self.layout,
             name=f"moe-{self.layout.shorthand}-{uuid.uuid4().hex[:12]}",
             cpus_per_rank=WORKER_NUM_CPUS,
+            gpus_per_rank=gpus,
             # a pool's ranks land on its role's worker group, as its replica does
             extra_resources=dict(pool.resources) if pool is not None else None,
         )
@@ -211,6 +225,7 @@ class ModelServer:
             layout=self.layout.shorthand,
             recover=True,
             num_cpus=WORKER_NUM_CPUS,
+            num_gpus=gpus,
             bundles=specs,
             **kw,
         )

@@ -121,6 +121,21 @@ def _start_cache(cfg):
     return server, cache
 
 
+def _with_device(cfg, ray_nodes):
+    """`cfg` with `engine.device` resolved to cuda or cpu (deploy/device.py) for the largest
+    replica it serves."""
+    from deploy.config import replica_world
+    from deploy.device import nodes_of, resolve_device
+
+    roles = ("prefill", "decode") if cfg.disaggregation.enabled else ("mixed",)
+    ranks = max(replica_world(cfg, role) for role in roles)
+    layout = cfg.plan.layout or f"{ranks} ranks"
+    device = resolve_device(cfg.engine.device, nodes_of(ray_nodes), ranks=ranks, layout=layout)
+    if device != cfg.engine.device:
+        _say(f"engine.device: {cfg.engine.device} -> {device}")
+    return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"device": device})})
+
+
 def _run(cfg, address: str | None) -> None:
     import os
 
@@ -142,7 +157,9 @@ def _run(cfg, address: str | None) -> None:
             ray.init(address=address, log_to_driver=False)
         except ConnectionError as exc:
             raise EnvironmentMissing(f"no Ray cluster at --address={address}: {exc}") from None
-        # Step 3: Serve on the configured host/port, then the application.
+        # Step 3: the engine's device against what the cluster has, before any actor starts.
+        cfg = _with_device(cfg, ray.nodes())
+        # Step 4: Serve on the configured host/port, then the application.
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         serve.run(
             build_app(cfg.model_dump(mode="json")),
