@@ -248,7 +248,7 @@ def small_warps_timing(device: torch.device) -> dict[str, Any]:
         return torch.randn(*shape, device=device, generator=g).to(torch.bfloat16)
 
     w, qw, kw = rnd(128, 2048), rnd(128), rnd(128)
-    caches = (rnd(4096, 16, 4, 128), rnd(4096, 16, 4, 128), rnd(4096, 4, 128), rnd(4096, 4, 128))
+    caches = (rnd(4096, 16, 4, 128), rnd(4096, 16, 4, 128))
     calls = {
         "softmax_topk": lambda x: fused.router_softmax_topk(x[0], w, 8, norm_topk_prob=True),
         "qk_rope_write": lambda x: fused.qk_norm_rope_write(

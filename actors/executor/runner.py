@@ -40,7 +40,7 @@ from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
 from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
 from actors.kv import paged
-from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks
+from actors.kv.cache import KVCache, KVLayout, PagedContext
 from actors.kv.tiers import KVTiers
 from actors.model.arch import ArchConfig
 from actors.model.stage import StageModel
@@ -199,7 +199,6 @@ class LocalRunner:
         )
         if isinstance(ctx, MirroredContext):
             mirror.end()
-        self.kv.update_summaries(filled_blocks(step.slot_mapping, self.kv.layout.block_size))
         return logits
 
     def _decodes_fast(self, step: StepInput) -> bool:

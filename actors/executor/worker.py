@@ -35,7 +35,7 @@ from actors.engine.sampler import TokenLogprob, sample
 from actors.executor.runner import keep_freed_memory
 from actors.executor.step import StepInput
 from actors.kv import paged
-from actors.kv.cache import KVCache, KVLayout, PagedContext, filled_blocks, to_device
+from actors.kv.cache import KVCache, KVLayout, PagedContext, to_device
 from actors.kv.tiers import KVTiers
 from actors.model.layers.moe import MoE
 from actors.model.microbatch import (
@@ -557,8 +557,6 @@ class ShardWorker:
                     slot_mapping=slots[on_device],
                 )
                 out = self.model(x, positions[on_device], lens, paged=ctx, logits_rows=logits_rows)
-                size = cache.layout.block_size  # the host's slots: no wait for the device
-                cache.update_summaries(filled_blocks(step.slot_mapping[rows], size))
             self._timings["stage_forward"] += time.perf_counter() - t0
             return out
 

@@ -7,9 +7,7 @@ per (batch, table width) and replay it every later step.
 
 Per layer (`DecodeView`):
 Step 1: write the new token's K/V (MLA: latent) at its slot (index_put, no host sync).
-Step 2: refresh the min/max key summaries of the block each token landed in (a full block's
-        summary is then exactly the one `KVCache.update_summaries` computes).
-Step 3: attention over each sequence's blocks: the Triton flash-decoding kernel when it is
+Step 2: attention over each sequence's blocks: the Triton flash-decoding kernel when it is
         enabled and the shapes suit it, else the torch fallback of the same signature.
 """
 
@@ -50,7 +48,7 @@ class DecodeView:
     index: int
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """Steps 1-2. k [B, KV, D] (MLA: [B, latent]), v like k or None."""
+        """Step 1. k [B, KV, D] (MLA: [B, latent]), v like k or None."""
         c = self.context
         cache = c.cache
         keys = cache.k[self.index]
@@ -58,10 +56,6 @@ class DecodeView:
         if v is not None:
             values = cache.v[self.index]
             values.view(-1, *values.shape[2:])[c.slots] = v.to(values.dtype)
-        blocks = torch.div(c.slots, keys.shape[1], rounding_mode="floor")
-        low, high = torch.aminmax(keys[blocks], dim=1)
-        cache.key_min[self.index][blocks] = low
-        cache.key_max[self.index][blocks] = high
 
     def fused_prologue_suits(self, q: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether `prologue` (one Triton kernel) serves this layer: full-width rotary, power-of-two
@@ -85,7 +79,7 @@ class DecodeView:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """Steps 1-2 fused with q/k RMSNorm and rotary (GQA): q [B, H, D], k/v [B, KV, D] as
+        """Step 1 fused with q/k RMSNorm and rotary (GQA): q [B, H, D], k/v [B, KV, D] as
         projected -> rotated q [B, H, D]; the rotated k and v are written to the cache."""
         c = self.context
         cache = c.cache
@@ -100,7 +94,7 @@ class DecodeView:
             eps,
             cos,
             sin,
-            (cache.k[i], cache.v[i], cache.key_min[i], cache.key_max[i]),
+            (cache.k[i], cache.v[i]),
             c.slots,
         )
 
@@ -112,16 +106,14 @@ class DecodeView:
         kc, vc = c.cache.k[i], c.cache.v[i]
         if c.use_triton and triton_suits(kc) and paged_decode.rope_write_suits(q, k, v, kc):
             qw, kw = norms if norms is not None else (None, None)
-            pro = paged_decode.RopeWrite(
-                k, v, qw, kw, eps, cos, sin, c.cache.key_min[i], c.cache.key_max[i], c.slots
-            )
+            pro = paged_decode.RopeWrite(k, v, qw, kw, eps, cos, sin, c.slots)
             return paged_decode.gqa_decode_triton(
                 q, kc, vc, c.block_tables, c.context_lens, scale, pro=pro
             )
         return self.gqa(self.prologue(q, k, v, norms, eps, cos, sin), scale)
 
     def gqa(self, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Step 3 for GQA: q [B, H, D] -> [B, H, D]."""
+        """Step 2 for GQA: q [B, H, D] -> [B, H, D]."""
         c = self.context
         k, v = c.cache.k[self.index], c.cache.v[self.index]
         if c.use_triton and triton_suits(k):
@@ -131,7 +123,7 @@ class DecodeView:
     def mla(
         self, q_lat: torch.Tensor, scale: float, rank: int, *, q_rot: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Step 3 for MLA in the latent space: q_lat [B, H, R + P] (or [B, H, R] and q_rot
+        """Step 2 for MLA in the latent space: q_lat [B, H, R + P] (or [B, H, R] and q_rot
         [B, H, P] apart) -> [B, H, R]."""
         c = self.context
         cache = c.cache.k[self.index]
@@ -152,12 +144,11 @@ class DecodeView:
         return mla_prologue.suits(q_rot, self.context.cache.k[self.index], rank)
 
     def mla_prologue(self, q_rot, kv, norm, cos, sin, interleave: bool) -> torch.Tensor:
-        """Steps 1-2 for MLA with the rotary and latent norm: q_rot [B, H, P], kv [B, R + P] as
+        """Step 1 for MLA with the rotary and latent norm: q_rot [B, H, P], kv [B, R + P] as
         projected, `norm` the latent's RMSNorm -> rotated q_rot; the cache row is written."""
         c, i = self.context, self.index
-        caches = (c.cache.k[i], c.cache.key_min[i], c.cache.key_max[i])
         return mla_prologue.mla_prologue(
-            q_rot, kv, norm.weight, norm.eps, cos, sin, caches, c.slots, interleave=interleave
+            q_rot, kv, norm.weight, norm.eps, cos, sin, c.cache.k[i], c.slots, interleave=interleave
         )
 
 

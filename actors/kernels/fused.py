@@ -5,8 +5,7 @@ little it does. Here (T tokens, H hidden, E experts, K experts per token, R = T 
 
 - `rms_norm(x, w, eps, residual)`: [residual add +] RMSNorm, float32 statistics (+ x + residual).
 - `qk_norm_rope_write(...)`: one kernel per decode step and layer: q/k per-head RMSNorm, rotary
-  (halves convention), the new K/V written at their slots, and the min/max key summary of the
-  block each token landed in (over the whole block, the new row included).
+  (halves convention), the new K/V written at their slots.
 - `qk_norm_rope(q, k, ...)`: the same q/k RMSNorm + rotary for many tokens (a prompt), no write.
 - `router_softmax_topk(x, w, k, norm)`: float32 router logits, softmax, top-k, renormalisation.
 - `dispatch_plan(ids, k, E, routed_counts)`: one program: per-expert counts (added to
@@ -39,14 +38,6 @@ ROUTER_TILES = {"small": (2, 2048, 4), "mid": (2, 2048, 4), "large": (2, 2048, 4
 """(experts per program, hidden columns a step, num_warps) of the router logits kernel for up to
 4 tokens, up to 16, and beyond (the fastest of six on the H200 at 1, 8 and 32 tokens: a whole
 2048-wide row of two experts per program); the benchmark times candidates and may retune."""
-NORM_IN_ROUTER = [True]
-"""A decode step's post-attention RMSNorm (and residual add) inside the router logits kernel
-where the MoE takes it (`norm_in_router`). On the H200 (Qwen3 device ms, one process):
-1 x 1K 2.81 -> 2.74-2.75, 1 x 8K 3.25 -> 3.18-3.20, 32 x 1K unchanged."""
-COMBINE_EARLY = [True]
-"""`combine(settled=True)` reads pos and weights before the PDL wait. On the H200 (Qwen3 device
-ms, three runs): 1 x 1K 2.653-2.670 -> 2.637-2.646, 1 x 8K 2.853-2.862 -> 2.834-2.843,
-32 x 1K unchanged within noise."""
 SMALL_WARPS = {"softmax_topk": 1, "qk_rope_write": 1}
 """num_warps of two latency-bound decode kernels (a top-k over 128 values is 16 reductions: with
 one warp they need no shared memory). One warp is the fastest of 1/2/4/8 on the H200 (rope
@@ -106,11 +97,11 @@ if triton_available():
 
     @triton.jit
     def _qk_rope_write(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr,
-                       kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, eps, q_stride, k_stride,
-                       v_stride, H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
-                       D: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        # Program (b, 0) rotates token b's queries; (b, 1) writes its K/V and the block summary
-        # (two short programs side by side instead of one long one).
+                       kc_ptr, vc_ptr, slots_ptr, eps, q_stride, k_stride, v_stride,
+                       H: tl.constexpr, H_PAD: tl.constexpr, KV: tl.constexpr, KV_PAD: tl.constexpr,
+                       D: tl.constexpr, HAS_NORM: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+        # Program (b, 0) rotates token b's queries; (b, 1) writes its K/V (two short programs
+        # side by side instead of one long one).
         gdc_enter(GDC)
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, D)
@@ -130,22 +121,10 @@ if triton_available():
             g = tl.arange(0, KV_PAD)
             gm = (g < KV)[:, None]
             slot = tl.load(slots_ptr + b)
-            blk = slot // BS
-            off = slot % BS
             row = g[:, None] * D + d[None, :]
             tl.store(kc_ptr + slot * KV * D + row, k, mask=gm)
             v = tl.load(v_ptr + b * v_stride + row, mask=gm, other=0.0)
             tl.store(vc_ptr + slot * KV * D + row, v.to(vc_ptr.dtype.element_ty), mask=gm)
-            # The block's summary over all BS rows, the new row taken from registers (not re-read).
-            t = tl.arange(0, BS)
-            keys = tl.load(
-                kc_ptr + blk * BS * KV * D + t[:, None, None] * KV * D + row[None, :, :],
-                mask=gm[None, :, :],
-                other=0.0,
-            )
-            keys = tl.where((t == off)[:, None, None], k[None, :, :], keys)
-            tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0), mask=gm)
-            tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0), mask=gm)
 
     @triton.jit
     def _qk_rope(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, eps,
@@ -393,24 +372,24 @@ def qk_norm_rope_write(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """One decode token per row. q [B, H, D], k/v [B, KV, D], cos/sin [B, D/2], caches =
-    (k_cache, v_cache [N, BS, KV, D], key_min, key_max [N, KV, D]), slots [B] int64.
-    Writes K/V and the block summaries; returns the rotated q [B, H, D]."""
-    k_cache, v_cache, key_min, key_max = caches
+    (k_cache, v_cache [N, BS, KV, D]), slots [B] int64. Writes K/V at their slots; returns the
+    rotated q [B, H, D]."""
+    k_cache, v_cache = caches
     b, h, d = q.shape
-    kv, bs = k.shape[1], k_cache.shape[1]
+    kv = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     has_norm = q_weight is not None
     q, k, v = _heads_rows(q), _heads_rows(k), _heads_rows(v)
     _qk_rope_write[(b, 2)](
         q, k, v,
         q_weight if has_norm else q, k_weight if has_norm else q,
-        cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, key_min, key_max, slots, eps,
+        cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, slots, eps,
         q.stride(0), k.stride(0), v.stride(0), H=h, H_PAD=_pow2(h), KV=kv, KV_PAD=_pow2(kv),
-        D=d, BS=bs, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"], **pdl_kwargs(q, "qk_rope_write"),
+        D=d, HAS_NORM=has_norm, num_warps=SMALL_WARPS["qk_rope_write"], **pdl_kwargs(q, "qk_rope_write"),
     )  # fmt: skip
     return q_out
 
@@ -500,13 +479,11 @@ def _router_size(t: int) -> str:
 
 
 def norm_in_router(x: torch.Tensor) -> bool:
-    """Whether `router_logits(norm=...)` serves x [T, H]: NORM_IN_ROUTER on, Triton on x's
-    device, the row in one weight tile."""
-    return (
-        NORM_IN_ROUTER[0]
-        and use_triton(x)
-        and _pow2(x.shape[-1]) <= ROUTER_TILES[_router_size(x.shape[0])][1]
-    )
+    """Whether `router_logits(norm=...)` serves x [T, H]: Triton on x's device, the row in one
+    weight tile. The post-attention RMSNorm (and residual add) inside the logits kernel: on the
+    H200 (Qwen3 device ms, one process) 1 x 1K 2.81 -> 2.74-2.75, 1 x 8K 3.25 -> 3.18-3.20,
+    32 x 1K unchanged."""
+    return use_triton(x) and _pow2(x.shape[-1]) <= ROUTER_TILES[_router_size(x.shape[0])][1]
 
 
 def dispatch_plan(
@@ -547,7 +524,9 @@ def combine(
 ) -> torch.Tensor:
     """y_sorted [R, H], pos [T, K] (row of pair (t, k)), weights [T, K] -> [T, H] in y's dtype:
     residual[t] + sum_k weights[t, k] * rows[pos[t, k]]. `settled`: pos and weights were final
-    before the kernel ahead of this one began (`COMBINE_EARLY`: read before the PDL wait).
+    before the kernel ahead of this one began, so they are read before the PDL wait (on the
+    H200, Qwen3 device ms: 1 x 1K 2.653-2.670 -> 2.637-2.646, 1 x 8K 2.853-2.862 ->
+    2.834-2.843, 32 x 1K unchanged within noise).
 
     rows = y_sorted, or with `y_rest` [R', H] the rows of y_sorted followed by those of y_rest
     (row R + i is y_rest[i]) without building that concatenation: the EP combine reads the rows
@@ -566,7 +545,7 @@ def combine(
     _combine[(t, triton.cdiv(hid, block))](
         y_sorted.contiguous(), rest, y_sorted.shape[0], pos.contiguous(), weights.contiguous(),
         res, out, hid, K=k, HAS_RES=residual is not None, HAS_REST=y_rest is not None,
-        BLOCK=block, EARLY=int(settled and COMBINE_EARLY[0]), K_PAD=max(2, _pow2(k)),
+        BLOCK=block, EARLY=int(settled), K_PAD=max(2, _pow2(k)),
         **pdl_kwargs(out, "combine"),
     )  # fmt: skip
     return out

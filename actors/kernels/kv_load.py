@@ -1,16 +1,15 @@
-"""A load span's checks and paged writes in three Triton kernels instead of ~35 torch launches
-(the inverse of `kv_stage_kernel`).
+"""A load span's checks and paged writes in three Triton kernels instead of some 30 torch
+launches (the inverse of `kv_stage_kernel`).
 
 A MIX64 load (actors/kv/offload.py `_load_landed`) verifies each landed span on the device and
 writes it into the paged cache: `verify_rows` (~20 element-wise launches), the header compare
-(~4) and `KVCache.write_blocks` (~10). Issued as torch ops, the host's launches per span take
+(~4) and `KVCache.write_blocks`. Issued as torch ops, the host's launches per span take
 about as long as the span's copies, so the copy engine waits for the host. Here, per span:
 
 - `_scatter_sum`, program (row r, layer l, part p) of the K (then V) stacked tensor: BLOCK payload
   words of row r's layer l copied to block ids[r] (word j of the payload: (l * n_kv + kv) *
   chunk + offset, `KVCache.read_blocks`' layout), mixed as `cache_service.mix64` does at position
-  HEADER_WORDS + j and summed into sums[r] (an atomic add modulo 2^64); the K program of part 0
-  also writes the block's min/max key summary (over its BS rows, from the row's elements).
+  HEADER_WORDS + j and summed into sums[r] (an atomic add modulo 2^64).
 - `_row_verdict`, program r: the header's own MIX64 plus sums[r] against the stored checksum, the
   reserved word zero, the kind byte MIX64, the first HEADER_WORDS words equal to the expected
   header: verdict[r].
@@ -58,10 +57,8 @@ if triton is not None:
         return x * M2
 
     @triton.jit
-    def _scatter_sum(rows, elems, ids, dst, mins, maxs, sums, row_words, gap, first, chunk, n_kv,
-                     kv, stride_l, stride_n, row_elems, gap_elems, chunk_elems, m_stride_l,
-                     m_stride_n, P, M1, M2, BLOCK: tl.constexpr, BS: tl.constexpr, REST,
-                     REST_PAD: tl.constexpr, SUMMARY: tl.constexpr):  # fmt: skip
+    def _scatter_sum(rows, ids, dst, sums, row_words, gap, first, chunk, n_kv, kv, stride_l,
+                     stride_n, P, M1, M2, BLOCK: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         layer = tl.program_id(1).to(tl.int64)
         part = tl.program_id(2)
@@ -73,15 +70,6 @@ if triton is not None:
         tl.store(dst + layer * stride_l + b * stride_n + offs, w, mask=mask)
         x = tl.where(mask, _mix(w, j + first, P, M1, M2), 0)
         tl.atomic_add(sums + r, tl.sum(x, axis=0))
-        if SUMMARY and part == 0:
-            t = tl.arange(0, BS)
-            c = tl.arange(0, REST_PAD)
-            cm = c < REST
-            at = elems + r * row_elems + gap_elems + layer * n_kv * chunk_elems
-            keys = tl.load(at + t[:, None] * REST + c[None, :], mask=cm[None, :], other=0.0)
-            where = layer * m_stride_l + b * m_stride_n + c
-            tl.store(mins + where, tl.min(keys, 0), mask=cm)
-            tl.store(maxs + where, tl.max(keys, 0), mask=cm)
 
     @triton.jit
     def _row_verdict(rows, raw, want, sums, verdict, row_words, row_bytes, kind_at, kind, P, M1,
@@ -100,7 +88,7 @@ if triton is not None:
 
 
 def write_rows(kv, ids: Sequence[int], rows: torch.Tensor) -> None:
-    """Encoded rows [k, width] (their payloads) into paged blocks `ids` (summaries refreshed)."""
+    """Encoded rows [k, width] (their payloads) into paged blocks `ids`."""
     layout = kv.layout
     data = rows[:, HEADER_BYTES:].view(layout.dtype).view(rows.shape[0], *layout.block_shape)
     kv.write_blocks(ids, data)
@@ -132,14 +120,9 @@ class FusedLoad:
         self._torch(a, rows, want, verdict)  # first use: both forms, compared
         ids = self.ids[a : a + rows.shape[0]]
         good, blocks = verdict.clone(), self.kv.read_blocks(ids)
-        summaries = [self.kv._stacked[n][:, ids].clone() for n in ("min", "max")]
         try:
             self._fused(a, rows, want, verdict)
             same = torch.equal(verdict, good) and torch.equal(self.kv.read_blocks(ids), blocks)
-            same = same and all(
-                torch.equal(self.kv._stacked[n][:, ids], s)
-                for n, s in zip(("min", "max"), summaries, strict=True)
-            )
         except Exception as exc:  # a kernel that does not build here: the torch form
             log.warning("fused KV load failed (%r); loading with torch ops", exc)
             same = False
@@ -156,25 +139,16 @@ class FusedLoad:
 
     def _fused(self, a: int, rows: torch.Tensor, want: torch.Tensor, verdict: torch.Tensor):
         k = rows.shape[0]
-        kv, dtype = self.kv, self.kv.layout.dtype
         flat = rows.view(torch.int64)
-        elems = rows.view(dtype)
         ids = self.ids_dev[a : a + k]
         sums = torch.zeros(k, dtype=torch.int64, device=rows.device)
-        mins, maxs = kv._stacked["min"], kv._stacked["max"]
-        bs = kv.layout.block_size
         chunk = self.tensors[0].shape[2]
-        item = dtype.itemsize
-        chunk_elems, rest = chunk * 8 // item, mins[0, 0].numel()
         consts = (_signed(MIX_P), _signed(MIX_M1), _signed(MIX_M2))
         gap = HEADER_BYTES // 8
         for kv_i, dst in enumerate(self.tensors):
             _scatter_sum[(k, dst.shape[0], triton.cdiv(chunk, BLOCK))](
-                flat, elems, ids, dst, mins, maxs, sums, flat.stride(0), gap, HEADER_WORDS, chunk,
-                len(self.tensors), kv_i, dst.stride(0), dst.stride(1), elems.stride(0),
-                HEADER_BYTES // item, chunk_elems, mins.stride(0), mins.stride(1), *consts,
-                BLOCK=BLOCK, BS=bs, REST=rest, REST_PAD=triton.next_power_of_2(rest),
-                SUMMARY=kv_i == 0,
+                flat, ids, dst, sums, flat.stride(0), gap, HEADER_WORDS, chunk, len(self.tensors),
+                kv_i, dst.stride(0), dst.stride(1), *consts, BLOCK=BLOCK,
             )  # fmt: skip
         expect = want[:, : HEADER_WORDS * 8].contiguous().view(torch.int64)
         _row_verdict[(k,)](

@@ -1,12 +1,11 @@
 """MLA's decode prologue in one kernel: rotary queries, the normalised latent and rotated shared
-key written to the paged cache, and the block's key summary.
+key written to the paged cache.
 
 Per decode token the torch form runs two `apply_rotary` (six element-wise passes and a
-concatenation each), the latent RMSNorm, a concatenation, the cache write (an index_put), and the
-summary refresh (a gather, an aminmax, two index_puts): ~23 launches a layer, each ~1.5-3 us on an
-H200 whatever it does. Here program (b, 0) rotates token b's H rotary query parts; program (b, 1)
-normalises its latent, rotates its shared key, writes the row [latent R | key P] at its slot and
-refreshes the min/max summary of that block over all its rows (the new one from registers).
+concatenation each), the latent RMSNorm, a concatenation and the cache write (an index_put),
+each launch ~1.5-3 us on an H200 whatever it does. Here program (b, 0) rotates token b's H rotary
+query parts; program (b, 1) normalises its latent, rotates its shared key and writes the row
+[latent R | key P] at its slot.
 
 Rotary layout: as `actors.model.layers.rope.apply_rotary`: pairs are the halves (x_i, x_{i+P/2}), or
 with `interleave` the neighbours (x_{2i}, x_{2i+1}), the result de-interleaved (rotated firsts,
@@ -44,10 +43,10 @@ if fused.triton_available():
         return tl.where((d < half)[None, :], a * c - z * s, z * c + a * s)
 
     @jit
-    def _mla_prologue(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, qo_ptr, c_ptr, kmin_ptr, kmax_ptr,
-                      slots_ptr, eps, stride_qb, stride_qh, stride_kvb,
+    def _mla_prologue(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, qo_ptr, c_ptr, slots_ptr, eps,
+                      stride_qb, stride_qh, stride_kvb,
                       H: tl.constexpr, H_PAD: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
-                      P_PAD: tl.constexpr, BS: tl.constexpr, INTERLEAVE: tl.constexpr):  # fmt: skip
+                      P_PAD: tl.constexpr, INTERLEAVE: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, P_PAD)
         dm = d < P
@@ -66,24 +65,9 @@ if fused.triton_available():
                         INTERLEAVE)  # fmt: skip
             k = tl.sum(k, 0).to(c_ptr.dtype.element_ty)  # the one row (the padding row is 0)
             slot = tl.load(slots_ptr + b)
-            blk = slot // BS
-            off = slot % BS
             row = c_ptr + slot * (R + P)
             tl.store(row + r, lat)
             tl.store(row + R + d, k, mask=dm)
-            # The block's summary over all BS rows, the new row from registers (not re-read).
-            t = tl.arange(0, BS)
-            rows = c_ptr + blk * BS * (R + P) + t[:, None] * (R + P)
-            lats = tl.load(rows + r[None, :])
-            lats = tl.where((t == off)[:, None], lat[None, :], lats)
-            rots = tl.load(rows + R + d[None, :], mask=dm[None, :], other=0.0)
-            rots = tl.where((t == off)[:, None], k[None, :], rots)
-            summary = kmin_ptr + blk * (R + P)
-            tl.store(summary + r, tl.min(lats, 0))
-            tl.store(summary + R + d, tl.min(rots, 0), mask=dm)
-            summary = kmax_ptr + blk * (R + P)
-            tl.store(summary + r, tl.max(lats, 0))
-            tl.store(summary + R + d, tl.max(rots, 0), mask=dm)
 
 
 def suits(q_rot: torch.Tensor, cache: torch.Tensor, rank: int) -> bool:
@@ -110,24 +94,22 @@ def mla_prologue(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    caches: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cache: torch.Tensor,
     slots: torch.Tensor,
     *,
     interleave: bool,
 ) -> torch.Tensor:
     """One decode token per row. q_rot [B, H, P] (a view into the projected queries), kv [B, R + P]
-    (kv_a's output: latent, shared rotary key), cos/sin [B, P/2], caches = (cache [N, BS, R + P],
-    key_min, key_max [N, R + P]), slots [B] int64. Returns the rotated queries [B, H, P]."""
-    cache, key_min, key_max = caches
+    (kv_a's output: latent, shared rotary key), cos/sin [B, P/2], cache [N, BS, R + P], slots [B]
+    int64. Returns the rotated queries [B, H, P]."""
     b, h, p = q_rot.shape
     rank = kv.shape[-1] - p
     q_out = torch.empty(b, h, p, dtype=q_rot.dtype, device=q_rot.device)
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     _mla_prologue[(b, 2)](
-        q_rot, kv, norm_weight, cos.contiguous(), sin.contiguous(), q_out, cache, key_min,
-        key_max, slots, eps, q_rot.stride(0), q_rot.stride(1), kv.stride(0), H=h,
-        H_PAD=fused._pow2(h), R=rank, P=p, P_PAD=max(2, fused._pow2(p)), BS=cache.shape[1],
-        INTERLEAVE=interleave, num_warps=PROLOGUE_WARPS[0],
+        q_rot, kv, norm_weight, cos.contiguous(), sin.contiguous(), q_out, cache, slots, eps,
+        q_rot.stride(0), q_rot.stride(1), kv.stride(0), H=h, H_PAD=fused._pow2(h), R=rank, P=p,
+        P_PAD=max(2, fused._pow2(p)), INTERLEAVE=interleave, num_warps=PROLOGUE_WARPS[0],
     )  # fmt: skip
     return q_out
 
@@ -135,4 +117,4 @@ def mla_prologue(
 ENABLED = [True]
 """Cleared by `gpu_checks.mla_check` when the kernel fails its check on the device."""
 PROLOGUE_WARPS = [4]
-"""num_warps of `_mla_prologue` (the summary program reads a [BS, R + P] block)."""
+"""num_warps of `_mla_prologue`."""

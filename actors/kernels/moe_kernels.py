@@ -22,18 +22,6 @@ EXPERT_TILES = {
 routed rows ("small") and beyond ("large"); the benchmark times candidates and may retune."""
 
 
-DOWN_GEMV = [False]
-"""One token: the down projection by `_moe_down_gemv` (weights in registers, loaded while the
-gate/up kernel still runs when PDL is on) instead of `_moe_down`. Off: on the H200 it makes
-Qwen3's batch-1 step 0.14 ms slower (device 3.08 vs 2.94 ms; 3.15 without its early reads): the
-register-tile GEMV streams the 25 MB worse than `_moe_down`'s pipelined tiles."""
-DOWN_GEMV_TILE = (16, 4)
-"""(hidden rows a program, num_warps) of `_moe_down_gemv`."""
-SILU_MUL = [True]
-"""The grouped-GEMM experts (prefill) take silu(gate) * up in one Triton pass (`silu_mul`)
-instead of two torch element-wise kernels (the benchmark times both)."""
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -42,7 +30,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from actors.kernels.gemv import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_kwargs
+    from actors.kernels.gemv import gdc_enter, pdl_kwargs
 
     @triton.jit
     def _silu_mul(gu_ptr, out_ptr, R, stride, INTER: tl.constexpr, I_PAD: tl.constexpr,
@@ -77,13 +65,9 @@ if triton_available():
     @triton.jit
     def _moe_gate_up(x_ptr, src_ptr, offs_ptr, w_ptr, h_ptr, E, N_ROWS: tl.constexpr, HID: tl.constexpr,
                      INTER: tl.constexpr, E_PAD: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr = False,
-                     TRIGGER: tl.constexpr = False):  # fmt: skip
+                     BN: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr = False):  # fmt: skip
         """h[r] = silu(gate_e x[src[r]]) * (up_e x[src[r]]) for the rows of one busy expert e and
-        BN intermediate columns: the expert's weights are read once for all its rows. TRIGGER
-        (launched without PDL): let the next kernel (`_moe_down_gemv`) launch at once."""
-        if TRIGGER:
-            gdc_launch_dependents()
+        BN intermediate columns: the expert's weights are read once for all its rows."""
         gdc_enter(GDC)
         ex, start, end, valid = _expert_slot(offs_ptr, tl.program_id(0), E, E_PAD)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -141,36 +125,6 @@ if triton_available():
                     tl.store(y_ptr + rows[:, None] * HID + n[None, :],
                              acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])  # fmt: skip
 
-    @triton.jit
-    def _moe_down_gemv(h_ptr, offs_ptr, w_ptr, y_ptr, E, N_ROWS: tl.constexpr, HID: tl.constexpr,
-                       INTER: tl.constexpr, I_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                       BN: tl.constexpr, GDC: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
-        """`_moe_down` for one token (each busy expert holds its rows, one unless ids repeat):
-        program (p, j) loads BN rows of the p-th busy expert's down weights into registers, then
-        y[r] = w h[r] for that expert's rows. EARLY (PDL on, the gate/up kernel before it launched
-        without PDL and triggering at its start): the dispatch plan, which finished before the
-        gate/up kernel began, and the weights are read before `gdc_wait`, so the weight reads
-        overlap the gate/up kernel; h, which that kernel writes, only after."""
-        if GDC:
-            gdc_launch_dependents()
-            if not EARLY:
-                gdc_wait()
-        ex, start, end, valid = _expert_slot(offs_ptr, tl.program_id(0), E, E_PAD)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nm = n < HID
-        k = tl.arange(0, I_PAD)
-        km = k < INTER
-        w = tl.load(w_ptr + ex.to(tl.int64) * (HID * INTER) + n[:, None] * INTER + k[None, :],
-                    mask=nm[:, None] & km[None, :], other=0.0)  # fmt: skip
-        if GDC and EARLY:
-            gdc_wait()
-        if valid:
-            for m in range(0, N_ROWS):
-                if start + m < end:
-                    hr = tl.load(h_ptr + (start + m) * INTER + k, mask=km, other=0.0)
-                    acc = tl.sum(w.to(tl.float32) * hr.to(tl.float32)[None, :], 1)
-                    tl.store(y_ptr + (start + m) * HID + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
-
 
 def moe_experts_suit(x: torch.Tensor, rows: int, w_gate_up: torch.Tensor) -> bool:
     """`moe_experts` serves this: Triton on, a decode-sized batch, contiguous stacked weights, and
@@ -212,20 +166,10 @@ def moe_experts(
     bm, bn, bk, warps, stages = tiles["gate_up"]
     bk_g = min(bk, max(16, _pow2(hid)))
     gate_pdl, down_pdl = pdl_kwargs(x, "moe_gate_up"), pdl_kwargs(x, "moe_down")
-    one = DOWN_GEMV[0] and x.shape[0] == 1
-    early = one and down_pdl["GDC"] and not gate_pdl["GDC"]
     _moe_gate_up[(slots, triton.cdiv(inter, bn))](
         x.contiguous(), src, offsets, w_gate_up, h, e, N_ROWS=max(bm, _pow2(r)), HID=hid, INTER=inter,
-        E_PAD=_pow2(e), BM=bm, BN=bn, BK=bk_g, num_warps=warps, num_stages=stages, TRIGGER=early,
-        **gate_pdl,
+        E_PAD=_pow2(e), BM=bm, BN=bn, BK=bk_g, num_warps=warps, num_stages=stages, **gate_pdl,
     )  # fmt: skip
-    if one:
-        bn, warps = DOWN_GEMV_TILE
-        _moe_down_gemv[(slots, triton.cdiv(hid, bn))](
-            h, offsets, w_down.contiguous(), y, e, N_ROWS=_pow2(r), HID=hid, INTER=inter,
-            I_PAD=_pow2(inter), E_PAD=_pow2(e), BN=bn, EARLY=early, num_warps=warps, **down_pdl,
-        )  # fmt: skip
-        return y
     bm, bn, bk, warps, stages = tiles["down"]
     bk_d = min(bk, max(16, _pow2(inter)))
     _moe_down[(slots, triton.cdiv(hid, bn))](
@@ -238,7 +182,7 @@ def moe_experts(
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [R, 2I] (gate columns, then up; rows may be strided) -> silu(gate) * up [R, I]: one
     read of gu and one write, where torch's silu then mul read and write the gate's size twice
-    more. Needs `use_triton(gu)`."""
+    more (the grouped-GEMM experts of a prefill). Needs `use_triton(gu)`."""
     r, two_i = gu.shape
     inter = two_i // 2
     out = torch.empty(r, inter, dtype=gu.dtype, device=gu.device)

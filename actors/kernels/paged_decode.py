@@ -125,22 +125,14 @@ if triton_available():
     from actors.kernels.gemv import gdc_enter, gdc_launch_dependents, gdc_wait, pdl_kwargs
 
     @triton.jit
-    def _write_new(kc_ptr, vc_ptr, kmin_ptr, kmax_ptr, slots_ptr, k, v, b, g,
-                   KV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
-        """The new token of sequence b, KV head g (k, v [1, D] in the cache's dtype): written at
-        its slot, and the block's min/max key summary over its BS rows (the new row from
-        registers, not re-read)."""
+    def _write_new(kc_ptr, vc_ptr, slots_ptr, k, v, b, g, KV: tl.constexpr, D: tl.constexpr):
+        """The new token of sequence b, KV head g (k, v [1, D] in the cache's dtype), written at
+        its slot."""
         d = tl.arange(0, D)
         slot = tl.load(slots_ptr + b)
-        blk = slot // BS
         row = g * D + d
-        t = tl.arange(0, BS)
-        keys = tl.load(kc_ptr + blk * BS * KV * D + t[:, None] * KV * D + row[None, :])
         tl.store(kc_ptr + slot * KV * D + row[None, :], k)
         tl.store(vc_ptr + slot * KV * D + row[None, :], v)
-        keys = tl.where((t == slot % BS)[:, None], k, keys)
-        tl.store(kmin_ptr + blk * KV * D + row, tl.min(keys, 0))
-        tl.store(kmax_ptr + blk * KV * D + row, tl.max(keys, 0))
 
     @triton.jit
     def _kv_tile(k_ptr, v_ptr, bt_row, pos, hi, g, d, stride_kn, stride_kt, stride_kh,
@@ -177,7 +169,7 @@ if triton_available():
         BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
         GDC: tl.constexpr = False,
         pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
-        kmin_ptr=None, kmax_ptr=None, slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
+        slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
         KV: tl.constexpr = 1, PRO: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
         EARLY: tl.constexpr = 0,
     ):  # fmt: skip
@@ -186,12 +178,15 @@ if triton_available():
         REP query heads of KV head g. Scores in base 2 (qk_scale includes log2 e).
         PRO: q, k, v are the step's raw projections; each program norms and rotates its REP
         query heads and the new key itself and takes the new token's K/V row from registers;
-        an extra program per (b, g), s == S, writes that row and the block summary
-        (`_write_new`) off the others' path: the separate rotary/write kernel is gone.
-        EARLY (`KV_BEFORE_WAIT`): the context length, the block table and the first tile's K/V
-        rows are read before the PDL wait (nothing in this step writes them: the host sets
-        the first two before the graph, and the row this step adds is never read from the
-        cache), so their dependent loads overlap the projection kernel before this one."""
+        an extra program per (b, g), s == S, writes that row (`_write_new`) off the others'
+        path: the separate rotary/write kernel is gone.
+        EARLY (where each program has one tile): the context length, the block table and the
+        first tile's K/V rows are read before the PDL wait (nothing in this step writes them:
+        the host sets the first two before the graph, and the row this step adds is never read
+        from the cache), so their dependent loads overlap the projection kernel before this one.
+        On the H200 (Qwen3 device ms) 1 x 1K 2.69-2.72 -> 2.65-2.66; with several tiles a program
+        the peeled first tile costs more than it saves (1 x 8K 2.84 -> 3.07, 32 x 1K 15.3 ->
+        15.6), so those keep the plain loop."""
         if EARLY:
             if GDC:
                 gdc_launch_dependents()
@@ -220,8 +215,7 @@ if triton_available():
                                D, HAS_NORM).to(k_ptr.dtype.element_ty)  # fmt: skip
             v_new = tl.load(pv_ptr + b * stride_pvb + g * D + d)[None, :].to(v_ptr.dtype.element_ty)
             if s == S:
-                _write_new(k_ptr, v_ptr, kmin_ptr, kmax_ptr, slots_ptr, k_new, v_new, b, g, KV, D,
-                           BS)  # fmt: skip
+                _write_new(k_ptr, v_ptr, slots_ptr, k_new, v_new, b, g, KV, D)
             q = _norm_rope(q_ptr + g * REP * D, qw_ptr, cos_ptr, sin_ptr, b, eps, stride_qb,
                            REP, REP_PAD, D, HAS_NORM).to(k_ptr.dtype.element_ty)  # fmt: skip
         else:
@@ -404,26 +398,18 @@ def mla_decode_triton(
     return out
 
 
-KV_BEFORE_WAIT = [True]
-"""Where each program has one tile, the decode attention's partial kernel reads the context
-length, block table and that tile's K/V before the PDL wait (`_gqa_partial(EARLY=1)`). On the
-H200 (Qwen3 device ms): 1 x 1K 2.69-2.72 -> 2.65-2.66; with several tiles a program the peeled
-first tile costs more than it saves (1 x 8K 2.84 -> 3.07, 32 x 1K 15.3 -> 15.6), so those keep
-the plain loop."""
-ROPE_IN_PARTIAL = [True]
-"""CUDA decode steps: the q/k norm, rotary and K/V write run inside the attention's partial
-kernel (`RopeWrite`) instead of a kernel of their own (the benchmark times both)."""
 ROPE_IN_PARTIAL_MAX_BATCH = 4
-"""Up to this many sequences (on the H200: Qwen3 1 x 1K -0.14 ms a step; at 32 x 1K the rotary
-inside the partial kernel is 1.5 ms slower, the batch's own rotary kernel being cheap per
-sequence)."""
+"""CUDA decode steps of up to this many sequences run the q/k norm, rotary and K/V write inside
+the attention's partial kernel (`RopeWrite`) instead of a kernel of their own (on the H200:
+Qwen3 1 x 1K -0.14 ms a step; at 32 x 1K the rotary inside the partial kernel is 1.5 ms slower,
+the batch's own rotary kernel being cheap per sequence)."""
 
 
 @dataclass(frozen=True)
 class RopeWrite:
     """What `gqa_decode_triton(pro=...)` needs to start from the raw projections: k, v [B, KV, D]
     (heads contiguous within each row), the per-head RMSNorm weights (or None), eps,
-    cos/sin [B, D/2], the block summaries [N, KV, D] and the new tokens' slots [B] int64."""
+    cos/sin [B, D/2] and the new tokens' slots [B] int64."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -432,18 +418,15 @@ class RopeWrite:
     eps: float
     cos: torch.Tensor
     sin: torch.Tensor
-    key_min: torch.Tensor
-    key_max: torch.Tensor
     slots: torch.Tensor
 
 
 def rope_write_suits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache) -> bool:
-    """q [B, H, D], k, v [B, KV, D] with each row's heads contiguous (the stacked projection's
-    column slices are used in place), a contiguous cache."""
+    """q [B, H, D] (B at most ROPE_IN_PARTIAL_MAX_BATCH), k, v [B, KV, D] with each row's heads
+    contiguous (the stacked projection's column slices are used in place), a contiguous cache."""
     d = q.shape[-1]
     return (
-        ROPE_IN_PARTIAL[0]
-        and q.shape[0] <= ROPE_IN_PARTIAL_MAX_BATCH
+        q.shape[0] <= ROPE_IN_PARTIAL_MAX_BATCH
         and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k, v))
         and k_cache.is_contiguous()
         and k.dtype == v.dtype == q.dtype
@@ -482,9 +465,9 @@ def gqa_decode_triton(
         extra = dict(
             pk_ptr=pro.k, pv_ptr=pro.v, qw_ptr=pro.q_weight if has_norm else q,
             kw_ptr=pro.k_weight if has_norm else q, cos_ptr=pro.cos.contiguous(),
-            sin_ptr=pro.sin.contiguous(), kmin_ptr=pro.key_min, kmax_ptr=pro.key_max,
-            slots_ptr=pro.slots, eps=pro.eps, stride_pkb=pro.k.stride(0), stride_pvb=pro.v.stride(0),
-            KV=kv, PRO=True, HAS_NORM=has_norm,
+            sin_ptr=pro.sin.contiguous(), slots_ptr=pro.slots, eps=pro.eps,
+            stride_pkb=pro.k.stride(0), stride_pvb=pro.v.stride(0), KV=kv, PRO=True,
+            HAS_NORM=has_norm,
         )  # fmt: skip
     else:
         q = q.contiguous()
@@ -495,7 +478,7 @@ def gqa_decode_triton(
         block_tables.stride(0), scale * LOG2E,
         H=h, REP=rep, REP_PAD=max(16, triton.next_power_of_2(rep)), D=d, BS=bs,
         TILE=tile, PER_SPLIT=per, S=s, num_warps=warps, num_stages=stages,
-        EARLY=int(KV_BEFORE_WAIT[0] and per == 1), **pdl_kwargs(q, "gqa_partial"), **extra,
+        EARLY=int(per == 1), **pdl_kwargs(q, "gqa_partial"), **extra,
     )  # fmt: skip
     _gqa_merge[(b * h,)](
         acc,

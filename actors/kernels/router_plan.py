@@ -18,13 +18,12 @@ import torch
 from actors.kernels import fused
 from actors.kernels.gemv import pdl_kwargs
 
-ROUTER_PLAN = [True]
-"""Switch of the fused routing + plan (the benchmark times both)."""
 ROUTER_PLAN_WARPS = [1]
 """num_warps of the top-k/plan program (one warp: its reductions need no shared memory; 4 were
 0.05 ms a step slower on the H200)."""
 ROUTER_PLAN_MAX_TOKENS = 4
-"""Tokens a step it serves (one program does every token's top-k and the plan)."""
+"""Tokens a step it serves (one program does every token's top-k and the plan); larger steps
+take `fused.router_softmax_topk` and `fused.dispatch_plan`."""
 
 if fused.triton_available():
     import triton
@@ -58,7 +57,7 @@ if fused.triton_available():
 
 def router_plan_suits(x: torch.Tensor, k: int) -> bool:
     """Triton on for x's device, at most ROUTER_PLAN_MAX_TOKENS tokens."""
-    return ROUTER_PLAN[0] and fused.use_triton(x) and 0 < x.shape[0] <= ROUTER_PLAN_MAX_TOKENS
+    return fused.use_triton(x) and 0 < x.shape[0] <= ROUTER_PLAN_MAX_TOKENS
 
 
 def router_plan(

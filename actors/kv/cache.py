@@ -9,11 +9,6 @@ Layout (DESIGN.md, `KVBlock`), one tensor per layer of the stage:
 
 A token's slot is `block_id * block_size + offset`; a sequence's block table lists its blocks in
 order, so token j of the sequence lives in slot `table[j // block_size] * block_size + j % block_size`.
-
-Per-block key summaries (for block-sparse attention: a query q bounds its score against every key
-of a block by sum(max(q * min, q * max))) are the element-wise min and max over the block's
-tokens: GQA `[num_blocks, kv_heads, head_dim]`, MLA `[num_blocks, kv_lora_rank + rope_dim]`. They
-are recomputed when a block fills (its last slot is written) or is loaded from the tiers.
 """
 
 from __future__ import annotations
@@ -98,7 +93,7 @@ class KVLayout:
 
 
 class KVCache:
-    """The stage's paged KV tensors and key summaries (see the module docstring for shapes)."""
+    """The stage's paged KV tensors (see the module docstring for shapes)."""
 
     def __init__(
         self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
@@ -112,12 +107,10 @@ class KVCache:
         tok = (layout.latent_dim,) if layout.mla else (layout.kv_heads, layout.head_dim)
         # Each dict's tensors are views of one stacked tensor [layers, ...] (layer j of the
         # stage at index j), so many blocks of every layer move in one kernel
-        # (read_blocks / write_blocks / update_summaries); each view is contiguous.
+        # (read_blocks / write_blocks); each view is contiguous.
         self._stacked = {
             "k": torch.zeros(len(layers), n, b, *tok, **kw),
             "v": None if layout.mla else torch.zeros(len(layers), n, b, *tok, **kw),
-            "min": torch.zeros(len(layers), n, *tok, **kw),
-            "max": torch.zeros(len(layers), n, *tok, **kw),
         }
 
         def views(name: str) -> dict[int, torch.Tensor]:
@@ -125,7 +118,6 @@ class KVCache:
             return {} if whole is None else {i: whole[j] for j, i in enumerate(layers)}
 
         self.k, self.v = views("k"), views("v")
-        self.key_min, self.key_max = views("min"), views("max")
 
     @property
     def device(self) -> torch.device:
@@ -188,15 +180,6 @@ class KVCache:
         table = torch.tensor([row + [0] * (nblk - len(row)) for row in rows], dtype=torch.int64)
         return to_device(table, self.device)
 
-    def update_summaries(self, block_ids: Sequence[int]) -> None:
-        """Recompute the min/max key summaries of `block_ids` in every layer (one gather and
-        two reductions over all layers)."""
-        if not block_ids:
-            return
-        keys = self._take("k", block_ids)  # [layers, n, block_size, ...]
-        self._put("min", block_ids, keys.amin(dim=2))
-        self._put("max", block_ids, keys.amax(dim=2))
-
     def _index(self, block_ids: Sequence[int]) -> slice | torch.Tensor:
         """`block_ids` as a slice when they are consecutive, else an int64 index on the device."""
         ids = [int(i) for i in block_ids]
@@ -254,8 +237,7 @@ class KVCache:
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         """Fill blocks `block_ids` of every layer from `data` [n, *layout.block_shape] (any
-        device, any strides); refreshes their summaries. One copy of K and one of V over all
-        layers, the summaries reduced from `data` itself."""
+        device, any strides). One copy of K and one of V over all layers."""
         if tuple(data.shape) != (len(block_ids), *self.layout.block_shape):
             raise InputError(
                 f"KV blocks of shape {tuple(data.shape)}; expected "
@@ -269,17 +251,15 @@ class KVCache:
         self._put("k", block_ids, keys.transpose(0, 1))
         if not self.layout.mla:
             self._put("v", block_ids, data[:, :, 1].transpose(0, 1))
-        self._put("min", block_ids, keys.amin(dim=2).transpose(0, 1))
-        self._put("max", block_ids, keys.amax(dim=2).transpose(0, 1))
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Block `dst` of every layer becomes a copy of block `src` (keys, values, summaries)."""
+        """Block `dst` of every layer becomes a copy of block `src` (keys and values)."""
         for whole in self._stacked.values():
             if whole is not None:
                 whole[:, dst] = whole[:, src]
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Fill one block of every layer from `data` (`layout.block_shape`); refreshes its summaries."""
+        """Fill one block of every layer from `data` (`layout.block_shape`)."""
         if tuple(data.shape) != self.layout.block_shape:
             raise InputError(
                 f"KV block of shape {tuple(data.shape)}; this stage stores {self.layout.block_shape}"
@@ -290,7 +270,6 @@ class KVCache:
             else:
                 self.k[i][block_id] = data[j, 0].to(self.k[i])
                 self.v[i][block_id] = data[j, 1].to(self.v[i])
-        self.update_summaries([block_id])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,10 +316,6 @@ class PagedContext:
     def layer(self, index: int) -> LayerKV:
         return LayerKV(context=self, index=index)
 
-    def filled_blocks(self) -> list[int]:
-        """Blocks whose last slot was written this step (their summaries need refreshing)."""
-        return filled_blocks(self.slot_mapping, self.cache.layout.block_size)
-
 
 @dataclass(frozen=True, kw_only=True)
 class LayerKV:
@@ -365,16 +340,6 @@ class LayerKV:
 
     def gather_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.context.gather_batch(self.index)
-
-
-def filled_blocks(slot_mapping: torch.Tensor, block_size: int) -> list[int]:
-    """Blocks whose last slot `slot_mapping` writes. Pass the host copy of the slots: a CUDA
-    tensor makes the host wait for every kernel queued before the read."""
-    if slot_mapping.device.type == "cpu":  # numpy on its memory: ~4 torch calls fewer a step
-        slots = slot_mapping.numpy()
-        return sorted(set((slots[slots % block_size == block_size - 1] // block_size).tolist()))
-    full = slot_mapping[(slot_mapping % block_size) == block_size - 1] // block_size
-    return sorted(set(full.tolist()))
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -407,7 +407,6 @@ def rank_entries(capture: LayoutCapture, stages: Sequence | None) -> tuple[dict,
                         m["weights"], plan.weights if plan else None, WEIGHTS_TOLERANCE
                     ),
                     "kv_cache": _within(m["kv_cache"], kv_pred, KV_TOLERANCE),
-                    "kv_summaries": {"measured": m.get("kv_summaries", 0)},
                     "activations": {
                         "measured": m.get("activations_peak"),
                         "predicted": plan.activations if plan else None,

@@ -56,7 +56,7 @@ class RankReport:
     op_latency_s: dict[str, float]
     """Seconds per operator kind summed over the rank's layers (norm, attention, router, ...)."""
     memory_bytes: dict[str, int]
-    """weights, buffers, kv_cache (paged K/V of `kv_blocks` blocks), kv_summaries, activations_peak."""
+    """weights, buffers, kv_cache (paged K/V of `kv_blocks` blocks), activations_peak."""
     kv_tokens: int
     """Tokens the allocated KV region holds (kv_blocks x block size)."""
     routed: dict[int, list[int]]
@@ -186,9 +186,6 @@ def capture_rank(
         )
         cache = KVCache(kv_layout, kv_blocks)
         memory["kv_cache"] = cache.nbytes
-        memory["kv_summaries"] = sum(
-            t.numel() * t.element_size() for t in (*cache.key_min.values(), *cache.key_max.values())
-        )
         del cache
         c = worker.coord
         return {

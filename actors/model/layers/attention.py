@@ -143,8 +143,9 @@ def paged_attend(
     ):
         # Fresh prompts of one length (a benchmark batch, equal prefill chunks): one batched
         # causal call instead of one per sequence (the host issued ~10 ops a sequence a layer);
-        # GQA's KV heads read as they are (no repeated copy of K and V).
-        if grouped and GQA_PREFILL[0]:
+        # GQA's KV heads read as they are (`enable_gqa`, no copy repeated to every query head:
+        # ~0.15 ms a layer of Qwen3's 8K prefill on the H200).
+        if grouped:
             return _fresh_causal(q, *written, lens.pop(), scale, gqa=True)
         return _fresh_causal(q, *expand(*written), lens.pop(), scale)
     outs = []
@@ -169,11 +170,6 @@ def paged_attend(
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 
 
-GQA_PREFILL = [True]
-"""CUDA fresh prompts: SDPA reads GQA's KV heads as they are (`enable_gqa`) instead of a copy
-repeated to every query head (~0.15 ms a layer of Qwen3's 8K prefill on the H200)."""
-BATCHED_DECODE = [True]
-"""Switch of the one-call decode attention on CPU (`_batched_decode`), for tests and benches."""
 BATCHED_DECODE_PADDING = 2.0
 """At most this many padded context slots per real one (ragged batches run per sequence)."""
 
@@ -182,7 +178,7 @@ def _batched_decode_suits(q: torch.Tensor, paged: LayerKV, window: int | None) -
     """A CPU decode step of several sequences (one new token each, no sliding window) whose
     contexts are close enough in length that padding them to the longest costs little."""
     lens = paged.context_lens
-    if not BATCHED_DECODE[0] or q.is_cuda or window is not None or len(lens) < 2:
+    if q.is_cuda or window is not None or len(lens) < 2:
         return False
     if any(n != 1 for n in paged.query_lens):
         return False
@@ -251,7 +247,7 @@ def _cpu_paged_attend(
             )
             start, seq = rows.stop, stop
             continue
-        if grouped and window is None and n == 1 and BATCHED_DECODE[0]:
+        if grouped and window is None and n == 1:
             # Step 2: a run of decode tokens (a mixed step's), one padded call
             stop = seq + 1
             while stop < count and paged.query_lens[stop] == 1:
@@ -370,8 +366,6 @@ def _split_heads(heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return tp_rank * local, local
 
 
-FUSE_QKV = [True]
-"""Switch of the stacked q/k/v projection on CUDA decode steps (GQAAttention._qkv)."""
 CPU_STACKED_QKV_TOKENS = [256]
 """CPU steps of at most this many tokens take GQAAttention._cpu_prologue (0: none)."""
 
@@ -497,7 +491,7 @@ class GQAAttention(nn.Module):
         One token: the Triton GEMV, whose weight reads start before the kernels ahead of it end
         (PDL on sm90, `actors.kernels.gemv`)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not (decode and x.is_cuda and FUSE_QKV[0] and x.shape[0] <= 64):
+        if not (decode and x.is_cuda and x.shape[0] <= 64):
             return tuple(p(x) for p in projs)
         key = tuple((p.weight.data_ptr(), p.weight._version) for p in projs)
         cached = self.__dict__.get("_qkv_cache")

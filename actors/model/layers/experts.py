@@ -48,7 +48,7 @@ def grouped_swiglu(
             offsets = torch.cumsum(counts, 0).to(torch.int32)
         try:
             gu = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets)
-            if moe_kernels.SILU_MUL[0] and use_triton(gu) and gu.stride(1) == 1:
+            if use_triton(gu) and gu.stride(1) == 1:  # silu(gate) * up in one pass
                 h = moe_kernels.silu_mul(gu)
             else:
                 gate, up = gu.chunk(2, -1)
@@ -152,14 +152,17 @@ def _padded_into_pairs(
     bit (each output row is its input row's products, the batched shapes are the same).
 
     Where at least a quarter of the experts have no pair (small batches: batch 1 hits 2 of 8),
-    the products run over the hit experts' weights only, gathered first (PADDED_HIT_ONLY): the
-    padded products would read every expert's weights; each hit expert's problem keeps its
-    shape, so its rows are the same bit for bit."""
+    the products run over the hit experts' weights only, gathered first: the padded products
+    would read every expert's weights; each hit expert's problem keeps its shape, so its rows
+    are the same bit for bit. On a 2-core CPU (8 experts of 256 -> 128, weights not in cache,
+    us a layer, all experts / hit only): 2 hit, 1 row each 281 / 98; 4 hit 242 / 149; 6 hit,
+    2 rows 288 / 234; the side by side's model's batch-1 decode step 5.73 -> 4.63 and 4.82 ->
+    3.35 ms (each pair in one process)."""
     cap, (r, h) = max(sizes), (order.shape[0], w_down.shape[1])
     if r == 0:
         return x.new_empty(0, h)
     hit = [j for j, n in enumerate(sizes) if n]
-    if PADDED_HIT_ONLY[0] and 4 * len(hit) <= 3 * len(sizes):
+    if 4 * len(hit) <= 3 * len(sizes):
         ids = torch.tensor(hit)
         w_gate_up, w_down = _take(w_gate_up, ids), _take(w_down, ids)
         sizes = [sizes[j] for j in hit]
@@ -192,13 +195,6 @@ PADDED_MAX_PAIRS = 256
 batched product over rows padded to the busiest expert's count (`swiglu_padded`): fewer calls
 than a product per expert, which decide at these sizes (measured on the 2-core CPU box, 8 experts of 256 -> 128,
 2 threads: 128 pairs 0.54 vs 0.70 ms a layer, 256 pairs 0.48 vs 0.60; 512 pairs 4.7 vs 2.4)."""
-
-PADDED_HIT_ONLY = [True]
-"""Whether `_padded_into_pairs` runs its products over the hit experts only (a test turns it off
-to compare with every expert). On a 2-core CPU (8 experts of 256 -> 128, weights not in cache,
-us a layer, all experts / hit only): 2 hit, 1 row each 281 / 98; 4 hit 242 / 149; 6 hit, 2 rows
-288 / 234; the side by side's model's batch-1 decode step 5.73 -> 4.63 and 4.82 -> 3.35 ms (each
-pair in one process)."""
 
 
 def grouped_mm_suits(x: torch.Tensor, w_gate_up: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3): the dense, paged and decode forms of
 `actors.model.layers.attention` (see its docstring), the decode form in the latent space with its
-prologue (rotary, latent norm, cache write, block summary) in one kernel where Triton serves it.
+prologue (rotary, latent norm, cache write) in one kernel where Triton serves it.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class MLAttention(nn.Module):
         # Step 2: the shared latent and the shared rotary key.
         kv = self.kv_a_proj_with_mqa(x)
         if isinstance(paged, DecodeView) and paged.mla_prologue_suits(q_rot, a.kv_lora_rank):
-            # decode, one kernel: rotary q and key, latent norm, cache row and block summary
+            # decode, one kernel: rotary q and key, latent norm, cache row
             q_rot = paged.mla_prologue(q_rot, kv, self.kv_a_layernorm, cos, sin, a.rope.interleave)
             return self._out(self._absorbed(q_nope, q_rot, paged), t)
         latent, k_rot = kv.split([a.kv_lora_rank, rope], dim=-1)

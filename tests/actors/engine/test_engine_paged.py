@@ -87,16 +87,9 @@ def test_paged_chunked_logits_match_transformers(case):
     path, seqs, ref = case
     runner = LocalRunner.from_checkpoint(path)
     plans = [_chunks(37, (13, 9)), _chunks(30, (5, 16))]
-    ours, tables = teacher_forced(runner, seqs, plans)
+    ours, _ = teacher_forced(runner, seqs, plans)
     for o, r in zip(ours, ref, strict=True):
         assert _rel(o, r) < TOL
-    # Key summaries of the full blocks equal the min/max of what the blocks hold.
-    kv = runner.kv
-    for seq, table in zip(seqs, tables, strict=True):
-        for block in table[: len(seq) // 4]:
-            for layer in kv.k:
-                assert torch.equal(kv.key_min[layer][block], kv.k[layer][block].amin(0))
-                assert torch.equal(kv.key_max[layer][block], kv.k[layer][block].amax(0))
 
 
 def test_a_wrong_block_table_breaks_alignment(case):

@@ -3,7 +3,6 @@
 - `RowSampling.of` fills the frozen row's fields directly (no per-field object.__setattr__);
 - `sample` of all-greedy rows without logprobs is one argmax for the batch, no per-row loop
   (the same tokens: the shortcut is not observable beyond them);
-- `filled_blocks` of a host slot mapping works on its numpy view;
 - the decode mirror appends the K/V each layer just wrote (`MirroredContext.write`), not read
   back from the paged cache, at rows computed once a step.
 """
@@ -17,7 +16,6 @@ import torch
 
 from actors.engine import sampler
 from actors.engine.sampler import RowSampling, SamplingParams, sample
-from actors.kv.cache import filled_blocks
 
 
 def test_row_of_params_equals_the_constructed_row_and_stays_frozen():
@@ -47,16 +45,6 @@ def test_rows_with_logprobs_or_temperature_still_take_the_loop():
     assert tokens[:2] == logits[:2].argmax(-1).tolist()
     assert lps[0] is None and lps[1].token_id == tokens[1] and len(lps[1].top) == 2
     assert tokens[2] == sampler.sample_row(logits[2], hot)
-
-
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_filled_blocks_of_host_slots_equal_the_tensor_formula(block_size):
-    gen = torch.Generator().manual_seed(block_size)
-    slots = torch.randint(0, 40 * block_size, (300,), generator=gen)
-    slots = torch.cat([slots, slots[:7]])  # repeats: each block once
-    full = slots[(slots % block_size) == block_size - 1] // block_size
-    assert filled_blocks(slots, block_size) == sorted(set(full.tolist()))
-    assert filled_blocks(slots[:0], block_size) == []
 
 
 def _mirror_step_selects(ckpt, *, write_through: bool, monkeypatch) -> tuple[int, torch.Tensor]:

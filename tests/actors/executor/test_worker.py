@@ -122,27 +122,3 @@ def test_pipeline_microbatches_only_where_stages_can_overlap():
     assert pipeline_microbatches(2, by_dp, stages_overlap=False) == 1
     assert pipeline_microbatches(2, [[0], []], stages_overlap=True) == 1
     assert core_per_rank(1) and not core_per_rank(100_000)
-
-
-def test_execute_refreshes_the_summaries_of_the_blocks_it_filled(mixtral):
-    """An engine step through `ShardWorker.execute`: the blocks whose last slot the step wrote
-    (read from the host's slots) get fresh key summaries; a block left partly filled does not."""
-    from actors.executor.worker import ShardStep
-    from tests.actors.kernels.test_decode import _step
-
-    path, _ = mixtral
-    worker = ShardWorker(layout=_layout("single"), rank=0, checkpoint_dir=path)
-    worker.allocate_kv(16, 4)
-    kv = worker.kv
-    for layer in kv.k:
-        kv.key_min[layer].fill_(7.0)
-    tables = [[3, 9, 5], [6, 1, 12]]
-    seqs = [list(range(1, 10)), list(range(20, 27))]  # 9 tokens (2 full blocks), 7 (1 full)
-    step = _step(seqs, [9, 7], tables, 4)
-    out = worker.execute(ShardStep(step=step, owners=(0, 0)))
-    assert out.rows == (0, 1)
-    for layer in kv.k:
-        for block in (3, 9, 6):
-            assert torch.equal(kv.key_min[layer][block], kv.k[layer][block].amin(0))
-        for block in (5, 1):  # partly filled: not refreshed yet
-            assert bool((kv.key_min[layer][block] == 7.0).all())

@@ -2,7 +2,8 @@
 sequence decodes one token gathers all contexts at once (padded, masked) instead of one
 attention call per sequence. It must give the per-sequence path's results: the same greedy
 tokens and log-probabilities within float32 reordering, for GQA and MLA, and it must really be
-taken (a step of ragged contexts falls back, a batch-invariant engine never takes it). These
+taken (a step of ragged contexts falls back, a batch-invariant engine never takes it); the
+per-sequence reference is every batch treated as ragged (`BATCHED_DECODE_PADDING` 0). These
 are the paths where the C decode kernel cannot be built: it is switched off here
 (tests/actors/kernels/test_cpu_paged_attention.py tests the kernel).
 """
@@ -40,7 +41,8 @@ def generate(ckpt, *, batched: bool, calls: list | None = None):
             calls.append(1)
         return original(*args, **kw)
 
-    attention.BATCHED_DECODE[0] = batched
+    padding = attention.BATCHED_DECODE_PADDING
+    attention.BATCHED_DECODE_PADDING = padding if batched else 0.0
     attention._batched_decode = counted
     cpu_attention.ENABLED[0] = False
     try:
@@ -48,7 +50,7 @@ def generate(ckpt, *, batched: bool, calls: list | None = None):
             for o in engine.step():
                 outs.setdefault(o.request_id, []).append(o)
     finally:
-        attention.BATCHED_DECODE[0] = True
+        attention.BATCHED_DECODE_PADDING = padding
         cpu_attention.ENABLED[0] = True
         attention._batched_decode = original
     return outs

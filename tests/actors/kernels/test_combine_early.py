@@ -1,6 +1,6 @@
-"""The MoE combine reading pos and weights before the PDL wait (`fused.combine(settled=True)`,
-`COMBINE_EARLY`, round 16 of issue #8) under TRITON_INTERPRET=1: the same sums as the plain
-form and the torch reference, with K not a power of two, two row sources and a residual."""
+"""The MoE combine reading pos and weights before the PDL wait (`fused.combine(settled=True)`)
+under TRITON_INTERPRET=1: the same sums as the plain form and the torch reference, with K not a
+power of two, two row sources and a residual."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ SCRIPT = """
 import json, torch
 from actors.kernels import fused
 torch.manual_seed(5)
-fused.COMBINE_EARLY[0] = True
 out = []
 for t, k, hid, split in ((1, 8, 64, None), (3, 3, 40, 5), (2, 2, 96, None)):
     rows = torch.randn(t * k, hid)

@@ -2,7 +2,8 @@
 new token each, beside prompt chunks in the same step) runs as one padded SDPA call
 (`attention._decode_run`) instead of one gather and one call per sequence; it must give the
 per-sequence results within float32 reordering, masked when the contexts differ in length.
-The SDPA forms are what runs where the C decode kernel cannot be built: it is off here.
+The SDPA forms are what runs where the C decode kernel cannot be built: it is off here. The
+per-sequence reference is every run treated as ragged (`BATCHED_DECODE_PADDING` 0).
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ def _attend(paged, q, *, runs: bool):
         calls.append(args[3] - args[2])
         return original(*args)
 
-    attention.BATCHED_DECODE[0] = runs
+    padding = attention.BATCHED_DECODE_PADDING
+    attention.BATCHED_DECODE_PADDING = padding if runs else 0.0
     attention._decode_run = counted
     cpu_attention.ENABLED[0] = False
     try:
         out = attention.paged_attend(q, paged, expand, scale=0.25, grouped=True)
     finally:
-        attention.BATCHED_DECODE[0] = True
+        attention.BATCHED_DECODE_PADDING = padding
         cpu_attention.ENABLED[0] = True
         attention._decode_run = original
     return out, calls

@@ -1,8 +1,7 @@
 """The few-token projection GEMV (actors/kernels/gemv.py) under TRITON_INTERPRET=1 against
 x @ w.T (+ bias): tiles that load the whole K before the (CPU-disabled) dependency wait and tiles
 that load part of it after, column counts that are no multiple of the tile, strided rows, fresh
-random inputs; every column of the output is compared. Also the one-token expert down
-projection GEMV (actors/kernels/moe_kernels.py, off by default) against the grouped experts."""
+random inputs; every column of the output is compared."""
 
 from __future__ import annotations
 
@@ -48,31 +47,3 @@ def test_gemv_matches_the_matrix_product():
     assert res["suits"] == [True, False, False, False], res["suits"]
     # the CPU never launches with PDL (the interpreter cannot run griddepcontrol)
     assert res["pdl"] == {"GDC": False}, res["pdl"]
-
-
-DOWN_SCRIPT = """
-import json, torch
-from actors.kernels import fused, moe_kernels
-from actors.model.layers.experts import grouped_swiglu
-from actors.model.layers.moe import expert_counts
-torch.manual_seed(1)
-out = []
-moe_kernels.DOWN_GEMV[0] = True
-# one token: distinct top-k ids (one row per busy expert), a repeated id (two rows), and an
-# intermediate size that is no power of two (the kernel pads and masks it)
-for k, e, hd, inter, ids in ((8, 16, 64, 48, None), (4, 12, 40, 24, [[3, 3, 5, 0]])):
-    x = torch.randn(1, hd); wgu = torch.randn(e, 2 * inter, hd); wd = torch.randn(e, hd, inter)
-    ids = torch.randperm(e)[:k][None] if ids is None else torch.tensor(ids)
-    flat = ids.reshape(-1)
-    src, pos, offs = fused.dispatch_plan(flat, k, e, torch.zeros(e, dtype=torch.int64))
-    y = moe_kernels.moe_experts(x, src, offs, wgu, wd)
-    ref = grouped_swiglu(x[src], expert_counts(flat, e), wgu, wd)
-    out.append(float((y - ref).abs().max() / ref.abs().max()))
-print(json.dumps(out))
-"""
-
-
-@needs_triton
-def test_one_token_down_gemv_matches_the_grouped_experts():
-    errs = run_interpreted(DOWN_SCRIPT)
-    assert len(errs) == 2 and all(err < 1e-5 for err in errs), errs

@@ -1,6 +1,6 @@
 """MLA's fused decode prologue (actors/kernels/mla_prologue.py) under TRITON_INTERPRET=1 against
 the torch form: apply_rotary (both pair conventions), the latent RMSNorm, the cache row at its
-slot, and the block summaries over whole blocks; and the MLA kernel fed q_rot apart."""
+slot (no other row touched); and the MLA kernel fed q_rot apart."""
 
 from __future__ import annotations
 
@@ -20,24 +20,17 @@ for inter in (False, True):
     ang = torch.rand(B, P // 2) * 20
     cos, sin = ang.cos(), ang.sin()
     cache = torch.randn(N, BS, R + P)
-    kmin, kmax = torch.zeros(N, R + P), torch.zeros(N, R + P)
     slots = torch.tensor([5, 14, 30])          # blocks 1, 3, 7
     ref_cache = cache.clone()
-    got = mla_prologue.mla_prologue(q_rot, kv, w, 1e-6, cos, sin, (cache, kmin, kmax), slots,
-                                    interleave=inter)
+    got = mla_prologue.mla_prologue(q_rot, kv, w, 1e-6, cos, sin, cache, slots, interleave=inter)
     want_q = apply_rotary(q_rot, cos, sin, interleave=inter)
     lat = kv[:, :R]
     lat = lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     k = apply_rotary(kv[:, None, R:], cos, sin, interleave=inter)[:, 0]
     ref_cache.view(-1, R + P)[slots] = torch.cat((lat, k), -1)
-    blocks = slots // BS
     tag = "inter" if inter else "halves"
     out["q_" + tag] = float((got - want_q).abs().max())
     out["cache_" + tag] = float((cache - ref_cache).abs().max())
-    out["min_" + tag] = float((kmin[blocks] - ref_cache[blocks].amin(1)).abs().max())
-    out["max_" + tag] = float((kmax[blocks] - ref_cache[blocks].amax(1)).abs().max())
-    others = [i for i in range(N) if i not in blocks.tolist()]
-    out["untouched_" + tag] = bool((kmin[others] == 0).all() and (kmax[others] == 0).all())
 # the MLA kernel with q_rot apart (q_lat a transposed view) equals it with q concatenated
 B, H, R, P, BS, N = 2, 4, 32, 16, 4, 12
 cache = torch.randn(N, BS, R + P)
@@ -56,7 +49,4 @@ print(json.dumps(out))
 def test_mla_prologue_matches_the_torch_path():
     out = run_interpreted(SCRIPT)
     for key, value in out.items():
-        if key.startswith("untouched"):
-            assert value, (key, out)
-        else:
-            assert value < 1e-5, (key, out)
+        assert value < 1e-5, (key, out)

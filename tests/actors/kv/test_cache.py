@@ -1,10 +1,10 @@
-"""Paged KV storage: slot writes, gathers in block-table order, key summaries, block round trip."""
+"""Paged KV storage: slot writes, gathers in block-table order, block round trip."""
 
 from __future__ import annotations
 
 import torch
 
-from actors.kv.cache import KVCache, KVLayout, PagedContext, slots_for
+from actors.kv.cache import KVCache, KVLayout, slots_for
 
 
 def _gqa(num_blocks=6):
@@ -25,28 +25,6 @@ def test_write_then_gather_follows_the_block_table():
     assert cache.k[3].abs().sum() == 0  # another layer untouched
 
 
-def test_summaries_are_min_and_max_of_full_blocks():
-    cache = _gqa()
-    table = [5, 0]
-    k = torch.randn(6, 2, 3)
-    slots = torch.tensor(slots_for(table, 0, 6, 4))
-    cache.write(2, slots, k, k)
-    ctx = PagedContext(
-        cache=cache,
-        query_lens=(6,),
-        context_lens=(6,),
-        block_tables=(tuple(table),),
-        slot_mapping=slots,
-    )
-    assert ctx.filled_blocks() == [5]  # block 0 holds 2 of 4 tokens
-    cache.update_summaries(ctx.filled_blocks())
-    for h in range(2):
-        for d in range(3):
-            col = [float(k[t, h, d]) for t in range(4)]
-            assert float(cache.key_min[2][5, h, d]) == min(col)
-            assert float(cache.key_max[2][5, h, d]) == max(col)
-
-
 def test_block_round_trip_and_mla_layout():
     cache = _gqa()
     data = torch.randn(cache.layout.block_shape)
@@ -54,7 +32,6 @@ def test_block_round_trip_and_mla_layout():
     cache.write_block(3, data)
     assert torch.equal(cache.read_block(3), data)
     assert torch.equal(cache.v[3][3], data[1, 1])
-    assert torch.equal(cache.key_max[2][3], data[0, 0].amax(0))
     mla = KVCache(
         KVLayout(mla=True, block_size=4, layer_range=(0, 1), kv_head_range=(0, 1), latent_dim=5), 2
     )
@@ -66,7 +43,7 @@ def test_block_round_trip_and_mla_layout():
 
 def test_many_blocks_move_in_any_order_and_out_of_range_ids_are_refused():
     """write_blocks / read_blocks over consecutive ids (one slice of the stacked layers) and
-    scattered ones (an index): the same blocks land, summaries follow, bad ids are one error."""
+    scattered ones (an index): the same blocks land, bad ids are one error."""
     import pytest
 
     from cluster.errors import InputError
@@ -78,7 +55,6 @@ def test_many_blocks_move_in_any_order_and_out_of_range_ids_are_refused():
         assert torch.equal(cache.read_blocks(ids), data)
         for n, b in enumerate(ids):
             assert torch.equal(cache.k[3][b], data[n, 1, 0])
-            assert torch.equal(cache.key_min[2][b], data[n, 0, 0].amin(0))
         assert cache.k[2].data_ptr() != cache.k[3].data_ptr()
     with pytest.raises(InputError, match="outside"):
         cache.read_blocks([2, 6])

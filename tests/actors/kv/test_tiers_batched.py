@@ -182,9 +182,6 @@ def test_kv_cache_reads_and_writes_many_blocks(mla):
     for i, b in enumerate([7, 1, 4, 9]):
         assert torch.equal(cache.read_block(b), data[i])
     assert torch.equal(cache.read_blocks([9, 7]), data[[3, 0]])
-    assert torch.equal(
-        cache.key_max[3][1], data[1, 1, 0].amax(0) if not mla else data[1, 1].amax(0)
-    )
     with pytest.raises(Exception, match="shape"):
         cache.write_blocks([1], data)
 
