@@ -1,4 +1,4 @@
-"""Worker faults in a row on one Ray replica engine (logic: deploy/fault_series.py). By hand:
+"""Worker faults in a row on one Ray replica engine (logic: deploy/bench/fault_series.py). By hand:
 
     nice .venv/bin/python bench/fault_series.py --faults 20
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    from deploy.fault_series import run_series
+    from deploy.bench.fault_series import run_series
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=20)

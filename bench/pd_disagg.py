@@ -1,6 +1,6 @@
 """Thin wrapper: `python bench/pd_disagg.py [options]` = `moectl bench pd [options]`.
 
-The logic lives in `deploy.pd_bench` so the command also works from an installed package.
+The logic lives in `deploy.bench.pd` so the command also works from an installed package.
 """
 
 from __future__ import annotations

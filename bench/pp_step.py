@@ -5,7 +5,7 @@
 
 Builds the engine the served side-by-side builds (`actors.engine.factory.build_engine` with the
 served knobs: block 32, 256 blocks, batch_invariant False, step channels on) over the side-by-side
-checkpoint (`deploy/vllm_checkpoint.py`), on a local Ray of its own (no dashboard).
+checkpoint (`deploy/bench/vllm_checkpoint.py`), on a local Ray of its own (no dashboard).
 Step 1: per batch size B, B requests of 128 random token ids are prefilled (not timed).
 Step 2: `passes` x `steps` decode steps are timed on the driver (`engine.step()`); the figure is
 the median (and the 10th percentile, less sensitive to a shared machine's load).
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     import ray
 
     from actors.engine.factory import build_engine
-    from deploy.vllm_checkpoint import ensure_checkpoint
+    from deploy.bench.vllm_checkpoint import ensure_checkpoint
 
     model = ensure_checkpoint()
     load_before = os.getloadavg()[0]

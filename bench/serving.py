@@ -1,6 +1,6 @@
 """Thin wrapper: `python bench/serving.py [options]` = `moectl bench serving [options]`.
 
-The logic lives in `deploy.serving_bench` so the command also works from an installed package.
+The logic lives in `deploy.bench.serving` so the command also works from an installed package.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bounded soak of the HTTP service on loopback (logic: deploy/soak.py). Run by hand:
+"""Bounded soak of the HTTP service on loopback (logic: deploy/bench/soak.py). Run by hand:
 
     nice .venv/bin/python bench/soak.py --duration 600 --concurrency 16
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deploy.soak import SoakConfig, run_soak, serve_demo, wait_idle
+    from deploy.bench.soak import SoakConfig, run_soak, serve_demo, wait_idle
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load")

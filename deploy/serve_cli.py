@@ -1,5 +1,5 @@
 """`moectl serve -c serve.yaml`: Ray (local unless --address), the KV cache tiers, then Serve;
-`moectl demo` (deploy/demo.py) and `moectl bench serving` (deploy/serving_bench.py).
+`moectl demo` (deploy/demo.py) and `moectl bench serving` (deploy/bench/serving.py).
 
     moectl serve -c serve.yaml                       # local Ray, http://127.0.0.1:8000
     moectl serve -c serve.yaml --address auto        # an existing Ray cluster
@@ -230,8 +230,8 @@ def bench_serving_command(
 ) -> None:
     """Throughput and TTFT/TPOT at concurrency 1-32, and TTFT of a prefix hit vs a cold prefill."""
 
+    from deploy.bench.serving import BenchOptions, quick_options, render_bench, run_bench
     from deploy.demo_view import ConsoleUI
-    from deploy.serving_bench import BenchOptions, quick_options, render_bench, run_bench
     from placement.parallel_dims import parse_layout
 
     parse_layout(layout)
@@ -258,8 +258,8 @@ def bench_pd_command(
     """Disaggregated prefill/decode vs mixed serving under one load; prefix-aware vs round-robin routing."""
     import dataclasses
 
+    from deploy.bench.pd import PdOptions, quick_options, render_pd, run_pd_bench
     from deploy.demo_view import ConsoleUI
-    from deploy.pd_bench import PdOptions, quick_options, render_pd, run_pd_bench
 
     opts = quick_options() if quick else dataclasses.replace(PdOptions(), duration_s=duration)
     ui = ConsoleUI(as_json=as_json)

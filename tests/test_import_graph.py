@@ -96,3 +96,29 @@ def test_lazy_and_type_checking_imports_are_in_the_graph(graph):
     assert lazy, "a function-level import is missing from the graph"
     typed = graph.get_import_details(importer="actors.kv.offload", imported="actors.kv.tier_io")
     assert typed, "a TYPE_CHECKING import is missing from the graph"
+
+
+BENCHMARKS = ("actors.bench", "deploy.bench", "placement.bench", "cache_service.bench")
+"""Benchmark code: imported by bench/ scripts and `moectl bench` only."""
+BENCH_ENTRY_POINTS = {"deploy.serve_cli", "cache_service.cli"}
+"""The `moectl bench ...` commands (actors.bench.long_context_cli registers itself)."""
+
+
+def _is_bench(module: str) -> bool:
+    return any(module == b or module.startswith(b + ".") for b in BENCHMARKS)
+
+
+def test_no_runtime_module_imports_benchmark_code(graph):
+    offenders = sorted(
+        f"{m} -> {b}"
+        for m in graph.modules
+        if not _is_bench(m) and m not in BENCH_ENTRY_POINTS
+        for b in graph.find_modules_directly_imported_by(m)
+        if _is_bench(b)
+    )
+    assert not offenders, "runtime modules importing benchmark code:\n" + "\n".join(offenders)
+
+
+def test_the_benchmark_rule_sees_a_benchmark_import(graph):
+    """The rule would catch one: the entry points do import benchmark code."""
+    assert any(_is_bench(b) for b in graph.find_modules_directly_imported_by("deploy.serve_cli"))

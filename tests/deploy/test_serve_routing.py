@@ -43,7 +43,7 @@ def hit_rate(port, demo, policy: str) -> float:
     from ray import serve
 
     from deploy.app import build_app
-    from deploy.pd_bench import measure_hit_rate
+    from deploy.bench.pd import measure_hit_rate
     from deploy.prefix_affinity import hit_rate_workload
 
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]

@@ -2,7 +2,7 @@
 
 One Serve app per module (one vLLM engine: startup costs ~30 s on the 2-core box). The expected
 tokens and logprobs come from our own engine (actors.engine.engine, in this process) on the same
-checkpoint, a Qwen3-MoE both accept (deploy/vllm_checkpoint.py). Skips with the reason only when
+checkpoint, a Qwen3-MoE both accept (deploy/bench/vllm_checkpoint.py). Skips with the reason only when
 the vLLM venv cannot be built (`deploy/vllm_env.py`).
 """
 
@@ -27,7 +27,7 @@ PROMPT = "def route(scores, k):\n    return"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from deploy.vllm_checkpoint import ensure_checkpoint
+    from deploy.bench.vllm_checkpoint import ensure_checkpoint
 
     return ensure_checkpoint(tmp_path_factory.mktemp("vllm-serve") / "ckpt")
 

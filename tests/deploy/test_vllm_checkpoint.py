@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from deploy import vllm_checkpoint as vc
+from deploy.bench import vllm_checkpoint as vc
 
 
 def _fake_write(path, **overrides):

@@ -1,4 +1,4 @@
-"""The interleaved offline A/B (deploy/vllm_offline_ab.py): both workers built once, batches
+"""The interleaved offline A/B (deploy/bench/vllm_offline_ab.py): both workers built once, batches
 alternated, medians and verdicts from the pairs; run with our engine against itself (no vLLM)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from deploy import vllm_offline_ab as ab
-from deploy.vllm_checkpoint import ensure_checkpoint
+from deploy.bench import vllm_offline_ab as ab
+from deploy.bench.vllm_checkpoint import ensure_checkpoint
 
 
 def test_summary_medians_ratios_and_verdicts():

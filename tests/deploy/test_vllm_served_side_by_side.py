@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from deploy.vllm_served_side_by_side import _descendants, _pss, _vm_hwm, served_goals
+from deploy.bench.vllm_served_side_by_side import _descendants, _pss, _vm_hwm, served_goals
 
 
 def test_descendants_and_peak_rss_of_a_process_tree():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.soak import SoakConfig, replica_pids, rss_bytes, run_soak, serve_demo, wait_idle
+from deploy.bench.soak import SoakConfig, replica_pids, rss_bytes, run_soak, serve_demo, wait_idle
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.ray

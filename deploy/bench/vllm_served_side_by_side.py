@@ -1,11 +1,11 @@
 """Side by side with vLLM behind the same OpenAI ingress: the served half of
-deploy/vllm_side_by_side.py.
+deploy/bench/vllm_side_by_side.py.
 
-    python -m deploy.vllm_side_by_side --part served
+    python -m deploy.bench.vllm_side_by_side --part served
 
 runs each contender alone, one after the other, in a fresh process with a local Ray and Serve
 of its own (deploy/local_stack.py, device KV only, no cache tiers), on the same checkpoint
-(deploy/vllm_checkpoint.py) and the same requests:
+(deploy/bench/vllm_checkpoint.py) and the same requests:
 
     ours   `engine: native`, once per layout of OURS_LAYOUTS: ep2 (the Serve replica drives two
            CPU ShardWorker actors, the experts split over them) and ep2xpp2 (four: two pipeline
@@ -161,7 +161,7 @@ def measure(engine: str, model: Path, layout: str = "single") -> dict[str, Any]:
     import openai
     from ray import serve
 
-    from deploy.serving_bench import _prompt, _streamed, concurrency_level
+    from deploy.bench.serving import _prompt, _streamed, concurrency_level
 
     config = StackConfig(
         model_dir=model,
@@ -202,7 +202,14 @@ def spawn(engine: str, model: Path, layout: str = "single") -> dict[str, Any]:
     `engine: vllm`'s runtime_env)."""
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    argv = [sys.executable, "-m", "deploy.vllm_served_side_by_side", engine, str(model), layout]
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.bench.vllm_served_side_by_side",
+        engine,
+        str(model),
+        layout,
+    ]
     return child_json(argv, env, f"served {engine}")
 
 

@@ -1,8 +1,8 @@
 """Offline throughput of our engine and vLLM's, interleaved.
 
-    python -m deploy.vllm_offline_ab [--pairs 6] [--out bench/results/vllm_offline_ab.json]
+    python -m deploy.bench.vllm_offline_ab [--pairs 6] [--out bench/results/vllm_offline_ab.json]
 
-The side by side (`deploy.vllm_side_by_side`) measures each engine in a process of its own, one
+The side by side (`deploy.bench.vllm_side_by_side`) measures each engine in a process of its own, one
 after the other: on this shared 2-core box the load moves between the two (vLLM's own offline
 figure moved 2,991-4,505 tokens/s between runs), so one engine can win by the minute it ran in.
 Here both engines are built once, each in a process of its own (vLLM's in its venv), and wait on
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy import vllm_contenders as contenders
+from deploy.bench import vllm_contenders as contenders
 
 
 def batch(vocab: int, i: int, prompts: int, length: int) -> list[list[int]]:
@@ -73,7 +73,7 @@ def run(model: Path, *, pairs: int, engines: tuple[str, str] = ("ours", "vllm"),
     try:
         for engine in engines:
             python = contenders.engine_python(engine)
-            argv = [python, "-m", "deploy.vllm_offline_ab", "--worker", engine,
+            argv = [python, "-m", "deploy.bench.vllm_offline_ab", "--worker", engine,
                     "--model", str(model), "--prompts", str(prompts), "--len", str(length),
                     "--out-tokens", str(out_tokens)]  # fmt: skip
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker, Path(args.model), args.prompts, args.len, args.out_tokens)
-    from deploy.vllm_checkpoint import ensure_checkpoint
+    from deploy.bench.vllm_checkpoint import ensure_checkpoint
 
     model = ensure_checkpoint(args.model)
     engines = tuple(args.engines.split(","))

@@ -1,7 +1,7 @@
 """The two engines of the vLLM side by side, driven the same way: `Ours` and `Vllm` run a
 batch of prompts to completion with the same block size and batch limits; `child_env` and
-`engine_python` start each in its own process (deploy/vllm_side_by_side.py,
-deploy/vllm_offline_ab.py)."""
+`engine_python` start each in its own process (deploy/bench/vllm_side_by_side.py,
+deploy/bench/vllm_offline_ab.py)."""
 
 from __future__ import annotations
 

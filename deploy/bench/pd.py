@@ -420,9 +420,9 @@ the 64-wide demo model (Python overhead dominates both) does not show."""
 
 def wide_checkpoint(cache_dir: Path | None = None) -> Path:
     """A random-weight Qwen3-MoE of shape WIDE with the demo tokenizer (the vLLM bench's builder,
-    deploy/vllm_checkpoint.py, at this shape), made once under ~/.cache/moe-orchestrator/pd-bench
+    deploy/bench/vllm_checkpoint.py, at this shape), made once under ~/.cache/moe-orchestrator/pd-bench
     and reused while its stamp matches."""
-    from deploy.vllm_checkpoint import ensure_checkpoint
+    from deploy.bench.vllm_checkpoint import ensure_checkpoint
 
     return ensure_checkpoint(cache_dir or Path.home() / ".cache/moe-orchestrator/pd-bench", **WIDE)
 

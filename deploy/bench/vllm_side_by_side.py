@@ -1,7 +1,7 @@
 """Side by side with vLLM: our engine in-process and vLLM's in-process engine on the
-same tiny checkpoint (deploy/vllm_checkpoint.py), the same machine, the same token ids.
+same tiny checkpoint (deploy/bench/vllm_checkpoint.py), the same machine, the same token ids.
 
-    python -m deploy.vllm_side_by_side [--out bench/results/vllm_side_by_side.json]
+    python -m deploy.bench.vllm_side_by_side [--out bench/results/vllm_side_by_side.json]
 
 runs our engine here and vLLM as a subprocess of the vLLM venv (this module again, with
 `--engine vllm`), each in a fresh process so startup and peak RSS are its own:
@@ -23,13 +23,13 @@ runs our engine here and vLLM as a subprocess of the vLLM venv (this module agai
                  or less gets): on a shared, oversubscribed machine OpenMP threads that wait for
                  a descheduled peer can make the default several times slower
 
-and then (`--part served`, deploy/vllm_served_side_by_side.py) the OpenAI server at concurrency
+and then (`--part served`, deploy/bench/vllm_served_side_by_side.py) the OpenAI server at concurrency
 1/4/16: ours through Serve with ep2 and with ep2xpp2 ShardWorker actors, vLLM behind the same ingress
 (`engine: vllm`, world 1), each alone with a Ray of its own. `--part all` (default) runs both
 halves and writes one JSON; `--part inproc` / `--part served` run one half and keep the other
 half's rows already in `--out`.
 
-The offline goal is judged on the interleaved A/B (deploy/vllm_offline_ab.py, OFFLINE_AB_PAIRS
+The offline goal is judged on the interleaved A/B (deploy/bench/vllm_offline_ab.py, OFFLINE_AB_PAIRS
 pairs: both engines built once, the same batch given to one then the other, alternating which
 goes first): the in-process rows run one engine after the other, and on this shared box the load
 moves between them (vLLM's own figure moved 2,991-4,505 tokens/s between runs), so their offline
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.vllm_contenders import (
+from deploy.bench.vllm_contenders import (
     OFFLINE_LEN,
     OFFLINE_OUT,
     OFFLINE_PROMPTS,
@@ -135,9 +135,17 @@ def _spawn(engine: str, model: Path, threads: int | None = None) -> dict[str, An
     """`measure` in a fresh process; `threads`: its OMP_NUM_THREADS (None: the engine's own)."""
     env, python = child_env(threads), engine_python(engine)
     load = os.getloadavg()[0]
-    from deploy.vllm_served_side_by_side import child_json
+    from deploy.bench.vllm_served_side_by_side import child_json
 
-    argv = [python, "-m", "deploy.vllm_side_by_side", "--engine", engine, "--model", str(model)]
+    argv = [
+        python,
+        "-m",
+        "deploy.bench.vllm_side_by_side",
+        "--engine",
+        engine,
+        "--model",
+        str(model),
+    ]
     row = child_json(argv, env, engine)
     # the machine is shared: each row's 1-minute load average before and after it ran
     return {**row, "loadavg_1m": (load, os.getloadavg()[0])}
@@ -154,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:  # one engine, in this process
         print(json.dumps(measure(args.engine, Path(args.model), t_start)))
         return 0
-    from deploy import vllm_served_side_by_side as served
-    from deploy.vllm_checkpoint import ensure_checkpoint
+    from deploy.bench import vllm_served_side_by_side as served
+    from deploy.bench.vllm_checkpoint import ensure_checkpoint
 
     model = ensure_checkpoint(args.model)
     out = Path(args.out)
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [_spawn("ours", model), _spawn("vllm", model), _spawn("ours", model, threads=1)]
         result.update(loadavg_before=load, loadavg_after=os.getloadavg(), rows=rows)
         ours, vllm = rows[:2]
-        from deploy import vllm_offline_ab
+        from deploy.bench import vllm_offline_ab
 
         result["offline_interleaved"] = ab = vllm_offline_ab.run(model, pairs=OFFLINE_AB_PAIRS)
         goals.update(
