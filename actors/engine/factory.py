@@ -47,7 +47,7 @@ def build_engine(
     torch_threads: int | None = None,
     num_cpus: float = 0.25,
     num_gpus: float = 0,
-    backend: str = "gloo",
+    backend: str | None = None,
     node_ids: Sequence[str] | None = None,
     timeout_s: float = 60.0,
     actors: Sequence | None = None,
@@ -62,6 +62,8 @@ def build_engine(
     `engine_kw` go to `Engine` (num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
     cache, role, ...). See the module docstring for the options."""
     root = Path(model_dir)
+    if backend is None:  # the collectives of the ranks: NCCL between GPUs, gloo between CPUs
+        backend = "nccl" if device.startswith("cuda") else "gloo"
     # Step 1: the runner.
     replica = None
     if runner is None and layout is not None:
