@@ -1,4 +1,5 @@
-"""The hyperparameters the layers need, read from a Hugging Face `config.json` dict.
+"""The hyperparameters the layers need, from a Hugging Face `config.json` (read by
+`placement.model_spec.read_config`, its fields through `placement.config_fields.ConfigFields`).
 
 Three families: `deepseek_v3` (also `kimi_k2`, the same architecture), `mixtral`, `qwen3_moe`.
 Only what the forward pass uses is kept; `placement.ModelSpec` is the fuller description.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.errors import InputError
+from placement.config_fields import ConfigFields
 
 FAMILIES = ("deepseek_v3", "mixtral", "qwen3_moe")
 _ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -109,27 +111,30 @@ class ArchConfig:
                 f"{source}: model_type={model_type!r} is not supported; expected one of "
                 f"{', '.join((*FAMILIES, *_ALIASES))}"
             )
-        r = _Reader(cfg, source)
-        hidden = r.int("hidden_size")
-        heads = r.int("num_attention_heads")
-        num_layers = r.int("num_hidden_layers")
+        r = ConfigFields(dict(cfg), label=source)  # the one typed reader of config.json
+        hidden = r.int("hidden_size", minimum=1)
+        heads = r.int("num_attention_heads", minimum=1)
+        num_layers = r.int("num_hidden_layers", minimum=1)
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise InputError(f"{source}: hidden_act={act!r} is not supported; expected 'silu'")
         common: dict[str, Any] = {
             "family": family,
-            "vocab_size": r.int("vocab_size"),
+            "vocab_size": r.int("vocab_size", minimum=1),
             "hidden_size": hidden,
             "num_layers": num_layers,
             "num_heads": heads,
             "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
             "attention_bias": bool(cfg.get("attention_bias", False)),
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-            "intermediate_size": r.int("intermediate_size"),
+            "intermediate_size": r.int("intermediate_size", minimum=1),
         }
         if family == "deepseek_v3":
-            nope, rope_dim = r.int("qk_nope_head_dim"), r.int("qk_rope_head_dim")
-            n_experts = r.int("n_routed_experts")
+            nope, rope_dim = (
+                r.int("qk_nope_head_dim", minimum=1),
+                r.int("qk_rope_head_dim", minimum=1),
+            )
+            n_experts = r.int("n_routed_experts", minimum=1)
             arch = cls(
                 **common,
                 num_kv_heads=heads,
@@ -138,14 +143,14 @@ class ArchConfig:
                     cfg, source, dim=rope_dim, interleave=bool(cfg.get("rope_interleave", True))
                 ),
                 mla=True,
-                q_lora_rank=r.opt_int("q_lora_rank"),
-                kv_lora_rank=r.int("kv_lora_rank"),
+                q_lora_rank=r.int("q_lora_rank", default=None, minimum=1),
+                kv_lora_rank=r.int("kv_lora_rank", minimum=1),
                 qk_nope_head_dim=nope,
                 qk_rope_head_dim=rope_dim,
-                v_head_dim=r.int("v_head_dim"),
-                moe_intermediate_size=r.int("moe_intermediate_size"),
+                v_head_dim=r.int("v_head_dim", minimum=1),
+                moe_intermediate_size=r.int("moe_intermediate_size", minimum=1),
                 num_experts=n_experts,
-                top_k=r.int("num_experts_per_tok"),
+                top_k=r.int("num_experts_per_tok", minimum=1),
                 n_shared_experts=int(cfg.get("n_shared_experts") or 0),
                 scoring="sigmoid",
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
@@ -159,30 +164,32 @@ class ArchConfig:
         else:
             head_dim = cfg.get("head_dim") or hidden // heads
             if family == "mixtral":
-                n_experts = r.int("num_local_experts")
+                n_experts = r.int("num_local_experts", minimum=1)
                 window = cfg.get("sliding_window")
-                moe_width = r.int("intermediate_size")
+                moe_width = r.int("intermediate_size", minimum=1)
                 norm_topk, dense = True, ()
             else:
                 n_experts = (
-                    r.int("num_experts") if "num_experts" in cfg else r.int("num_local_experts")
+                    r.int("num_experts", minimum=1)
+                    if "num_experts" in cfg
+                    else r.int("num_local_experts", minimum=1)
                 )
                 window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-                moe_width = r.int("moe_intermediate_size")
+                moe_width = r.int("moe_intermediate_size", minimum=1)
                 norm_topk = bool(cfg.get("norm_topk_prob", False))
                 step = int(cfg.get("decoder_sparse_step") or 1)
                 only = set(cfg.get("mlp_only_layers") or ())
                 dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
             arch = cls(
                 **common,
-                num_kv_heads=r.int("num_key_value_heads"),
+                num_kv_heads=r.int("num_key_value_heads", minimum=1),
                 head_dim=int(head_dim),
                 rope=_rope(cfg, source, dim=int(head_dim), interleave=False),
                 qk_norm=family == "qwen3_moe",
                 sliding_window=int(window) if window else None,
                 moe_intermediate_size=moe_width,
                 num_experts=n_experts,
-                top_k=r.int("num_experts_per_tok"),
+                top_k=r.int("num_experts_per_tok", minimum=1),
                 norm_topk_prob=norm_topk,
                 dense_layers=dense,
             )
@@ -226,20 +233,6 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
-
-
-class _Reader:
-    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
-        self.cfg, self.source = cfg, source
-
-    def int(self, key: str) -> int:
-        value = self.cfg.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InputError(f"{self.source}: field {key}={value!r}; expected a positive integer")
-        return value
-
-    def opt_int(self, key: str) -> int | None:
-        return None if self.cfg.get(key) is None else self.int(key)
 
 
 def _rope(cfg: Mapping[str, Any], source: str, *, dim: int, interleave: bool) -> RopeConfig:

@@ -84,10 +84,9 @@ class CheckpointIndex:
         cfg_path = d / "config.json"
         if not cfg_path.is_file():
             raise InputError(f"{d}: no config.json (expected a Hugging Face checkpoint directory)")
-        try:
-            config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{cfg_path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        from placement.model_spec import read_config  # the one reader of config.json
+
+        config, _ = read_config(cfg_path)
         index_path = d / "model.safetensors.index.json"
         if index_path.is_file():
             weight_map = json.loads(index_path.read_text()).get("weight_map") or {}
