@@ -54,6 +54,9 @@ class Rendezvous:
     """"gloo" (CPU) or "nccl" (CUDA)."""
     timeout_s: float = 60.0
     """Seconds a rendezvous or collective may wait for its peers."""
+    external_store: bool = False
+    """The TCP store at `address` is hosted by a process outside the world (`run_ranks`' parent,
+    `host_store`): every rank, rank 0 too, connects to it as a client."""
 
     @classmethod
     def fresh(
@@ -64,7 +67,13 @@ class Rendezvous:
 
     @classmethod
     def hosted(
-        cls, host: str, port: int, *, backend: str = "gloo", timeout_s: float = 60.0
+        cls,
+        host: str,
+        port: int,
+        *,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        external_store: bool = False,
     ) -> Rendezvous:
         """A new world id at `host:port`; given the port of the store rank 0's process already
         hosts (`host_store`), there is no window between choosing a free port and binding it
@@ -74,6 +83,7 @@ class Rendezvous:
             world_id=uuid.uuid4().hex[:12],
             backend=backend,
             timeout_s=timeout_s,
+            external_store=external_store,
         )
 
     @property
@@ -306,9 +316,10 @@ def init_world(
         return Group(axis="world", ranks=(0,), index=0, pg=None, aborted=aborted)
     timeout = timedelta(seconds=rendezvous.timeout_s)
     host, port = rendezvous.host_port
+    master = rank == 0 and not rendezvous.external_store
     store = dist.TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
-        multi_tenant=rank == 0,  # rank 0 joins the server its process hosts, if `host_store` ran
+        host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False,
+        multi_tenant=master,  # rank 0 joins the server its process hosts, if `host_store` ran
     )  # fmt: skip
     prefixed = dist.PrefixStore(f"moe/{rendezvous.world_id}/", store)
     dist.init_process_group(

@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from actors.comm.group import Rendezvous
+from actors.comm.group import Rendezvous, host_store
 
 
 class RankFailed(RuntimeError):
@@ -44,18 +44,29 @@ def run_ranks(
     args: tuple = (),
     rendezvous: Rendezvous | None = None,
     timeout_s: float = 120.0,
+    backend: str = "gloo",
+    rendezvous_timeout_s: float = 60.0,
 ) -> list[Any]:
     """Spawn `world_size` processes running `fn(rank, world_size, rendezvous, *args)`.
 
     `fn` must be importable (module level) and return plain containers of tensors, numbers and
     strings (they travel through `torch.save`, loaded with `weights_only=True`). Returns the values in rank order; raises RankFailed
     naming the first failing rank, or the ranks still running after `timeout_s` (those are
-    killed). A fresh rendezvous on a free local port is made when none is given.
+    killed). Without a `rendezvous`, this process hosts the ranks' TCP store on a port the OS
+    picks (`host_store`) for the whole run, so no other process can take the port between its
+    choice and its binding (`Rendezvous.fresh` has that window); `backend` and
+    `rendezvous_timeout_s` then shape it.
     """
     import torch
     import torch.multiprocessing as mp
 
-    rendezvous = rendezvous or Rendezvous.fresh(backend="gloo")
+    store = None  # kept until every rank is done: the ranks' store server
+    if rendezvous is None:
+        store = host_store("127.0.0.1", rendezvous_timeout_s)
+        rendezvous = Rendezvous.hosted(
+            "127.0.0.1", store.port, backend=backend, timeout_s=rendezvous_timeout_s,
+            external_store=True,
+        )  # fmt: skip
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
@@ -98,6 +109,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        del store
     if errors:
         rank = min(errors)
         raise RankFailed(f"rank {rank} of {world_size} failed: {errors[rank]}")

@@ -638,14 +638,14 @@ def run_in_processes(
 ) -> list[list[torch.Tensor]]:
     """Run `batches` on `layout.dims.world` local processes (gloo); per batch, per-sequence logits.
 
-    The same ShardWorker as the Ray path; each call builds a fresh world on a free port.
+    The same ShardWorker as the Ray path; each call builds a fresh world (its store hosted here).
     """
     world = layout.dims.world
     per_rank = run_ranks(
         _process_rank,
         world,
         args=(layout, str(checkpoint_dir), list(batches)),
-        rendezvous=Rendezvous.fresh(timeout_s=timeout_s),
+        rendezvous_timeout_s=timeout_s,
         timeout_s=timeout_s * 2,
     )
     out = []

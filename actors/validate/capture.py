@@ -251,7 +251,8 @@ def capture_layout(
             capture_rank,
             world,
             args=args,
-            rendezvous=Rendezvous.fresh(timeout_s=timeout_s, backend=backend),
+            backend=backend,
+            rendezvous_timeout_s=timeout_s,
             timeout_s=timeout_s * 2,
         )
     n = len(token_ids)
