@@ -112,6 +112,25 @@ class BlockKey:
         return cls.from_wire(raw)
 
 
+def pack_keys(keys: Sequence[BlockKey]) -> bytes:
+    """Keys in their wire form laid end to end (WIRE_BYTES each): how a list of keys travels."""
+    return b"".join(k.to_wire() for k in keys)
+
+
+def unpack_keys(packed: bytes) -> list[BlockKey]:
+    """`packed` (n * WIRE_BYTES bytes, `pack_keys`) -> n BlockKeys; CacheConfigError on a bad
+    length."""
+    if len(packed) % WIRE_BYTES:
+        raise CacheConfigError(
+            f"packed keys are {len(packed)} bytes, not a multiple of the {WIRE_BYTES}-byte key"
+        )
+    view = memoryview(packed)
+    return [
+        BlockKey.from_wire(bytes(view[i : i + WIRE_BYTES]))
+        for i in range(0, len(packed), WIRE_BYTES)
+    ]
+
+
 def block_key(
     *,
     secret: bytes,
@@ -193,8 +212,7 @@ def part_key(
             raise CacheConfigError(f"{name}=({lo}, {hi}) must satisfy 0 <= start < end")
     if not isinstance(secret, bytes) or not secret:
         raise CacheConfigError("the KV cache secret must be non-empty bytes")
-    if len(secret) > 64:
-        secret = hashlib.blake2b(secret).digest()
+    secret = _mac_key(secret)
     ranges = struct.pack("<IIII", *layer_range, *kv_head_range)
 
     def derive(digest: bytes) -> bytes:
@@ -272,6 +290,11 @@ def _safetensors_identity(path: Path) -> bytes:
     return b"".join(parts)
 
 
+def _mac_key(secret: bytes) -> bytes:
+    """The BLAKE2b key of `secret` (BLAKE2b takes at most 64 key bytes: a longer one is hashed)."""
+    return hashlib.blake2b(secret).digest() if len(secret) > 64 else secret
+
+
 def _feed(digest, *fields: bytes) -> None:
     for item in fields:
         digest.update(struct.pack("<Q", len(item)))
@@ -327,8 +350,7 @@ def _chain(
         tokens = struct.pack(f"<{block_size}I", *token_ids)
     except struct.error:
         raise CacheConfigError("token ids must be integers in [0, 2**32)") from None
-    if len(secret) > 64:
-        secret = hashlib.blake2b(secret).digest()
+    secret = _mac_key(secret)
     digest = hashlib.blake2b(digest_size=DIGEST_BYTES, key=secret, person=_PERSON)
     digest.update(context)
     digest.update(b"\x00" * (DIGEST_BYTES + 1) if parent is None else b"\x01" + parent.digest)

@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from cache_service.block_key import WIRE_BYTES, BlockKey
+from cache_service.block_key import WIRE_BYTES, BlockKey, unpack_keys
 from cache_service.errors import CacheConfigError, CacheError, CacheUnavailable, InvalidBlock
 from cache_service.proto import kvcache_pb2 as pb
 from cache_service.proto import kvcache_pb2_grpc as pb_grpc
@@ -86,18 +86,6 @@ class ServerConfig:
             raise CacheConfigError(
                 "the auth token is empty; unset it to run without authentication"
             )
-
-
-def unpack_keys(packed: bytes) -> list[BlockKey]:
-    """`packed` (n * 52 bytes, wire-form keys) -> n BlockKeys; CacheError on a bad length."""
-    if len(packed) % KEY_BYTES:
-        raise CacheConfigError(
-            f"packed keys are {len(packed)} bytes, not a multiple of the {KEY_BYTES}-byte key"
-        )
-    view = memoryview(packed)
-    return [
-        BlockKey.from_wire(bytes(view[i : i + KEY_BYTES])) for i in range(0, len(packed), KEY_BYTES)
-    ]
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):

@@ -134,17 +134,17 @@ class AsyncEngine:
         self._wake.set()
 
     def _prefetch(self, request_id: str, ids: list[int], params, kw: dict) -> None:
-        """Read a resumed request's prefix blocks from the tiers on a worker thread, then queue
+        """Count a resumed request's prefix blocks in the tiers on a worker thread, then queue
         its admission ("ready"): the engine keeps stepping the other requests meanwhile."""
         self._prefetching[request_id] = True
 
         def work() -> None:
-            blocks = None
+            held = None
             try:
-                blocks = self.engine.prefetch(ids, kw["output_token_ids"])
-            except Exception:  # the cache boundary: admission then reads (or recomputes) itself
+                held = self.engine.prefetch(ids, kw["output_token_ids"])
+            except Exception:  # the cache boundary: admission then looks (or recomputes) itself
                 log.warning("prefetch for %s failed; admitting without it", request_id)
-            self._send(("ready", request_id, ids, params, {**kw, "prefetched": blocks}))
+            self._send(("ready", request_id, ids, params, {**kw, "prefetched": held}))
 
         if self._prefetcher is None:
             from concurrent.futures import ThreadPoolExecutor

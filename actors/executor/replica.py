@@ -49,7 +49,7 @@ from actors.executor.step_wire import pack_step, unpack_output
 from actors.executor.worker import StepBatch, StepResult
 from actors.kv.cache import KVLayout
 from actors.kv.tiers import KVTiers
-from cache_service.block_key import BlockKey, part_key
+from cache_service.block_key import BlockKey, pack_keys, part_key
 from cluster.errors import InputError
 from placement.parallel_dims import Layout
 
@@ -517,7 +517,7 @@ class Replica(InOrder):
 
     def _keys_for(self, rank: int, keys: Sequence[BlockKey]) -> bytes:
         """The wire form of `rank`'s slice keys (52 bytes each, end to end)."""
-        return b"".join(k.to_wire() for k in self._slice_keys(rank, keys))
+        return pack_keys(self._slice_keys(rank, keys))
 
     def available_kv(self, keys: Sequence[BlockKey]) -> int:
         """The leading blocks of which the tiers hold every distinct slice (one lookup per

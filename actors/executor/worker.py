@@ -45,7 +45,7 @@ from actors.model.microbatch import (
     split_round_robin,
 )
 from actors.model.weights import load_stage_model
-from cache_service.block_key import BlockKey
+from cache_service.block_key import unpack_keys
 from cluster.errors import InputError
 from placement.parallel_dims import Axis, Layout
 
@@ -424,7 +424,7 @@ class ShardWorker:
         in `keys_wire` (52 bytes each); the flags, and the tiers' counters that moved."""
         tiers = self._tiers()
         before = dict(tiers.counts)
-        flags = paged.store_from(tiers, self._cache(), blocks, _keys(keys_wire))
+        flags = paged.store_from(tiers, self._cache(), blocks, unpack_keys(keys_wire))
         return flags, _moved(before, tiers.counts)
 
     def load_kv(self, keys_wire: bytes, blocks: list[int]) -> tuple[int, dict, dict]:
@@ -432,7 +432,7 @@ class ShardWorker:
         the tiers' counters that moved, and the blocks credited to each tier."""
         tiers = self._tiers()
         before, by_tier = dict(tiers.counts), dict(tiers.tier_hits)
-        landed = paged.load_into(tiers, self._cache(), blocks, _keys(keys_wire))
+        landed = paged.load_into(tiers, self._cache(), blocks, unpack_keys(keys_wire))
         return landed, _moved(before, tiers.counts), _moved(by_tier, tiers.tier_hits)
 
     def _tiers(self) -> KVTiers:
@@ -639,12 +639,6 @@ class ShardWorker:
             self.tiers = None
         if self.layout.dims.world > 1:
             destroy_world()
-
-
-def _keys(wire: bytes) -> list[BlockKey]:
-    """Block keys from their wire forms laid end to end (`BlockKey.to_wire`)."""
-    size = len(BlockKey(digest=bytes(16)).to_wire())
-    return [BlockKey.from_wire(wire[i : i + size]) for i in range(0, len(wire), size)]
 
 
 def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
