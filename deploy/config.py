@@ -194,9 +194,11 @@ class EngineSection(_Strict):
     """Context limit in tokens; default: the model's max_position_embeddings."""
     num_cpus: float = Field(default=1.0, ge=0)
     """Ray CPUs of one model replica (the driver side; ShardWorkers ask for their own)."""
-    batch_invariant: bool = True
-    """Run each sequence's forward alone (a request's greedy tokens never depend on what else
-    is batched); false: one batched forward per step, several times the decode throughput."""
+    batch_invariant: bool | None = None
+    """Run each sequence's forward alone (a request's tokens never depend on what else is
+    batched); false: one batched forward per step, several times the decode throughput.
+    Default (null): on for a CPU engine, off on CUDA, where one forward per sequence cost 5x a
+    step at batch 32 on an H200 (docs/architecture.md, "Batch invariance")."""
     max_ongoing_requests: int = Field(default=64, ge=1)
     """Requests one replica accepts at once (Serve's max_ongoing_requests); above
     max_num_seqs they wait in the engine's queue, which the autoscaling policy watches."""

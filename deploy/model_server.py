@@ -45,7 +45,7 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
     budget = e.max_num_batched_tokens
     if role != "mixed":
         budget = getattr(cfg.disaggregation, role).max_num_batched_tokens or budget
-    num_blocks = e.num_blocks
+    num_blocks, device = e.num_blocks, _device(e.device)
     if num_blocks is None and e.kv_memory is not None:
         from placement.model_types import load_model_spec
 
@@ -57,9 +57,9 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
         "num_blocks": num_blocks if num_blocks is not None else DEFAULT_NUM_BLOCKS,
         "max_num_seqs": e.max_num_seqs,
         "max_num_batched_tokens": budget,
-        "batch_invariant": e.batch_invariant,
+        "batch_invariant": device == "cpu" if e.batch_invariant is None else e.batch_invariant,
         "role": role,
-        "device": _device(e.device),
+        "device": device,
     }
 
 

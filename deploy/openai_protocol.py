@@ -97,8 +97,12 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Extension (vLLM's): a seen token's logit divided by it when positive, else multiplied."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Extension (vLLM's): keep tokens at least this fraction as probable as the best one."""
     ignore_eos: bool = False
     """Extension: keep generating past end-of-text (load tests)."""
     user: str | None = None
@@ -112,13 +116,6 @@ class _Request(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported; send 0 or leave it out")
-        return v
 
     @property
     def include_usage(self) -> bool:

@@ -279,7 +279,16 @@ class Engine:
             if stop == seq.num_tokens + ahead:
                 sample_seqs.append(i)
                 step = len(seq.output_token_ids) + ahead
-                sampling.append(RowSampling.of(seq.params, seed=seq.seed, step=step))
+                row = RowSampling.of(seq.params, seed=seq.seed, step=step)
+                if seq.params.penalized:  # the tokens its penalties read
+                    row = RowSampling.of(
+                        seq.params,
+                        seed=seq.seed,
+                        step=step,
+                        output_ids=seq.output_token_ids,
+                        prompt_ids=seq.prompt_token_ids,
+                    )
+                sampling.append(row)
         return StepInput(
             token_ids=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),

@@ -14,8 +14,9 @@ Three ways it runs a step:
 - otherwise one forward over the whole flat batch (`PagedContext`);
 - a pure decode step (one new token per sequence) with `fast_decode`: block tables as one padded
   tensor (`actors.kernels.decode_step.DecodeContext`), batched attention with no host sync, and
-  with `cuda_graphs` the forward is a replayed CUDA graph per (batch, table width). Greedy rows
-  are then sampled on the device (argmax of the float32 logits, the same rule as the sampler).
+  with `cuda_graphs` the forward is a replayed CUDA graph per (batch, table width).
+Every step is sampled where its logits are (`actors.engine.sampler.sample_on_device`): only the
+token ids and the logprobs asked for reach the host.
 The Ray replica (`actors/executor/replica.py`) is to accept the same `StepInput`: every rank runs its layers
 with a `PagedContext` over its own `KVCache` (its layers, its KV heads), the last stage's TP rank 0
 applies `actors.engine.sampler.sample` to the logits of the `sample_seqs` rows and returns the
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.engine.sampler import sample
+from actors.engine.sampler import sample_on_device
 from actors.executor.step import Launched, StepInput, StepOutput
 from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
@@ -252,39 +253,27 @@ class LocalRunner:
         return logits if order == list(range(b)) else logits[order]
 
     def execute(self, step: StepInput) -> StepOutput:
-        logits = self._logits(step)
-        greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
-        if greedy and logits.device.type != "cpu":
-            tokens = greedy_tokens(logits).tolist()
-            return StepOutput(token_ids=tuple(tokens), logprobs=(None,) * len(tokens))
-        tokens, logprobs = sample(logits.float().cpu(), step.sampling)
+        tokens, logprobs = sample_on_device(self._logits(step), step.sampling).read()
         return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
 
     def overlaps(self, step: StepInput) -> bool:
-        """Whether `launch` runs `step`: a fast pure decode step whose rows are all greedy."""
-        greedy = all(r.temperature == 0 and r.logprobs is None for r in step.sampling)
-        return greedy and self._decodes_fast(step)
+        """Whether `launch` runs `step`: a fast pure decode step with no penalised row (a
+        penalty reads the tokens so far, and the one in flight is not on the host yet)."""
+        return self._decodes_fast(step) and not any(r.penalized for r in step.sampling)
 
     def launch(self, step: StepInput, *, after: Launched | None = None) -> Launched:
         """Start an `overlaps` step without waiting for it (async scheduling,
         actors/engine/overlap.py); `after`: the launch whose sampled tokens (still on the
         device) are this step's input ids, in place of step.token_ids. `collect` reads it."""
-        ids = greedy_tokens(self._logits(step, tokens=after.tokens if after else None))
-        if ids.device.type != "cuda":
-            return Launched(tokens=ids, host=ids, event=None)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return Launched(tokens=ids, host=host, event=event)
+        logits = self._logits(step, tokens=after.tokens if after else None)
+        sampled = sample_on_device(logits, step.sampling)
+        return Launched(tokens=sampled.tokens, sampled=sampled.start_copy())
 
     @staticmethod
     def collect(launched: Launched) -> StepOutput:
         """Wait for a launched step's tokens (only for them: later launches keep running)."""
-        if launched.event is not None:
-            launched.event.synchronize()
-        tokens = tuple(launched.host.tolist())
-        return StepOutput(token_ids=tokens, logprobs=(None,) * len(tokens))
+        tokens, logprobs = launched.sampled.read()
+        return StepOutput(token_ids=tuple(tokens), logprobs=tuple(logprobs))
 
     def read_block(self, block_id: int) -> torch.Tensor:
         return self.kv.read_block(block_id)
@@ -474,22 +463,6 @@ class MirroredContext(PagedContext):
 
     def gather_batch(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.mirror.gather(self, layer)
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] -> [B] int64: the argmax of each row, the lowest id on a tie (the sampler's rule).
-
-    In two passes over chunks of the vocabulary: one `argmax` of a single long row runs on few
-    thread blocks (28 us for DeepSeek's 129K vocabulary at batch 1 on an H200, against the ~0.5 us
-    its bytes take). No cast: a 16-bit logit converts to float32 exactly, so the order is the same.
-    """
-    b, v = logits.shape
-    c = next((c for c in (128, 64, 32) if v % c == 0 and v // c >= 256), None)
-    if c is None:
-        return logits.argmax(dim=-1)
-    vals, idx = logits.view(b, c, v // c).max(dim=-1)  # the first maximum of each chunk
-    chunk = vals.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
-    return (chunk * (v // c) + idx.gather(1, chunk))[:, 0]
 
 
 def keep_freed_memory() -> None:

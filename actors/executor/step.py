@@ -9,11 +9,10 @@ the sampled token ids (and logprobs), never vocabulary-sized logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from actors.engine.sampler import RowSampling, TokenLogprob
+from actors.engine.sampler import RowSampling, Sampled, TokenLogprob
 from cluster.errors import InputError
 
 
@@ -83,9 +82,8 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class Launched:
-    """A step `LocalRunner.launch` started: its greedy tokens on the device and their host copy
-    (pinned; ready once `event` has passed; on the CPU the same tensor, no event)."""
+    """A step `LocalRunner.launch` started: its sampled tokens on the device (the next step's
+    input ids) and their copy to the host under way (`Sampled.read` waits for it)."""
 
     tokens: torch.Tensor
-    host: torch.Tensor
-    event: Any
+    sampled: Sampled

@@ -10,12 +10,15 @@ graph's shared-memory channel) moves one buffer without looking inside. Nothing 
 Step layout (int64 words; S sequences, T new tokens, R sampled rows, N block-table entries,
 C block copies):
 
-    header [8]       MAGIC_STEP, S, T, R, N, C, flags (bit 0: per_sequence), 0
+    header [8]       MAGIC_STEP, S, T, R, N, C, flags (bit 0: per_sequence), P
     token_ids [T]    positions [T]    slot_mapping [T]
     query_lens [S]   context_lens [S] owners [S]       table_lens [S]
     tables [N]       every sequence's block table, one after another
     sample_seqs [R]  top_k [R]  seed [R]  step [R]  logprobs [R] (-1: None)
-    temperature [R]  top_p [R]  float64 bit patterns
+    output_lens [R]  prompt_lens [R]  (the penalty tokens each row carries)
+    temperature [R]  top_p [R]  min_p [R]  presence [R]  frequency [R]  repetition [R]
+                     float64 bit patterns
+    penalty ids [P]  each row's output_ids then prompt_ids, one row after another
     copies [3C]      (block, src, dst) triples
 
 A seed is carried as its low 64 bits (`seed mod 2**64`, the only bits `sampler.uniform` reads),
@@ -46,6 +49,10 @@ MAGIC_STEP = 0x5354455031
 MAGIC_OUT = 0x4F55545031
 """First word of a packed rank output ("OUTP1")."""
 HEADER = 8
+_ROW_FLOATS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+)
+ROW_WORDS = 7 + len(_ROW_FLOATS)
 _U64 = (1 << 64) - 1
 
 
@@ -65,8 +72,10 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
     s, t, r = len(step.query_lens), int(step.token_ids.shape[0]), len(step.sample_seqs)
     table_lens = [len(b) for b in step.block_tables]
     n, c = sum(table_lens), len(copies)
-    words = np.empty(HEADER + 3 * t + 4 * s + n + 7 * r + 3 * c, dtype=np.int64)
-    words[:HEADER] = (MAGIC_STEP, s, t, r, n, c, int(step.per_sequence), 0)
+    rows = step.sampling
+    p = sum(len(row.output_ids) + len(row.prompt_ids) for row in rows)
+    words = np.empty(HEADER + 3 * t + 4 * s + n + ROW_WORDS * r + p + 3 * c, dtype=np.int64)
+    words[:HEADER] = (MAGIC_STEP, s, t, r, n, c, int(step.per_sequence), p)
     at = HEADER
     for tensor in (step.token_ids, step.positions, step.slot_mapping):
         words[at : at + t] = tensor.numpy()
@@ -76,15 +85,23 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
         at += s
     words[at : at + n] = np.fromiter(chain.from_iterable(step.block_tables), np.int64, n)
     at += n
-    rows = step.sampling
     words[at : at + r] = step.sample_seqs
     words[at + r : at + 2 * r] = [row.top_k for row in rows]
     words[at + 2 * r : at + 3 * r] = [_int64(row.seed) for row in rows]
     words[at + 3 * r : at + 4 * r] = [row.step for row in rows]
     words[at + 4 * r : at + 5 * r] = [-1 if row.logprobs is None else row.logprobs for row in rows]
-    words[at + 5 * r : at + 6 * r] = _f64_words([row.temperature for row in rows])
-    words[at + 6 * r : at + 7 * r] = _f64_words([row.top_p for row in rows])
-    at += 7 * r
+    words[at + 5 * r : at + 6 * r] = [len(row.output_ids) for row in rows]
+    words[at + 6 * r : at + 7 * r] = [len(row.prompt_ids) for row in rows]
+    for k, name in enumerate(_ROW_FLOATS):
+        words[at + (7 + k) * r : at + (8 + k) * r] = _f64_words([getattr(row, name) for row in rows])
+    at += ROW_WORDS * r
+    if p:
+        words[at : at + p] = np.fromiter(
+            chain.from_iterable(chain(row.output_ids, row.prompt_ids) for row in rows),
+            np.int64,
+            p,
+        )
+        at += p
     words[at : at + 3 * c] = list(chain.from_iterable(copies))
     return words.tobytes()
 
@@ -93,7 +110,7 @@ def unpack_step(blob: bytes) -> tuple[StepInput, tuple[int, ...], tuple[tuple[in
     """(step, owners, copies) from `pack_step`'s bytes. The step's tensors are int64 views of
     one writable copy of the buffer."""
     words = np.frombuffer(blob, dtype=np.int64).copy()
-    magic, s, t, r, n, c, flags, _ = words[:HEADER].tolist()
+    magic, s, t, r, n, c, flags, p = words[:HEADER].tolist()
     if magic != MAGIC_STEP:
         raise ValueError(f"packed step: first word {magic:#x}, expected {MAGIC_STEP:#x}")
     at = HEADER
@@ -113,24 +130,33 @@ def unpack_step(blob: bytes) -> tuple[StepInput, tuple[int, ...], tuple[tuple[in
         tables.append(tuple(flat[start : start + length]))
         start += length
     sample_seqs = words[at : at + r].tolist()
-    top_k, seed, index, logprobs = (
-        words[at + k * r : at + (k + 1) * r].tolist() for k in range(1, 5)
+    top_k, seed, index, logprobs, output_lens, prompt_lens = (
+        words[at + k * r : at + (k + 1) * r].tolist() for k in range(1, 7)
     )
-    temperature = words[at + 5 * r : at + 6 * r].view(np.float64).tolist()
-    top_p = words[at + 6 * r : at + 7 * r].view(np.float64).tolist()
-    at += 7 * r
+    floats = {
+        name: words[at + (7 + k) * r : at + (8 + k) * r].view(np.float64).tolist()
+        for k, name in enumerate(_ROW_FLOATS)
+    }
+    at += ROW_WORDS * r
+    penalty_ids = words[at : at + p].tolist()
+    at += p
     flat_copies = words[at : at + 3 * c].tolist()
-    sampling = tuple(
-        RowSampling(
-            temperature=temperature[i],
-            top_k=top_k[i],
-            top_p=top_p[i],
-            seed=seed[i] & _U64,
-            step=index[i],
-            logprobs=None if logprobs[i] < 0 else logprobs[i],
+    sampling, start = [], 0
+    for i in range(r):
+        mid, stop = start + output_lens[i], start + output_lens[i] + prompt_lens[i]
+        sampling.append(
+            RowSampling(
+                **{name: values[i] for name, values in floats.items()},
+                top_k=top_k[i],
+                seed=seed[i] & _U64,
+                step=index[i],
+                logprobs=None if logprobs[i] < 0 else logprobs[i],
+                output_ids=tuple(penalty_ids[start:mid]),
+                prompt_ids=tuple(penalty_ids[mid:stop]),
+            )
         )
-        for i in range(r)
-    )
+        start = stop
+    sampling = tuple(sampling)
     step = StepInput(
         token_ids=tensors[0],
         positions=tensors[1],

@@ -578,9 +578,7 @@ class ShardWorker:
                 logits.append(out[j])
         if not rows_out:
             return (), (), ()
-        tokens, logprobs = sample(
-            torch.stack(logits).float().cpu(), [step.sampling[r] for r in rows_out]
-        )
+        tokens, logprobs = sample(torch.stack(logits), [step.sampling[r] for r in rows_out])
         return tuple(rows_out), tuple(tokens), tuple(logprobs)
 
     def _routed(self) -> dict[int, list[int]]:

@@ -93,6 +93,19 @@ def test_engine_kwargs_carry_the_device_and_auto_is_cpu_without_cuda(monkeypatch
     assert engine_kwargs(_cfg(num_blocks=8, device="cuda"), None)["device"] == "cuda"
 
 
+@pytest.mark.parametrize(
+    ("device", "asked", "invariant"),
+    [("cpu", None, True), ("cuda", None, False), ("cuda", True, True), ("cpu", False, False)],
+)
+def test_batch_invariance_defaults_on_for_cpu_and_off_for_cuda(device, asked, invariant):
+    from deploy.model_server import engine_kwargs
+
+    engine = {"num_blocks": 8, "device": device}
+    if asked is not None:
+        engine["batch_invariant"] = asked
+    assert engine_kwargs(_cfg(**engine), None)["batch_invariant"] is invariant
+
+
 @pytest.mark.ray
 def test_moectl_serve_resolves_the_device_against_the_real_cluster(ray_session):
     """The session's Ray (three CPU-only nodes): auto is cpu; cuda is refused before any actor

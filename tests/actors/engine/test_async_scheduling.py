@@ -90,7 +90,21 @@ def test_overlapped_decode_gives_the_sequential_tokens(ckpt):
     assert not ovl_engine.has_unfinished()
 
 
-def test_sampled_rows_and_cpu_default_do_not_overlap(ckpt):
+def test_sampled_and_logprob_rows_overlap_and_give_the_sequential_tokens(ckpt):
+    """Sampled rows (temperature, top-p, min-p, logprobs) are sampled on the device and launched
+    ahead like greedy ones; the draws depend only on (seed, step), so the tokens are the same."""
+    hot = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    lp = SamplingParams(max_tokens=7, temperature=1.0, min_p=0.05, seed=4, logprobs=2,
+                        ignore_eos=True)  # fmt: skip
+    script = {0: [("s", prompt(6, 5), hot), ("g", prompt(4, 6), lp)]}
+    sequential = _run(_engine(ckpt, False), script, {})
+    overlapped_engine = _engine(ckpt, True)
+    overlapped = _run(overlapped_engine, script, {})
+    assert overlapped == sequential and len(overlapped["s"][0]) == 8
+    assert overlapped_engine.runner.fed >= 4
+
+
+def test_penalised_rows_and_cpu_default_do_not_overlap(ckpt):
     runner = Counting.from_checkpoint(ckpt)
     runner.fast_decode = True
     default = build_engine(
@@ -99,9 +113,10 @@ def test_sampled_rows_and_cpu_default_do_not_overlap(ckpt):
     )  # fmt: skip
     assert default.async_scheduling is False  # a CPU runner: nothing to overlap with
     engine = _engine(ckpt, True)
-    script = {0: [("s", prompt(6, 5), SamplingParams(max_tokens=8, temperature=0.8, seed=3))]}
-    out = _run(engine, script, {})
-    assert len(out["s"][0]) == 8 and engine.runner.fed == 0  # sampled on the host: sequential
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, presence_penalty=0.5)
+    out = _run(engine, {0: [("s", prompt(6, 5), params)]}, {})
+    # a penalty reads the tokens so far, the one in flight among them: run in order
+    assert len(out["s"][0]) == 8 and engine.runner.fed == 0
 
 
 def test_drain_collects_the_step_in_flight_and_launches_none(ckpt):

@@ -1,8 +1,8 @@
 """Host work of a CPU engine step (issue 13): the shortcuts give what the plain code gave.
 
 - `RowSampling.of` fills the frozen row's fields directly (no per-field object.__setattr__);
-- `sample` of all-greedy rows without logprobs is one argmax for the batch, no per-row loop
-  (the same tokens: the shortcut is not observable beyond them);
+- `sample` of all-greedy rows without logprobs is one argmax for the batch (the same tokens as
+  the sampler's rule: the lowest id on a tie);
 - the decode mirror appends the K/V each layer just wrote (`MirroredContext.write`), not read
   back from the paged cache, at rows computed once a step.
 """
@@ -14,7 +14,6 @@ import dataclasses
 import pytest
 import torch
 
-from actors.engine import sampler
 from actors.engine.sampler import RowSampling, SamplingParams, sample
 
 
@@ -31,11 +30,10 @@ def test_row_of_params_equals_the_constructed_row_and_stays_frozen():
 def test_all_greedy_rows_are_each_rows_argmax_with_the_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 5.0, 5.0, 1.0], [3.0, -1.0, 2.0, 3.0], [-2.0, -1.0, -1.5, -3.0]])
     greedy = RowSampling.of(SamplingParams(max_tokens=1), seed=0, step=0)
-    expected = [sampler.sample_row(row, greedy) for row in logits]
-    assert sample(logits, [greedy] * 3) == (expected, [None] * 3) == ([1, 0, 1], [None] * 3)
+    assert sample(logits, [greedy] * 3) == ([1, 0, 1], [None] * 3)
 
 
-def test_rows_with_logprobs_or_temperature_still_take_the_loop():
+def test_greedy_sampled_and_logprob_rows_mix_in_one_batch():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 20, generator=gen)
     greedy = RowSampling.of(SamplingParams(max_tokens=1), seed=0, step=0)
@@ -43,8 +41,9 @@ def test_rows_with_logprobs_or_temperature_still_take_the_loop():
     hot = RowSampling.of(SamplingParams(max_tokens=1, temperature=0.8), seed=5, step=1)
     tokens, lps = sample(logits, [greedy, with_lp, hot])
     assert tokens[:2] == logits[:2].argmax(-1).tolist()
-    assert lps[0] is None and lps[1].token_id == tokens[1] and len(lps[1].top) == 2
-    assert tokens[2] == sampler.sample_row(logits[2], hot)
+    assert lps[0] is None and lps[2] is None
+    assert lps[1].token_id == tokens[1] and len(lps[1].top) == 2
+    assert tokens[2] == sample(logits[2:], [hot])[0][0]  # alone, the same draw
 
 
 def _mirror_step_selects(ckpt, *, write_through: bool, monkeypatch) -> tuple[int, torch.Tensor]:

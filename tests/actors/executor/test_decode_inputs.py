@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from actors.engine.sampler import RowSampling, sample
-from actors.executor.runner import greedy_tokens
+from actors.engine.sampler import argmax_lowest as greedy_tokens
 from actors.kernels.decode_step import PackedInputs
 
 

@@ -12,7 +12,8 @@ from actors.executor.step_wire import pack_output, pack_step, unpack_output, unp
 
 def make_step(per_sequence: bool = False) -> StepInput:
     """Three sequences: a prefill chunk of 5, two decodes; two sampled rows with every kind of
-    sampling field (greedy, temperature/top-k/top-p, a seed past 2**63, logprobs)."""
+    sampling field (greedy, temperature/top-k/top-p, a seed past 2**63, logprobs, min-p and
+    penalties with the tokens they read)."""
     return StepInput(
         token_ids=torch.tensor([7, 3, 9, 11, 2, 40, 41], dtype=torch.int64),
         positions=torch.tensor([16, 17, 18, 19, 20, 33, 8], dtype=torch.int64),
@@ -20,8 +21,21 @@ def make_step(per_sequence: bool = False) -> StepInput:
         context_lens=(21, 34, 9),
         block_tables=((4, 9), (0, 1, 2), (17,)),
         slot_mapping=torch.tensor([80, 81, 82, 83, 84, 33, 280], dtype=torch.int64),
-        sample_seqs=(1, 2),
+        sample_seqs=(0, 1, 2),
         sampling=(
+            RowSampling(
+                temperature=1.1,
+                top_k=0,
+                top_p=1.0,
+                seed=9,
+                step=2,
+                min_p=0.05,
+                presence_penalty=0.5,
+                frequency_penalty=-0.25,
+                repetition_penalty=1.3,
+                output_ids=(40, 40, 7),
+                prompt_ids=(7, 3, 9, 11, 2),
+            ),
             RowSampling(temperature=0.0, top_k=0, top_p=1.0, seed=5, step=0),
             RowSampling(
                 temperature=0.7, top_k=13, top_p=0.9, seed=2**63 + 12345, step=41, logprobs=3
@@ -53,7 +67,7 @@ def test_seed_travels_as_its_low_64_bits_and_samples_the_same():
     step = make_step()
     odd = RowSampling(temperature=1.3, top_k=0, top_p=0.8, seed=-3, step=2)
     huge = RowSampling(temperature=0.9, top_k=5, top_p=1.0, seed=2**70 + 99, step=7)
-    step = StepInput(**{**step.__dict__, "sampling": (odd, huge)})
+    step = StepInput(**{**step.__dict__, "sample_seqs": (1, 2), "sampling": (odd, huge)})
     got, _, _ = unpack_step(pack_step(step, (0, 0, 0)))
     assert [r.seed for r in got.sampling] == [(-3) % 2**64, (2**70 + 99) % 2**64]
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
