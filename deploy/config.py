@@ -86,8 +86,8 @@ class ModelSection(_Strict):
     """Checkpoint folder (config.json, safetensors, tokenizer) or `demo`."""
     name: str | None = None
     """The model id clients send (`model` field); default: the folder's name."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype of the weights and activations; `auto`: bfloat16 on CUDA, float32 on CPU."""
 
     @property
     def served_name(self) -> str:

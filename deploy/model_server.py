@@ -46,10 +46,13 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
     if role != "mixed":
         budget = getattr(cfg.disaggregation, role).max_num_batched_tokens or budget
     num_blocks, device = e.num_blocks, _device(e.device)
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
     if num_blocks is None and e.kv_memory is not None:
         from placement.model_types import load_model_spec
 
-        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype]
+        kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
         per_token = load_model_spec(model_path).kv_bytes_per_token(kv_dtype)
         num_blocks = max(1, e.kv_memory // (e.block_size * per_token))
     return {
@@ -60,6 +63,7 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
         "batch_invariant": device == "cpu" if e.batch_invariant is None else e.batch_invariant,
         "role": role,
         "device": device,
+        "dtype": dtype,
     }
 
 

@@ -152,9 +152,11 @@ def _run(cfg, address: str | None) -> None:
         from cache_service.cli import _wait_for_signal
         from deploy.app import build_app
 
-        # Step 2: Ray, local unless an address is given.
+        # Step 2: Ray, local unless an address is given: a local one on the loopback address
+        # with no dashboard (nothing of it reachable from another machine).
+        local = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
         try:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(**({"address": address} if address else local), log_to_driver=False)
         except ConnectionError as exc:
             raise EnvironmentMissing(f"no Ray cluster at --address={address}: {exc}") from None
         # Step 3: the engine's device against what the cluster has, before any actor starts.

@@ -159,6 +159,18 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _deliver_step(self, outputs) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop a step (a batch of
+        32 used to cost 32 cross-thread calls, each a write to the loop's self-pipe)."""
+        by_loop: dict[Any, list] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
@@ -198,7 +210,11 @@ class AsyncEngine:
                     engine.abort(request_id)
                 engine.discard_outputs()
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
             with self._lock:
                 self._stats = engine.stats(cache_max_age_s=STATS_CACHE_AGE_S)
+
+
+def _put_all(items) -> None:
+    for stream, item in items:
+        stream.put_nowait(item)

@@ -17,6 +17,9 @@ Step 2: the engine's defaults from the checkpoint: the tokenizer (tokenizer.json
 Step 3: `recover=True` (a Replica only) wraps the engine in `RecoveringEngine`, whose
         `ReplicaRebuilder` replaces dead actors and resumes the requests in flight.
 
+`dtype` (`float32`, `bfloat16`, `float16`; None: float32) is the compute dtype of the weights
+and activations, whatever dtype the checkpoint stores.
+
 Replica options (`Replica`'s docstring has the details): `compiled_graph` sends each step
 through a Ray compiled graph; otherwise `step_channel` (default) over a Unix socket to each rank
 on this node, `False` plain actor calls. `bundles` (BundleSpecs: `placement.bundles.bundle_specs`
@@ -44,6 +47,7 @@ def build_engine(
     recover: bool = False,
     runner: Any = None,
     device: str = "cpu",
+    dtype: str | None = None,
     torch_threads: int | None = None,
     num_cpus: float = 0.25,
     num_gpus: float = 0,
@@ -71,12 +75,15 @@ def build_engine(
             root, layout, device=device, num_cpus=num_cpus, num_gpus=num_gpus, backend=backend,
             node_ids=node_ids, timeout_s=timeout_s, actors=actors, compiled_graph=compiled_graph,
             step_channel=step_channel, bundles=bundles, placement_group=placement_group,
+            dtype=dtype,
         )  # fmt: skip
         runner = replica
     if runner is None:
         from actors.executor.runner import LocalRunner
 
-        runner = LocalRunner.from_checkpoint(root, device=device, num_threads=torch_threads)
+        runner = LocalRunner.from_checkpoint(
+            root, device=device, num_threads=torch_threads, dtype=dtype
+        )
     # Step 2: the engine's defaults from the checkpoint.
     try:
         engine = Engine(runner, **checkpoint_defaults(root, cache_key_secret, engine_kw))

@@ -26,7 +26,8 @@ Sampling a batch:
   Step 5: inverse CDF: the token is the first kept one whose cumulative probability exceeds u.
 Logprobs are those of the model's distribution (log_softmax of the raw float32 logits, before
 penalties, temperature and cuts, as vLLM's default), for the sampled token and the `logprobs`
-most likely tokens.
+most likely tokens (best first; tokens of equal logprob in no set order, as torch.topk gives
+them: the CPU and a GPU may list different ones of a tie).
 """
 
 from __future__ import annotations
@@ -192,9 +193,7 @@ def uniform(seed: int, step: int) -> float:
 
 def needs_sampler(rows: Sequence[RowSampling]) -> bool:
     """Whether any row is more than a plain argmax (a temperature, a penalty or logprobs)."""
-    return any(
-        r.temperature != 0 or r.logprobs is not None or r.penalized for r in rows
-    )
+    return any(r.temperature >= GREEDY_BELOW or r.logprobs is not None or r.penalized for r in rows)
 
 
 def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
@@ -205,7 +204,7 @@ def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch
     if not hit:
         return out
     out = out.clone()
-    dev, v = out.device, out.shape[1]
+    dev = out.device
     sub = out[hit]
     counts = torch.zeros_like(sub)
     ids = [rows[r].output_ids for r in hit]
@@ -226,7 +225,6 @@ def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch
     pres = torch.tensor([rows[r].presence_penalty for r in hit], device=dev)[:, None]
     sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
     out[torch.tensor(hit, device=dev)] = sub
-    del v
     return out
 
 
@@ -250,26 +248,53 @@ def kept_probs(
     logits: torch.Tensor, rows: Sequence[RowSampling]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 3-4 for sampled rows: (token ids by descending probability [S, V], the kept
-    probabilities in that order [S, V] float64, each row summing to 1, 0 past its cuts).
+    probabilities in that order [S, V] float64, each row summing to 1, 0 past its cuts)."""
+    v = logits.shape[1]
+    table = torch.tensor(
+        [[r.temperature, r.top_p, r.min_p, r.top_k or v] for r in rows], dtype=torch.float64
+    )
+    return _kept(logits, _upload(table, logits.device), _cuts(rows, v))
 
-    The sort runs on the float32 logits (the order of z = logits / T for T > 0, ties kept in id
-    order by a stable sort); the probabilities are computed in float64.
+
+def _cuts(rows: Sequence[RowSampling], v: int) -> tuple[bool, bool, bool]:
+    """Which cuts any of `rows` takes (top-k, top-p, min-p): the others cost nothing."""
+    return (
+        any(0 < r.top_k < v for r in rows),
+        any(r.top_p < 1 for r in rows),
+        any(r.min_p > 0 for r in rows),
+    )
+
+
+def _upload(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` in one copy that does not wait for the device's queue."""
+    if device.type != "cuda":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _kept(
+    logits: torch.Tensor, params: torch.Tensor, cuts: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kept_probs` with the rows' (temperature, top_p, min_p, top_k) as params [S, 4] float64
+    on the logits' device.
+
+    The sort runs on the logits as they are (bf16 or float32: the order of z = logits / T for
+    T > 0, ties kept in id order by a stable sort); the probabilities are computed in float64.
     """
-    dev = logits.device
-    s, v = logits.shape
-    params = torch.tensor(
-        [[r.temperature, r.top_p, r.min_p, r.top_k or v] for r in rows],
-        dtype=torch.float64,
-    ).to(dev, non_blocking=True)
     temp, top_p, min_p, top_k = params.unbind(1)
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     probs = torch.softmax(sorted_logits.double() / temp[:, None], dim=-1)
-    rank = torch.arange(v, device=dev)
-    keep = rank[None, :] < top_k[:, None]
-    keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
+    if not any(cuts):
+        return order, probs
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if cuts[0]:
+        keep &= torch.arange(probs.shape[1], device=probs.device)[None, :] < top_k[:, None]
+    if cuts[1]:
+        keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p[:, None]
+    if cuts[2]:
+        keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
-    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    probs = torch.where(keep, probs, 0.0)
     return order, probs / probs.sum(dim=-1, keepdim=True)
 
 
@@ -333,20 +358,24 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Sampl
         raise InputError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
     if not needs_sampler(rows):
         return Sampled(tokens=argmax_lowest(logits))
-    dev = logits.device
-    z = penalized_logits(logits, rows)
+    dev, v = logits.device, logits.shape[1]
+    z = penalized_logits(logits, rows) if any(r.penalized for r in rows) else logits
     tokens = argmax_lowest(z)
-    hot = [r for r, row in enumerate(rows) if row.temperature != 0]
+    hot = [r for r, row in enumerate(rows) if row.temperature >= GREEDY_BELOW]
     if hot:
         hot_rows = [rows[r] for r in hot]
-        index = torch.tensor(hot, device=dev)
-        order, probs = kept_probs(z[index], hot_rows)
+        # one upload a step: each sampled row's index, parameters and uniform number
+        table = [
+            (r, row.temperature, row.top_p, row.min_p, row.top_k or v, uniform(row.seed, row.step))
+            for r, row in zip(hot, hot_rows, strict=True)
+        ]
+        table = _upload(torch.tensor(table, dtype=torch.float64), dev)
+        index = table[:, 0].long()
+        order, probs = _kept(z[index], table[:, 1:5], _cuts(hot_rows, v))
         cdf = torch.cumsum(probs, dim=-1)
-        u = torch.tensor([uniform(r.seed, r.step) for r in hot_rows], dtype=torch.float64)
-        pick = torch.searchsorted(cdf, u.to(dev, non_blocking=True)[:, None], right=True)
+        pick = torch.searchsorted(cdf, table[:, 5:6].contiguous(), right=True)
         kept = (probs > 0).sum(dim=-1, keepdim=True)
-        pick = torch.minimum(pick, kept - 1)
-        tokens[index] = order.gather(1, pick)[:, 0]
+        tokens[index] = order.gather(1, torch.minimum(pick, kept - 1))[:, 0]
     lp_rows = tuple(r for r, row in enumerate(rows) if row.logprobs is not None)
     if not lp_rows:
         return Sampled(tokens=tokens)

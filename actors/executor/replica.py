@@ -138,6 +138,7 @@ class Replica(InOrder):
         step_channel: bool = True,
         bundles=None,
         placement_group=None,
+        dtype: str | None = None,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import (
@@ -152,6 +153,8 @@ class Replica(InOrder):
             raise ValueError(f"{len(node_ids)} node ids given for {world} ranks")
         self.layout, self.checkpoint_dir = layout, str(checkpoint_dir)
         self.backend, self.device_name, self.timeout_s = backend, device, timeout_s
+        self.dtype = dtype
+        """Each rank's compute dtype (`bfloat16`; None: float32)."""
         self.device = torch.device(device)
         """Where the ranks run (the runner protocol's `device`)."""
         self._arch = None
@@ -257,6 +260,7 @@ class Replica(InOrder):
                 checkpoint_dir=self.checkpoint_dir,
                 rendezvous=self.rendezvous if len(self.actors) > 1 else None,
                 device=self.device_name,
+                dtype=self.dtype,
             )
             for rank, actor in enumerate(self.actors)
         ]

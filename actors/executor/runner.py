@@ -91,9 +91,14 @@ class LocalRunner:
 
     @classmethod
     def from_checkpoint(
-        cls, model_dir: str | Path, *, device: str = "cpu", num_threads: int | None = None
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        num_threads: int | None = None,
+        dtype: str | torch.dtype | None = None,
     ) -> LocalRunner:
-        """`num_threads`: torch's intra-op threads for this process (None: leave them). On a
+        """`dtype`: the compute dtype (None: float32). `num_threads`: torch's intra-op threads for this process (None: leave them). On a
         CPU shared with other work, 1: with more, every parallel region waits for all of its
         OpenMP threads, and one the OS has descheduled stalls it for a time slice (on 2 busy
         cores decode steps are 10-50x slower at 2 threads), as ShardWorker(num_threads=1) does
@@ -106,7 +111,9 @@ class LocalRunner:
             torch.set_num_threads(num_threads)
 
         arch_layers = _num_layers(model_dir)
-        model, _ = load_stage_model(model_dir, layer_range=(0, arch_layers), device=device)
+        model, _ = load_stage_model(
+            model_dir, layer_range=(0, arch_layers), device=device, dtype=dtype
+        )
         if torch.device(device).type == "cpu" and _plain_cpu():
             model.column_major_weights()  # not for Triton (interpreted): its kernels want rows
         return cls(model, device=device)

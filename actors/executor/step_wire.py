@@ -50,7 +50,12 @@ MAGIC_OUT = 0x4F55545031
 """First word of a packed rank output ("OUTP1")."""
 HEADER = 8
 _ROW_FLOATS = (
-    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 ROW_WORDS = 7 + len(_ROW_FLOATS)
 _U64 = (1 << 64) - 1
@@ -93,7 +98,9 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
     words[at + 5 * r : at + 6 * r] = [len(row.output_ids) for row in rows]
     words[at + 6 * r : at + 7 * r] = [len(row.prompt_ids) for row in rows]
     for k, name in enumerate(_ROW_FLOATS):
-        words[at + (7 + k) * r : at + (8 + k) * r] = _f64_words([getattr(row, name) for row in rows])
+        words[at + (7 + k) * r : at + (8 + k) * r] = _f64_words(
+            [getattr(row, name) for row in rows]
+        )
     at += ROW_WORDS * r
     if p:
         words[at : at + p] = np.fromiter(

@@ -167,6 +167,7 @@ class ShardWorker:
         rendezvous: Rendezvous | None = None,
         device: str = "cpu",
         num_threads: int | None = 1,
+        dtype: str | None = None,
     ) -> None:
         # Ray sets OMP_NUM_THREADS=1; the thread count is set here explicitly either way.
         if num_threads is not None:
@@ -220,7 +221,7 @@ class ShardWorker:
         # Step 3: load this rank's shard only. On failure leave the process group again, so a
         # later build in this process can initialise a fresh one.
         try:
-            self._load(layout, checkpoint_dir, ep_index)
+            self._load(layout, checkpoint_dir, ep_index, dtype)
         except BaseException:
             if dims.world > 1:
                 destroy_world()
@@ -231,7 +232,9 @@ class ShardWorker:
         self._timings: dict[str, float] = defaultdict(float)
         self._install_timers()
 
-    def _load(self, layout: Layout, checkpoint_dir: str | Path, ep_index: int) -> None:
+    def _load(
+        self, layout: Layout, checkpoint_dir: str | Path, ep_index: int, dtype: str | None
+    ) -> None:
         dims = layout.dims
         stage = self.coord.pp
         layers = layout.layer_range(stage)
@@ -247,6 +250,7 @@ class ShardWorker:
             ep=self.ep,
             rank=self.rank,
             device=self.device,
+            dtype=dtype,
         )
         arch = self.model.arch
         dims.check_model(

@@ -189,26 +189,47 @@ def load_stage_model(
     tp_size: int = 1,
     local_experts: Sequence[int] | None = None,
     rank: int | None = None,
+    dtype: str | torch.dtype | None = None,
     **model_kwargs: Any,
 ) -> tuple[StageModel, ReadLog]:
     """Build the stage for (layer_range, tp slice, experts) and load its shares.
 
     `first`/`last` default to whether the range starts at 0 / ends at the last layer;
-    `model_kwargs` go to `StageModel` (tp_reduce, ep, device).
+    `dtype`: the compute dtype of the parameters (a torch dtype or its name, `bfloat16`;
+    None: torch's default, float32); `model_kwargs` go to `StageModel` (tp_reduce, ep, device).
     """
     index = CheckpointIndex.open(checkpoint_dir)
     arch = index.arch()
     model_kwargs.setdefault("first", layer_range[0] == 0)
     model_kwargs.setdefault("last", layer_range[1] == arch.num_layers)
-    model = StageModel(
-        arch,
-        layer_range=layer_range,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        local_experts=local_experts,
-        **model_kwargs,
-    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(compute_dtype(dtype))
+    try:
+        model = StageModel(
+            arch,
+            layer_range=layer_range,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            local_experts=local_experts,
+            **model_kwargs,
+        )
+    finally:
+        torch.set_default_dtype(previous)
     return model, load_stage(model, index, rank=rank)
+
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """A compute dtype from its name (`bfloat16`) or itself; None: torch's default."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in COMPUTE_DTYPES:
+        raise InputError(f"dtype={dtype!r}; expected one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[dtype]
 
 
 def read_tensor(

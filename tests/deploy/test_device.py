@@ -116,3 +116,31 @@ def test_moectl_serve_resolves_the_device_against_the_real_cluster(ray_session):
     with pytest.raises(EnvironmentMissing) as err:
         _with_device(_cfg(device="cuda"), ray_session.nodes())
     assert str(err.value).count("no GPU") == 3
+
+
+@pytest.mark.parametrize(
+    ("device", "asked", "dtype"),
+    [("cpu", "auto", "float32"), ("cuda", "auto", "bfloat16"), ("cuda", "float16", "float16")],
+)
+def test_the_compute_dtype_follows_the_device_unless_given(device, asked, dtype):
+    from deploy.model_server import engine_kwargs
+
+    cfg = parse_serve_config(
+        {"model": {"path": "demo", "dtype": asked}, "engine": {"num_blocks": 8, "device": device}}
+    )
+    assert engine_kwargs(cfg, None)["dtype"] == dtype
+
+
+def test_a_runner_computes_in_the_dtype_asked_whatever_the_checkpoint_stores(tmp_path):
+    import torch
+
+    from actors.executor.runner import LocalRunner
+    from tests.actors.checkpoints import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint("qwen3_moe", tmp_path / "m")
+    assert {p.dtype for p in LocalRunner.from_checkpoint(ckpt).model.parameters()} == {
+        torch.float32
+    }
+    bf16 = LocalRunner.from_checkpoint(ckpt, dtype="bfloat16")
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # left as it was

@@ -5,7 +5,6 @@ those of the model's logits with the penalties applied, stepped by hand."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from actors.engine.factory import build_engine
 from actors.engine.sampler import SamplingParams, penalized_logits
