@@ -136,12 +136,21 @@ def _with_device(cfg, ray_nodes):
     return cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"device": device})})
 
 
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+"""Ray Serve's throughput mode (each replica's user code on its event loop, gRPC between
+deployments, the router on the caller's loop), its HTTP proxy kept (no direct ingress: replicas
+open no port of their own). On an H200, 32 streams of 256 tokens: 12.0 ms a token per stream
+against 15.0 ms with Serve's defaults (bench/served_gpu.py). Set either variable to override."""
+
+
 def _run(cfg, address: str | None) -> None:
     import os
 
     from cluster.errors import EnvironmentMissing
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for name, value in SERVE_ENV.items():  # read by every Serve process a local Ray starts
+        os.environ.setdefault(name, value)
     # Step 1: the cache tiers first, so replicas find them (and the secret is in the environment
     # a local Ray's workers inherit).
     server, cache = _start_cache(cfg)

@@ -417,3 +417,14 @@ def test_dashboard_shows_every_service_metric(default_docs):
     used = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"ray_(moe_\w+)", exprs)}
     declared = set(re.findall(r'"(moe_\w+)"', (ROOT / "deploy/metrics.py").read_text()))
     assert used == declared
+
+
+def test_ray_pods_run_serve_as_moectl_serve_does(default_docs):
+    """Every Ray container gets the Serve settings `moectl serve` sets for a local Ray."""
+    from deploy.serve_cli import SERVE_ENV
+
+    rays = [c for _, c in _containers(default_docs) if c["name"].startswith("ray-")]
+    assert rays
+    for c in rays:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert {k: env.get(k) for k in SERVE_ENV} == SERVE_ENV, c["name"]

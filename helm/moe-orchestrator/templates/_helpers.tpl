@@ -145,6 +145,12 @@ affinity:
   value: "1"
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- /* Ray Serve's throughput mode with its HTTP proxy kept, as `moectl serve` sets
+     (deploy/serve_cli.py SERVE_ENV; a test keeps the two equal) */}}
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: "1"
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: "0"
 - name: MOE_NODE_NAME
   valueFrom:
     fieldRef:

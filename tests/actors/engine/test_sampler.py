@@ -617,3 +617,28 @@ def test_bad_params_are_one_line_input_errors(kwargs):
 def test_params_on_the_bounds_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
     assert all(getattr(params, k) == v for k, v in kwargs.items())
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 1024 * 3, 151936, 129280])
+def test_crossing_equals_searchsorted_over_the_full_scan(vocab):
+    """The chunked inverse-CDF search finds the index a full cumulative sum would."""
+    from actors.engine.sampler import crossing
+
+    gen = torch.Generator().manual_seed(vocab)
+    p = torch.rand(6, vocab, generator=gen, dtype=torch.float64) ** 4
+    p[1, vocab // 2 :] = 0.0  # a run of zeros, as past a cut
+    total = p.sum(-1, keepdim=True)
+    values = torch.rand(6, 1, generator=gen, dtype=torch.float64) * total
+    values[2] = total[2] * 2  # past the total: an index of at least V
+    for right in (False, True):
+        want = torch.searchsorted(torch.cumsum(p, -1), values, right=right)
+        got = crossing(p, values, right=right)
+        assert torch.equal(got[[0, 1, 3, 4, 5]], want[[0, 1, 3, 4, 5]])
+        assert int(got[2]) >= vocab
+
+
+def test_a_directly_built_row_with_a_temperature_too_small_to_divide_by_is_greedy():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    for t in (1e-6, 5e-324):
+        rows = [RowSampling(temperature=t, top_k=0, top_p=1.0, seed=s, step=0) for s in range(8)]
+        assert sample(logits.expand(8, 4), rows)[0] == [1] * 8
