@@ -317,6 +317,7 @@ def crossing(p: torch.Tensor, values: torch.Tensor, *, right: bool) -> torch.Ten
     the sampler's largest cost): chunk sums, a scan over them, and a scan inside the one chunk
     where the value falls. An index of V or more: the value is past the total."""
     s, v = p.shape
+    values = values.contiguous()
     c = next((c for c in (1024, 512, 256, 128) if v % c == 0), None)
     if c is None:
         c = 1024
