@@ -3,6 +3,9 @@
     python3 bench/served_gpu.py --out bench/results/served_gpu.json       # one H200 (one call)
     python3 bench/served_gpu.py --tiny --out /tmp/served.json              # CPU, tiny, same code
 
+A GPU machine without Ray: `bash bench/device_wheels.sh` here makes .whl/ (Ray trimmed of its
+Java jar, Serve's and the openai client's dependencies), carried and installed there first.
+
 Step 1: a checkpoint on disk: Qwen3-30B-A3B's layers (48 layers, hidden 2048, 32 query / 4 KV
         heads, top-8 routing, expert width 768, vocabulary 151,936) with 16 experts a layer in
         place of 128, so its 8.6 GB of random bf16 weights fit the machine's disk twice over;

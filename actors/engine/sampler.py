@@ -225,6 +225,10 @@ def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch
     freq = torch.tensor([rows[r].frequency_penalty for r in hit], device=dev)[:, None]
     pres = torch.tensor([rows[r].presence_penalty for r in hit], device=dev)[:, None]
     sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+    # a repetition penalty near 0 divides a logit past float32's range: keep every logit finite
+    # (the order is kept; an inf would make the row's softmax NaN)
+    big = torch.finfo(sub.dtype).max
+    sub = torch.nan_to_num(sub, nan=-big, posinf=big, neginf=-big)
     out[torch.tensor(hit, device=dev)] = sub
     return out
 
@@ -410,7 +414,9 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[RowSampling]) -> Sampl
             probs = torch.where(torch.arange(v, device=dev) < n, probs, 0.0)
         mass = probs.sum(dim=-1, keepdim=True)
         pick = crossing(probs, table[:, 5:6] * mass, right=True)
-        last = (probs > 0).sum(dim=-1, keepdim=True) - 1  # never a token of probability 0
+        # never a token of probability 0; a row whose probabilities are not numbers (the model's
+        # logits NaN) takes its most likely token
+        last = ((probs > 0).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
         tokens[index] = order.gather(1, torch.minimum(pick, last))[:, 0]
     lp_rows = tuple(r for r, row in enumerate(rows) if row.logprobs is not None)
     if not lp_rows:

@@ -642,3 +642,25 @@ def test_a_directly_built_row_with_a_temperature_too_small_to_divide_by_is_greed
     for t in (1e-6, 5e-324):
         rows = [RowSampling(temperature=t, top_k=0, top_p=1.0, seed=s, step=0) for s in range(8)]
         assert sample(logits.expand(8, 4), rows)[0] == [1] * 8
+
+
+@pytest.mark.parametrize("repetition", [5e-324, 1e-300, 1.0, 10.0])
+@pytest.mark.parametrize("top_p", [5e-324, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1e-5, 2.0])
+def test_extreme_parameters_and_nan_logits_still_give_a_token_of_the_vocabulary(
+    repetition, top_p, temperature
+):
+    """The HTTP layer admits a repetition penalty just above 0 (a seen logit divided past
+    float32's range) and a model can emit NaN logits: a token id, never an error (an HTTP fuzz
+    case once got a 500 from index -1)."""
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("nan")
+    row = RowSampling(
+        temperature=temperature, top_k=0, top_p=top_p, seed=1, step=0, min_p=0.01,
+        repetition_penalty=repetition, presence_penalty=-2.0, output_ids=(3, 3), prompt_ids=(5,),
+        logprobs=2,
+    )  # fmt: skip
+    tokens, _ = sample(logits, [row, row])
+    assert all(0 <= t < 64 for t in tokens)
+    if repetition < 1e-200:  # the seen tokens' positive logits went to the top
+        assert tokens[0] in {3, 5} or logits[0, [3, 5]].max() <= 0
