@@ -105,11 +105,7 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
+        return _penalized(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,11 +162,7 @@ class RowSampling:
 
     @property
     def penalized(self) -> bool:
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
+        return _penalized(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +172,11 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+def _penalized(p: SamplingParams | RowSampling) -> bool:
+    """Whether `p` sets any penalty (each reads the tokens so far)."""
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
 def uniform(seed: int, step: int) -> float:
