@@ -279,8 +279,7 @@ class Engine:
             if stop == seq.num_tokens + ahead:
                 sample_seqs.append(i)
                 step = len(seq.output_token_ids) + ahead
-                row = RowSampling.of(seq.params, seed=seq.seed, step=step)
-                if seq.params.penalized:  # the tokens its penalties read
+                if seq.params.penalized:  # with the tokens its penalties read
                     row = RowSampling.of(
                         seq.params,
                         seed=seq.seed,
@@ -288,6 +287,8 @@ class Engine:
                         output_ids=seq.output_token_ids,
                         prompt_ids=seq.prompt_token_ids,
                     )
+                else:
+                    row = RowSampling.of(seq.params, seed=seq.seed, step=step)
                 sampling.append(row)
         return StepInput(
             token_ids=torch.tensor(tokens, dtype=torch.int64),

@@ -98,8 +98,8 @@ class LocalRunner:
         num_threads: int | None = None,
         dtype: str | torch.dtype | None = None,
     ) -> LocalRunner:
-        """`dtype`: the compute dtype (None: float32). `num_threads`: torch's intra-op threads for this process (None: leave them). On a
-        CPU shared with other work, 1: with more, every parallel region waits for all of its
+        """`dtype`: the compute dtype (None: float32). `num_threads`: torch's intra-op threads
+        for this process (None: leave them). On a CPU shared with other work, 1: with more, every parallel region waits for all of its
         OpenMP threads, and one the OS has descheduled stalls it for a time slice (on 2 busy
         cores decode steps are 10-50x slower at 2 threads), as ShardWorker(num_threads=1) does
         for a Ray rank."""

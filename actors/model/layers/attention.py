@@ -85,6 +85,18 @@ def causal_mask(n: int, ctx: int, window: int | None, device) -> torch.Tensor:
     return mask
 
 
+def chunk_mask(n: int, ctx: int, window: int | None, device) -> object:
+    """SDPA's mask for the last n of ctx positions: without a window, PyTorch's lower-right
+    causal bias, which SDPA runs in its fused kernels with no [n, ctx] tensor (a dense mask
+    sends it to the math path, whose scores for an 8K chunk over 32K cached tokens are [heads,
+    8K, 32K]); with one, `causal_mask`."""
+    if window is None:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(n, ctx)
+    return causal_mask(n, ctx, window, device)
+
+
 CPU_FLOAT_MASK_ELEMENTS = 1 << 18
 """A CPU chunk over a cached prefix gets its mask as an additive float tensor (0 / -inf) when
 it has at most this many elements (1 MB; the cache below holds 8 at most), built once per shape
@@ -160,12 +172,12 @@ def paged_attend(
             outs.append(_fresh_causal(q[start : start + n], k, v, n, scale))
             start += n
             continue
-        qs = q[start : start + n].transpose(0, 1)
-        mask = causal_mask(n, ctx, window, q.device)
+        qs = q[start : start + n].transpose(0, 1)[None]  # [1, h, n, d]: the fused kernels' 4D
+        mask = chunk_mask(n, ctx, window, q.device)
         o = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+            qs, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale
         )
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
         start += n
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], 0)
 

@@ -166,3 +166,19 @@ def test_router_choices_and_routing_counts(case):
         assert c.tolist() == recount
     model.reset_routing_counts()
     assert all(int(c.sum()) == 0 for c in model.routing_counts().values())
+
+
+@pytest.mark.parametrize(("n", "ctx"), [(1, 9), (3, 17), (16, 40), (5, 5)])
+def test_a_chunk_over_cached_context_sees_what_the_dense_mask_lets_it(n, ctx):
+    """The lower-right causal bias a CUDA prefill chunk over a cached prefix uses (SDPA's fused
+    kernels, no [n, ctx] mask) attends as the dense bottom-right mask does."""
+    import torch.nn.functional as F
+
+    from actors.model.layers.attention import causal_mask, chunk_mask
+
+    gen = torch.Generator().manual_seed(n * ctx)
+    q, k, v = (torch.randn(1, 4, m, 8, generator=gen) for m in (n, ctx, ctx))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(n, ctx, None, "cpu"))
+    bias = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask(n, ctx, None, "cpu"))
+    assert torch.allclose(dense, bias, atol=1e-6)
+    assert torch.equal(chunk_mask(n, ctx, 4, "cpu"), causal_mask(n, ctx, 4, "cpu"))
