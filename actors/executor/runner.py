@@ -32,14 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from actors.engine.sampler import sample_on_device
 from actors.executor.step import Launched, StepInput, StepOutput
 from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
-from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs
+from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs, padded_tables
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext
 from actors.kv.tiers import KVTiers
@@ -222,18 +221,12 @@ class LocalRunner:
         """A pure decode step over the padded block tables (rows in sample_seqs order);
         `tokens` [B] on the device: the input ids in place of step.token_ids."""
         b = len(step.query_lens)
-        q = self.table_quantum
-        width = max(len(t) for t in step.block_tables)
-        width = -(-width // q) * q
-        rows = np.zeros((b, width), dtype=np.int32)  # one tensor, not one per row
-        for i, table in enumerate(step.block_tables):
-            rows[i, : len(table)] = table
         packed = PackedInputs(
             {
                 "tokens": step.token_ids,
                 "positions": step.positions,
                 "slots": step.slot_mapping,
-                "block_tables": torch.from_numpy(rows),
+                "block_tables": padded_tables(step.block_tables, self.table_quantum),
                 "context_lens": torch.as_tensor(step.context_lens, dtype=torch.int32),
             },
             pin=self.device.type == "cuda",

@@ -34,6 +34,7 @@ from actors.comm.tp import TensorParallel
 from actors.engine.sampler import TokenLogprob, sample
 from actors.executor.runner import keep_freed_memory
 from actors.executor.step import StepInput
+from actors.kernels.decode_step import DecodeContext, padded_tables
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, to_device
 from actors.kv.tiers import KVTiers
@@ -48,6 +49,9 @@ from actors.model.weights import load_stage_model
 from cache_service.block_key import unpack_keys
 from cluster.errors import InputError
 from placement.parallel_dims import Axis, Layout
+
+TABLE_QUANTUM = 32
+"""Decode block tables are padded to a multiple of this many blocks (LocalRunner's quantum)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,6 +231,17 @@ class ShardWorker:
                 destroy_world()
             raise
         self.kv: KVCache | None = None
+        cuda = self.device.type == "cuda"
+        self.fast_decode = cuda
+        """A pure decode micro-batch runs over a `DecodeContext` (block tables as one padded
+        tensor, batched attention, no host wait), as LocalRunner's decode step does; its CUDA
+        graphs are not captured here."""
+        if cuda:
+            from actors.kernels import triton_available
+
+            self.triton_attention = triton_available()
+        else:
+            self.triton_attention = False
         self.tiers: KVTiers | None = None
         self._tier_spec: dict | None = None
         self._timings: dict[str, float] = defaultdict(float)
@@ -552,6 +567,21 @@ class ShardWorker:
                 out = empty_microbatch(
                     self.model, expert_parallel=self.ep is not None, dtype=dtype, device=self.device
                 )
+            elif self._decodes(step, seqs):  # every row of it sampled: no logits rows to pick
+                ctx = DecodeContext(
+                    cache=cache,
+                    slots=slots[on_device],
+                    block_tables=to_device(
+                        padded_tables([step.block_tables[i] for i in seqs], TABLE_QUANTUM),
+                        self.device,
+                    ),
+                    context_lens=to_device(
+                        torch.tensor([step.context_lens[i] for i in seqs], dtype=torch.int32),
+                        self.device,
+                    ),
+                    use_triton=self.triton_attention,
+                )
+                out = self.model(x, positions[on_device], lens, paged=ctx)
             else:
                 ctx = PagedContext(
                     cache=cache,
@@ -584,6 +614,18 @@ class ShardWorker:
             return (), (), ()
         tokens, logprobs = sample(torch.stack(logits), [step.sampling[r] for r in rows_out])
         return tuple(rows_out), tuple(tokens), tuple(logprobs)
+
+    def _decodes(self, step: StepInput, seqs: list[int]) -> bool:
+        """Whether micro-batch `seqs` runs as a decode step: one new token per sequence, each
+        sampled (a decode token always is), no sliding window, one sequence in batch-invariant
+        mode (as LocalRunner decides)."""
+        sampled = set(step.sample_seqs)
+        return (
+            self.fast_decode
+            and all(step.query_lens[i] == 1 and i in sampled for i in seqs)
+            and (not step.per_sequence or len(seqs) == 1)
+            and self.model.arch.sliding_window is None
+        )
 
     def _routed(self) -> dict[int, list[int]]:
         """Routing counts of this step; TP members share tokens, so only TP rank 0 reports."""

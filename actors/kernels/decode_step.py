@@ -21,6 +21,19 @@ import torch
 from actors.kernels import fused, mla_prologue, paged_decode
 
 
+def padded_tables(tables, quantum: int) -> torch.Tensor:
+    """Block tables [B][n_i] as one int32 tensor [B, NB], NB the longest padded up to a multiple
+    of `quantum` (one CUDA graph, or one Triton specialisation, per width; the padding is never
+    read: context_lens stop each row)."""
+    import numpy as np
+
+    width = -(-max(len(t) for t in tables) // quantum) * quantum
+    rows = np.zeros((len(tables), width), dtype=np.int32)  # one tensor, not one per row
+    for i, table in enumerate(tables):
+        rows[i, : len(table)] = table
+    return torch.from_numpy(rows)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecodeContext:
     """One decode step over `cache` (an `actors.kv.cache.KVCache`). B sequences, NB table width.

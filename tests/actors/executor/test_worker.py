@@ -122,3 +122,71 @@ def test_pipeline_microbatches_only_where_stages_can_overlap():
     assert pipeline_microbatches(2, by_dp, stages_overlap=False) == 1
     assert pipeline_microbatches(2, [[0], []], stages_overlap=True) == 1
     assert core_per_rank(1) and not core_per_rank(100_000)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_decode_micro_batches_over_a_decode_context_give_the_paged_tokens(family, tmp_path):
+    """A ShardWorker's pure decode micro-batch over LocalRunner's `DecodeContext` (padded block
+    tables, batched attention; on CUDA its default) gives what the per-sequence paged path gives,
+    step for step, for GQA and MLA; a prefill step keeps the paged path."""
+    from actors.engine.factory import build_engine
+    from actors.engine.sampler import SamplingParams
+    from actors.executor.runner import LocalRunner
+    from actors.executor.worker import ShardStep
+    from tests.actors.engine.test_engine import prompt
+
+    path = make_tiny_checkpoint(family, tmp_path / family)
+
+    class Recording(LocalRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.steps = []
+
+        def execute(self, step):
+            out = super().execute(step)
+            self.steps.append((step, out.token_ids))
+            return out
+
+    runner = Recording.from_checkpoint(path)
+    engine = build_engine(
+        path, runner=runner, num_blocks=40, block_size=4, max_num_batched_tokens=64,
+        max_num_seqs=3, batch_invariant=False,
+    )  # fmt: skip
+    for i, n in enumerate((6, 9, 3)):
+        engine.add_request(str(i), prompt(n, i), SamplingParams(max_tokens=7, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    decodes = sum(all(n == 1 for n in s.query_lens) for s, _ in runner.steps)
+    assert decodes >= 5
+    arch = runner.arch
+    got = {}
+    for fast in (False, True):
+        worker = ShardWorker(
+            layout=Layout.build(
+                parse_layout("single"), num_layers=arch.num_layers, num_experts=arch.num_experts
+            ),
+            rank=0, checkpoint_dir=path, num_threads=None,
+        )  # fmt: skip
+        worker.fast_decode = fast
+        worker.allocate_kv(40, 4)
+        built = _count_decisions(worker)
+        tokens = []
+        for step, _ in runner.steps:
+            out = worker.execute(ShardStep(step=step, owners=(0,) * len(step.query_lens)))
+            tokens.append(out.token_ids)
+        got[fast] = tokens
+        assert sum(built) == (decodes if fast else 0)  # each decode step took the context
+    assert got[True] == got[False] == [t for _, t in runner.steps]
+
+
+def _count_decisions(worker) -> list[bool]:
+    """Every `_decodes` answer of `worker` from now on, in order."""
+    seen: list[bool] = []
+    decides = worker._decodes
+
+    def counted(step, seqs):
+        seen.append(decides(step, seqs))
+        return seen[-1]
+
+    worker._decodes = counted
+    return seen
