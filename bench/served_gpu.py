@@ -139,6 +139,20 @@ def workload(cfg: dict[str, Any], c: int, prompt_tokens: int, level: int) -> lis
     return [[rng.randrange(3, cfg["vocab_size"]) for _ in range(prompt_tokens)] for _ in range(c)]
 
 
+def sweep(opts, run):
+    """Both sides' workload through `run(prompts, sampling, max_tokens, seed0)`: every shape
+    once untimed (CUDA graphs captured, kernels compiled), then each (concurrency, sampling)
+    level on the same prompts and seeds; yields (level key, what `run` returned)."""
+    warm = workload(opts.cfg, 32, opts.prompt_tokens, 99)
+    for sampling in SAMPLINGS:
+        for c in opts.concurrency:
+            run(warm[:c], sampling, 8, 0)
+    for level, c in enumerate(opts.concurrency):
+        prompts = workload(opts.cfg, c, opts.prompt_tokens, level)
+        for sampling in SAMPLINGS:
+            yield f"c{c}/{sampling}", run(prompts, sampling, opts.max_tokens, 7 * level)
+
+
 # ----------------------------------------------------------------- step 2: in-process engine
 
 
@@ -183,16 +197,8 @@ def in_process(ckpt: Path, opts, device: str) -> tuple[dict[str, Any], dict[str,
         level["distinct_last_tokens"] = len({toks[-1] for toks in out.values()})
         return level, [out[str(i)] for i in range(len(prompts))]
 
-    warm = workload(opts.cfg, 32, opts.prompt_tokens, 99)
-    for sampling in SAMPLINGS:  # every graph shape the levels use, captured before timing
-        for c in opts.concurrency:
-            run(warm[:c], sampling, 8, 0)
-    for level, c in enumerate(opts.concurrency):
-        prompts = workload(opts.cfg, c, opts.prompt_tokens, level)
-        for sampling in SAMPLINGS:
-            key = f"c{c}/{sampling}"
-            results[key], tokens[key] = run(prompts, sampling, opts.max_tokens, 7 * level)
-            log(f"in-process {key}: {results[key]}")
+    for key, (results[key], tokens[key]) in sweep(opts, run):
+        log(f"in-process {key}: {results[key]}")
     stats = engine.stats()
     engine.runner = None  # the weights and the KV pool go with the runner
     gc.collect()
@@ -352,21 +358,13 @@ def served(
                 r["times"] = [t + shift for t in r["times"]]
             return rows, time.perf_counter() - t0
 
-        warm = workload(opts.cfg, 32, opts.prompt_tokens, 99)
-        for sampling in SAMPLINGS:
-            for c in opts.concurrency:
-                wave(warm[:c], sampling, 8, 0)
-        for level, c in enumerate(opts.concurrency):
-            prompts = workload(opts.cfg, c, opts.prompt_tokens, level)
-            for sampling in SAMPLINGS:
-                key = f"c{c}/{sampling}"
-                rows, wall = wave(prompts, sampling, opts.max_tokens, 7 * level)
-                out["levels"][key] = summary(rows, wall)
-                words = [[int(w[1:]) for w in r["text"].split()] for r in rows]
-                same = sum(a == b for ws, ref in zip(words, reference[key], strict=True)
-                           for a, b in zip(ws, ref, strict=False))  # fmt: skip
-                out["token_match"][key] = round(same / max(1, sum(map(len, reference[key]))), 4)
-                log(f"served {key}: {out['levels'][key]} match {out['token_match'][key]}")
+        for key, (rows, wall) in sweep(opts, wave):
+            out["levels"][key] = summary(rows, wall)
+            words = [[int(w[1:]) for w in r["text"].split()] for r in rows]
+            same = sum(a == b for ws, ref in zip(words, reference[key], strict=True)
+                       for a, b in zip(ws, ref, strict=False))  # fmt: skip
+            out["token_match"][key] = round(same / max(1, sum(map(len, reference[key]))), 4)
+            log(f"served {key}: {out['levels'][key]} match {out['token_match'][key]}")
         out["prefix_hit"] = []
         for n in opts.prefix_tokens if prefix else ():
             ids = workload(opts.cfg, 1, n, 500 + n)[0]

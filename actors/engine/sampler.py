@@ -197,11 +197,10 @@ def needs_sampler(rows: Sequence[RowSampling]) -> bool:
 def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
     """Step 1: float32 logits [B, V] with each row's penalties applied (a copy where any is
     set; `logits` itself, cast, where none is)."""
-    out = logits.float()
     hit = [r for r, row in enumerate(rows) if row.penalized]
     if not hit:
-        return out
-    out = out.clone()
+        return logits.float()
+    out = logits.clone() if logits.dtype == torch.float32 else logits.float()  # a copy either way
     dev = out.device
     sub = out[hit]
     counts = torch.zeros_like(sub)
@@ -210,8 +209,8 @@ def penalized_logits(logits: torch.Tensor, rows: Sequence[RowSampling]) -> torch
         row_of = torch.tensor([i for i, t in enumerate(ids) for _ in t], device=dev)
         flat = torch.tensor([x for t in ids for x in t], dtype=torch.int64, device=dev)
         counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=sub.dtype), accumulate=True)
-    rep = torch.tensor([rows[r].repetition_penalty for r in hit], device=dev)[:, None]
-    if bool((rep != 1).any()):
+    if any(rows[r].repetition_penalty != 1 for r in hit):  # decided on the host: no device wait
+        rep = torch.tensor([rows[r].repetition_penalty for r in hit], device=dev)[:, None]
         seen = counts > 0
         prompts = [rows[r].prompt_ids for r in hit]
         if any(prompts):

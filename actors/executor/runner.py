@@ -38,7 +38,13 @@ from actors.engine.sampler import sample_on_device
 from actors.executor.step import Launched, StepInput, StepOutput
 from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
-from actors.kernels.decode_step import DecodeContext, DecodeGraphs, PackedInputs, padded_tables
+from actors.kernels.decode_step import (
+    TABLE_QUANTUM,
+    DecodeContext,
+    DecodeGraphs,
+    PackedInputs,
+    padded_tables,
+)
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext
 from actors.kv.tiers import KVTiers
@@ -81,8 +87,7 @@ class LocalRunner:
 
             triton_attention = cuda and triton_available()
         self.triton_attention = triton_attention
-        self.table_quantum = 32
-        """Decode block tables are padded to a multiple of this many blocks (one graph each)."""
+        self.table_quantum = TABLE_QUANTUM
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
         self.plain_cpu = not cuda and _plain_cpu()  # not Triton's interpreter: see _logits

@@ -34,6 +34,7 @@ from actors.comm.tp import TensorParallel
 from actors.engine.sampler import TokenLogprob, sample
 from actors.executor.runner import keep_freed_memory
 from actors.executor.step import StepInput
+from actors.kernels import triton_available
 from actors.kernels.decode_step import DecodeContext, padded_tables
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, to_device
@@ -49,9 +50,6 @@ from actors.model.weights import load_stage_model
 from cache_service.block_key import unpack_keys
 from cluster.errors import InputError
 from placement.parallel_dims import Axis, Layout
-
-TABLE_QUANTUM = 32
-"""Decode block tables are padded to a multiple of this many blocks (LocalRunner's quantum)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,12 +234,7 @@ class ShardWorker:
         """A pure decode micro-batch runs over a `DecodeContext` (block tables as one padded
         tensor, batched attention, no host wait), as LocalRunner's decode step does; its CUDA
         graphs are not captured here."""
-        if cuda:
-            from actors.kernels import triton_available
-
-            self.triton_attention = triton_available()
-        else:
-            self.triton_attention = False
+        self.triton_attention = cuda and triton_available()
         self.tiers: KVTiers | None = None
         self._tier_spec: dict | None = None
         self._timings: dict[str, float] = defaultdict(float)
@@ -572,7 +565,7 @@ class ShardWorker:
                     cache=cache,
                     slots=slots[on_device],
                     block_tables=to_device(
-                        padded_tables([step.block_tables[i] for i in seqs], TABLE_QUANTUM),
+                        padded_tables([step.block_tables[i] for i in seqs]),
                         self.device,
                     ),
                     context_lens=to_device(

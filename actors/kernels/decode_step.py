@@ -20,8 +20,11 @@ import torch
 
 from actors.kernels import fused, mla_prologue, paged_decode
 
+TABLE_QUANTUM = 32
+"""Decode block tables are padded to a multiple of this many blocks (one graph each)."""
 
-def padded_tables(tables, quantum: int) -> torch.Tensor:
+
+def padded_tables(tables, quantum: int = TABLE_QUANTUM) -> torch.Tensor:
     """Block tables [B][n_i] as one int32 tensor [B, NB], NB the longest padded up to a multiple
     of `quantum` (one CUDA graph, or one Triton specialisation, per width; the padding is never
     read: context_lens stop each row)."""
