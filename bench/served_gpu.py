@@ -67,9 +67,14 @@ SAMPLINGS = {
 }
 SERVED_NAME = "bench"
 SERVE_VARIANTS = {
-    "default": {},  # what moectl serve sets: Ray Serve's throughput mode, the HTTP proxy kept
-    "serve_defaults": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},  # Ray Serve's own defaults
-}
+    # what moectl serve sets: Ray Serve's throughput mode, the HTTP proxy kept; device pool only
+    "default": {"sweep": True, "prefix": "device"},
+    # Ray Serve's own defaults (measured 2026-12-01: slower at every level but c32 greedy)
+    "serve_defaults": {"sweep": True, "env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}},
+    # a host tier behind the cache server: prefixes evicted from a smaller device pool come
+    # back from the tier (the batched device path: blocks staged device <-> pinned host)
+    "tiers": {"prefix": "tiers", "tiers": [{"url": "host://", "bytes": "24G"}]},
+}  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -163,12 +168,25 @@ def engine_kw(opts) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def in_process(ckpt: Path, opts, device: str) -> tuple[dict[str, Any], dict[str, list]]:
+def in_process(
+    ckpt: Path, opts, device: str, layout: str | None = None
+) -> tuple[dict[str, Any], dict[str, list]]:
+    """The workload on an engine in this process: over LocalRunner (`layout` None), or over a
+    Replica of ShardWorker Ray actors (`layout` "single": one rank in its own process, the
+    multi-rank path's code, reached by the step channel)."""
     from actors.engine.factory import build_engine
     from actors.engine.sampler import SamplingParams
 
     dtype = "bfloat16" if device == "cuda" else "float32"  # what the serve YAML's `auto` gives
-    engine = build_engine(ckpt, device=device, dtype=dtype, **engine_kw(opts))
+    ranks = {}
+    if layout is not None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, num_cpus=4,
+                     _node_ip_address="127.0.0.1", log_to_driver=False)  # fmt: skip
+        ranks = {"layout": layout, "num_cpus": 1, "num_gpus": 1 if device == "cuda" else 0}
+    engine = build_engine(ckpt, device=device, dtype=dtype, **ranks, **engine_kw(opts))
     results, tokens = {}, {}
 
     def run(prompts, sampling, max_tokens, seed0):
@@ -200,13 +218,23 @@ def in_process(ckpt: Path, opts, device: str) -> tuple[dict[str, Any], dict[str,
     for key, (results[key], tokens[key]) in sweep(opts, run):
         log(f"in-process {key}: {results[key]}")
     stats = engine.stats()
+    health = engine.runner.health() if layout is not None else None
+    if layout is not None:
+        import ray
+
+        engine.runner.shutdown()
+        ray.shutdown()  # the served variants start their own local Ray
     engine.runner = None  # the weights and the KV pool go with the runner
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return {
         "levels": results,
-        "engine_stats": {k: stats.get(k) for k in ("steps", "overlapped_steps")},
+        "engine_stats": {
+            k: stats.get(k)
+            for k in ("steps", "overlapped_steps", "decode_graphs", "graph_captures")
+        },
+        "rank_health": health,
     }, tokens
 
 
@@ -241,13 +269,13 @@ def sampler_cost(vocab: int, device: str, batches=(1, 8, 32), iters: int = 50) -
 # ------------------------------------------------------------------------ step 3: served
 
 
-def serve_yaml(ckpt: Path, opts, device: str, port: int) -> str:
-    kw = engine_kw(opts)
+def serve_yaml(ckpt: Path, opts, device: str, port: int, variant: dict) -> str:
+    kw = {**engine_kw(opts), **variant.get("engine", {})}
     return json.dumps({
         "app_name": "bench",
         "model": {"path": str(ckpt), "name": SERVED_NAME, "dtype": "auto"},
         "plan": {"layout": "single"},
-        "cache": {"tiers": []},
+        "cache": {"tiers": variant.get("tiers", [])},
         "engine": {"device": device, "block_size": kw["block_size"],
                    "num_blocks": kw["num_blocks"], "max_num_seqs": kw["max_num_seqs"],
                    "max_num_batched_tokens": kw["max_num_batched_tokens"],
@@ -257,17 +285,17 @@ def serve_yaml(ckpt: Path, opts, device: str, port: int) -> str:
     })  # fmt: skip
 
 
-def start_server(ckpt: Path, opts, device: str, port: int, workdir: Path, extra_env: dict):
+def start_server(ckpt: Path, opts, device: str, port: int, workdir: Path, variant: dict):
     import urllib.request
 
     cfg = workdir / "serve.yaml"
-    cfg.write_text(serve_yaml(ckpt, opts, device, port))
+    cfg.write_text(serve_yaml(ckpt, opts, device, port, variant))
     logf = open(workdir / "serve.log", "w")  # noqa: SIM115 (closed by stop_server)
+    paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                          os.environ.get("PYTHONPATH", "")]),
-           **extra_env}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join(paths),
+           **variant.get("env", {})}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "serve", "-c", str(cfg)],
         stdout=logf,
@@ -333,14 +361,18 @@ def streamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
 
 
 def served(
-    ckpt: Path, opts, device: str, reference: dict[str, list], extra_env: dict, prefix: bool
+    ckpt: Path, opts, device: str, reference: dict[str, list], variant: dict
 ) -> dict[str, Any]:
+    """`moectl serve` with `variant` (SERVE_VARIANTS): the sweep through the openai client
+    (`sweep`), then prefix hits (`prefix`): "device", each prompt cold then again (its blocks
+    in the replica's pool); "tiers", cold, again, then after filler prompts have evicted its
+    blocks from the device pool (num_blocks of the variant), a third time from the tier."""
     import openai
 
     port = 8000 + random.Random().randrange(1000)
     workdir = Path(tempfile.mkdtemp(prefix="served-"))
-    proc, logf = start_server(ckpt, opts, device, port, workdir, extra_env)
-    out: dict[str, Any] = {"env": extra_env, "levels": {}, "token_match": {}}
+    proc, logf = start_server(ckpt, opts, device, port, workdir, variant)
+    out: dict[str, Any] = {"variant": variant, "levels": {}, "token_match": {}}
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0, timeout=600)  # fmt: skip
@@ -358,29 +390,54 @@ def served(
                 r["times"] = [t + shift for t in r["times"]]
             return rows, time.perf_counter() - t0
 
-        for key, (rows, wall) in sweep(opts, wave):
+        for key, (rows, wall) in sweep(opts, wave) if variant.get("sweep") else ():
             out["levels"][key] = summary(rows, wall)
             words = [[int(w[1:]) for w in r["text"].split()] for r in rows]
             same = sum(a == b for ws, ref in zip(words, reference[key], strict=True)
                        for a, b in zip(ws, ref, strict=False))  # fmt: skip
             out["token_match"][key] = round(same / max(1, sum(map(len, reference[key]))), 4)
             log(f"served {key}: {out['levels'][key]} match {out['token_match'][key]}")
-        out["prefix_hit"] = []
-        for n in opts.prefix_tokens if prefix else ():
-            ids = workload(opts.cfg, 1, n, 500 + n)[0]
-            cold = streamed(client, ids, 1, "greedy", 1)
-            hit = streamed(client, ids, 1, "greedy", 1)
-            row = {"tokens": n, "cold_ttft_ms": round(cold["ttft_s"] * 1e3, 2),
-                   "hit_ttft_ms": round(hit["ttft_s"] * 1e3, 2),
-                   "hit_cached_tokens": hit["cached_tokens"],
-                   "ratio": round(hit["ttft_s"] / cold["ttft_s"], 4)}  # fmt: skip
-            out["prefix_hit"].append(row)
-            log(f"prefix hit {row}")
+        if not variant.get("sweep"):  # what the sweep's warm-up does: kernels compiled
+            streamed(client, workload(opts.cfg, 1, 64, 98)[0], 4, "greedy", 1)
+        out["prefix_hit"] = [prefix_hit(client, opts, n, variant) for n in
+                             (opts.prefix_tokens if variant.get("prefix") else ())]  # fmt: skip
+        out["admin_stats"] = admin_stats(port)
         pool.shutdown()
     finally:
         stop_server(proc, logf)
         out["serve_log_tail"] = tail(workdir, 1500)
     return out
+
+
+def prefix_hit(client, opts, n: int, variant: dict) -> dict[str, Any]:
+    ids = workload(opts.cfg, 1, n, 500 + n)[0]
+    cold = streamed(client, ids, 1, "greedy", 1)
+    hit = streamed(client, ids, 1, "greedy", 1)
+    row = {"tokens": n, "cold_ttft_ms": round(cold["ttft_s"] * 1e3, 2),
+           "hit_ttft_ms": round(hit["ttft_s"] * 1e3, 2), "hit_cached_tokens": hit["cached_tokens"],
+           "ratio": round(hit["ttft_s"] / cold["ttft_s"], 4)}  # fmt: skip
+    if variant.get("prefix") == "tiers":  # fillers past the device pool, then the tier's hit
+        pool_tokens = variant["engine"]["num_blocks"] * engine_kw(opts)["block_size"]
+        fill = min(n, 8192)
+        for k in range(-(-pool_tokens // fill) + 1):
+            streamed(client, workload(opts.cfg, 1, fill, 9000 + 10 * n + k)[0], 1, "greedy", 1)
+        tier = streamed(client, ids, 1, "greedy", 1)
+        row.update({"tier_hit_ttft_ms": round(tier["ttft_s"] * 1e3, 2),
+                    "tier_hit_cached_tokens": tier["cached_tokens"],
+                    "tier_ratio": round(tier["ttft_s"] / cold["ttft_s"], 4)})  # fmt: skip
+    log(f"prefix hit {row}")
+    return row
+
+
+def admin_stats(port: int) -> dict[str, Any] | None:
+    """The replica's engine stats (steps, graphs, tier hits), as an operator reads them."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/stats", timeout=10) as r:
+            return json.loads(r.read())
+    except OSError as exc:
+        return {"error": str(exc)}
 
 
 # --------------------------------------------------------------------------- step 4: report
@@ -406,9 +463,9 @@ def checks(inproc: dict[str, Any], srv: dict[str, Any], top: int) -> dict[str, A
     }
 
 
-def table(inproc, srv) -> str:
-    lines = ["| level | in-process tok/s | served tok/s | in-proc TTFT p50/p99 ms | served TTFT "
-             "p50/p99 ms | in-proc TPOT p50/p99 ms | served TPOT p50/p99 ms | tokens equal |",
+def table(inproc, srv, right: str = "served") -> str:
+    lines = [f"| level | in-process tok/s | {right} tok/s | in-proc TTFT p50/p99 ms | {right} TTFT "
+             f"p50/p99 ms | in-proc TPOT p50/p99 ms | {right} TPOT p50/p99 ms | tokens equal |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for key, a in inproc["levels"].items():
         b = srv["levels"].get(key, {})
@@ -416,9 +473,30 @@ def table(inproc, srv) -> str:
             f"| {key} | {a['tokens_per_s']} | {b.get('tokens_per_s')} | {a['ttft_ms_p50']} / "
             f"{a['ttft_ms_p99']} | {b.get('ttft_ms_p50')} / {b.get('ttft_ms_p99')} | "
             f"{a['tpot_ms_p50']} / {a['tpot_ms_p99']} | {b.get('tpot_ms_p50')} / "
-            f"{b.get('tpot_ms_p99')} | {srv['token_match'].get(key)} |"
+            f"{b.get('tpot_ms_p99')} | {srv.get('token_match', {}).get(key)} |"
         )
     return "\n".join(lines)
+
+
+def worker_part(ckpt: Path, opts, device: str, inproc, tokens, report) -> int:
+    """The in-process workload again over one ShardWorker actor (the multi-rank path's code),
+    its tokens compared with LocalRunner's; 1 if it failed (the reason in the report)."""
+    try:
+        got, theirs = in_process(ckpt, opts, device, layout="single")
+        got["token_match"] = {
+            key: round(sum(a == b for x, y in zip(theirs[key], ref, strict=True)
+                           for a, b in zip(x, y, strict=True))
+                       / max(1, sum(map(len, ref))), 4)
+            for key, ref in tokens.items()
+        }  # fmt: skip
+        report["in_process_worker"] = got
+        print("in-process over one ShardWorker actor")
+        print(table(inproc, report["in_process_worker"], right="ShardWorker"))
+    except Exception as exc:
+        report["in_process_worker_error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+        log(report["in_process_worker_error"])
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,7 +504,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (the same code)")
     p.add_argument("--ckpt", type=Path, default=None, help="where the checkpoint is written")
+    p.add_argument(
+        "--parts",
+        default="worker,default,tiers",
+        help="after the in-process engine, comma-separated: worker (the engine over "
+        f"one ShardWorker actor) and served variants ({', '.join(SERVE_VARIANTS)})",
+    )
     args = p.parse_args(argv)
+    args.parts = [x for x in args.parts.split(",") if x]
+    unknown = set(args.parts) - {"worker", *SERVE_VARIANTS}
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}")
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     opts = argparse.Namespace(
         cfg=TINY if args.tiny else FULL,
@@ -460,22 +548,30 @@ def main(argv: list[str] | None = None) -> int:
     report["in_process"] = inproc
     args.out.write_text(json.dumps(report, indent=1))
     top, failed = max(opts.concurrency), 0
-    for name, env in SERVE_VARIANTS.items():
+    for name in args.parts:  # in the order given (a device call's time limit cuts the last)
+        if name == "worker":
+            failed += worker_part(ckpt, opts, device, inproc, tokens, report)
+            args.out.write_text(json.dumps(report, indent=1))
+            continue
+        variant = SERVE_VARIANTS[name]
+        if variant.get("prefix") == "tiers":  # a device pool just over the longest prefix
+            blocks = int(max(opts.prefix_tokens) / engine_kw(opts)["block_size"] * 1.125)
+            variant = {**variant, "engine": {"num_blocks": blocks}}
         try:
-            report[f"served_{name}"] = got = served(
-                ckpt, opts, device, tokens, env, name == "default"
-            )
+            report[f"served_{name}"] = got = served(ckpt, opts, device, tokens, variant)
         except Exception as exc:  # what ran is kept, and why this variant failed
             report[f"served_{name}_error"] = f"{type(exc).__name__}: {exc}"[-4000:]
             args.out.write_text(json.dumps(report, indent=1))
             log(report[f"served_{name}_error"])
             failed += 1
             continue
-        report[f"checks_{name}"] = checks(inproc, got, top)
         args.out.write_text(json.dumps(report, indent=1))
-        print(f"served ({name}: {env})")
-        print(table(inproc, got))
-        print(json.dumps(report[f"checks_{name}"], indent=1))
+        if got["levels"]:
+            report[f"checks_{name}"] = checks(inproc, got, top)
+            args.out.write_text(json.dumps(report, indent=1))
+            print(f"served ({name}: {variant})")
+            print(table(inproc, got))
+            print(json.dumps(report[f"checks_{name}"], indent=1))
     return 1 if failed else 0
 
 

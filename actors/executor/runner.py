@@ -38,13 +38,7 @@ from actors.engine.sampler import sample_on_device
 from actors.executor.step import Launched, StepInput, StepOutput
 from actors.executor.thread_tuner import ThreadTuner
 from actors.kernels import cpu_attention, fused
-from actors.kernels.decode_step import (
-    TABLE_QUANTUM,
-    DecodeContext,
-    DecodeGraphs,
-    PackedInputs,
-    padded_tables,
-)
+from actors.kernels.decode_step import DecodeGraphs, run_decode
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext
 from actors.kv.tiers import KVTiers
@@ -52,6 +46,26 @@ from actors.model.arch import ArchConfig
 from actors.model.stage import StageModel
 from cache_service.block_key import BlockKey
 from cluster.errors import InputError
+
+SHORT_QUERY = 16
+"""A step whose sequences each bring at most this many new tokens runs as a decode step of
+one row per token on the fast path (`LocalRunner._decode_rows`): the paged path's per-sequence
+gather of the cached context costs more than attending row by row from the blocks."""
+SHORT_ROWS = 512
+"""...and at most this many rows in all (each is a [V] row of logits too)."""
+
+
+def short_rows(step: StepInput, lens: Sequence[int], arch: ArchConfig) -> bool:
+    """Whether new tokens `lens` (a step's or a micro-batch's sequences) run on the fast path as
+    decode rows, one per token (`LocalRunner._decode_rows`, ShardWorker's micro-batches): each
+    sequence brings few (decode rows beside the uncached tails of prompts that hit the prefix
+    cache, as a serving ramp admits them), no sliding window, not batch-invariant."""
+    return (
+        not step.per_sequence
+        and arch.sliding_window is None
+        and max(lens) <= SHORT_QUERY
+        and sum(lens) <= SHORT_ROWS
+    )
 
 
 class LocalRunner:
@@ -87,9 +101,7 @@ class LocalRunner:
 
             triton_attention = cuda and triton_available()
         self.triton_attention = triton_attention
-        self.table_quantum = TABLE_QUANTUM
         self.graphs: DecodeGraphs | None = None
-        self.graph_error: str | None = None
         self.plain_cpu = not cuda and _plain_cpu()  # not Triton's interpreter: see _logits
         self.tuner = ThreadTuner() if self.plain_cpu and ADAPT_THREADS[0] else None
 
@@ -175,6 +187,10 @@ class LocalRunner:
             if self.mirror is not None:
                 self.mirror.drop()
             return self._decode(step, tokens)
+        if not all_rows and tokens is None and self._short_rows(step):
+            if self.mirror is not None:
+                self.mirror.drop()
+            return self._decode_rows(step)
         if step.per_sequence and len(step.query_lens) > 1:
             parts = [
                 self._logits(step.sub(i), all_rows=all_rows) for i in range(len(step.query_lens))
@@ -222,40 +238,57 @@ class LocalRunner:
             and self.arch.sliding_window is None
         )
 
+    def _short_rows(self, step: StepInput) -> bool:
+        return self.fast_decode and short_rows(step, step.query_lens, self.arch)
+
+    def _decode_rows(self, step: StepInput) -> torch.Tensor:
+        """A step of short queries as a decode step of one row per new token: row j of a
+        sequence attends over that sequence's blocks up to its own position (context length
+        position + 1). Every row's K/V is written before any row attends, so a query sees the
+        earlier new tokens of its sequence as it would in a causal prefill; the batched
+        decode attention runs once for the step instead of a gather and an attention call per
+        sequence and layer. Eager (no graph: the row counts of such steps vary too much)."""
+        lens = step.query_lens
+        seq_of_row = [i for i, n in enumerate(lens) for _ in range(n)]
+        context = step.positions.to(torch.int32) + 1
+        logits = run_decode(
+            self.model,
+            self.kv,
+            tokens=step.token_ids,
+            positions=step.positions,
+            slots=step.slot_mapping,
+            tables=[step.block_tables[i] for i in seq_of_row],
+            context_lens=context,
+            graphs=None,
+            use_triton=self.triton_attention,
+            shared_rows=True,
+        )
+        ends = torch.cumsum(torch.tensor(lens), 0) - 1
+        return logits[ends[list(step.sample_seqs)].to(logits.device)]
+
     def _decode(self, step: StepInput, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """A pure decode step over the padded block tables (rows in sample_seqs order);
         `tokens` [B] on the device: the input ids in place of step.token_ids."""
         b = len(step.query_lens)
-        packed = PackedInputs(
-            {
-                "tokens": step.token_ids,
-                "positions": step.positions,
-                "slots": step.slot_mapping,
-                "block_tables": padded_tables(step.block_tables, self.table_quantum),
-                "context_lens": torch.as_tensor(step.context_lens, dtype=torch.int32),
-            },
-            pin=self.device.type == "cuda",
+        logits = run_decode(
+            self.model,
+            self.kv,
+            tokens=step.token_ids,
+            positions=step.positions,
+            slots=step.slot_mapping,
+            tables=step.block_tables,
+            context_lens=step.context_lens,
+            graphs=self.graphs,
+            use_triton=self.triton_attention,
+            x=tokens,
         )
-        logits = None
-        if self.graphs is not None:
-            try:
-                logits = self.graphs.run(packed, tokens=tokens)
-            except RuntimeError as exc:  # capture refused: run eagerly from now on, say why
-                self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"[:500]
-        if logits is None:
-            inputs = packed.to(self.device)
-            if tokens is not None:
-                inputs["tokens"] = tokens
-            ctx = DecodeContext(
-                cache=self.kv,
-                slots=inputs["slots"],
-                block_tables=inputs["block_tables"],
-                context_lens=inputs["context_lens"],
-                use_triton=self.triton_attention,
-            )
-            logits = self.model(inputs["tokens"], inputs["positions"], (1,) * b, paged=ctx)
         order = list(step.sample_seqs)
         return logits if order == list(range(b)) else logits[order]
+
+    @property
+    def graph_error(self) -> str | None:
+        """Why CUDA graph capture was refused (the decode steps then run eagerly)."""
+        return None if self.graphs is None else self.graphs.error
 
     def execute(self, step: StepInput) -> StepOutput:
         tokens, logprobs = sample_on_device(self._logits(step), step.sampling).read()
@@ -314,8 +347,11 @@ class LocalRunner:
         return self.kv
 
     def timing_stats(self) -> dict[str, object]:
-        """No per-stage figures: one rank runs every layer."""
-        return {}
+        """No per-stage figures (one rank runs every layer); the decode graphs held and
+        captured so far (a capture in the middle of serving costs a forward or two)."""
+        if self.graphs is None:
+            return {}
+        return {"decode_graphs": len(self.graphs.graphs), "graph_captures": self.graphs.captures}
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv.copy_block(src, dst)

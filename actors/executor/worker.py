@@ -32,10 +32,10 @@ from actors.comm.pp import PipelineParallel
 from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
 from actors.engine.sampler import TokenLogprob, sample
-from actors.executor.runner import keep_freed_memory
+from actors.executor.runner import keep_freed_memory, short_rows
 from actors.executor.step import StepInput
 from actors.kernels import triton_available
-from actors.kernels.decode_step import DecodeContext, padded_tables
+from actors.kernels.decode_step import DecodeGraphs, run_decode
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, to_device
 from actors.kv.tiers import KVTiers
@@ -231,9 +231,14 @@ class ShardWorker:
         self.kv: KVCache | None = None
         cuda = self.device.type == "cuda"
         self.fast_decode = cuda
-        """A pure decode micro-batch runs over a `DecodeContext` (block tables as one padded
-        tensor, batched attention, no host wait), as LocalRunner's decode step does; its CUDA
-        graphs are not captured here."""
+        """A pure decode micro-batch runs through `run_decode`, the code of LocalRunner's decode
+        step: a `DecodeContext` (block tables as one padded tensor, batched attention, no host
+        wait), replayed from CUDA graphs where `cuda_graphs`."""
+        self.cuda_graphs = cuda and self.tp.size == 1 and self.ep is None
+        """Graphs per (batch, table width) of this stage's decode forward, where the forward has
+        no collective inside: TP all-reduces and EP exchanges run between a stage's layers and
+        are not captured here (their ranks decode eagerly); PP's send / receive lie outside."""
+        self.graphs: DecodeGraphs | None = None
         self.triton_attention = cuda and triton_available()
         self.tiers: KVTiers | None = None
         self._tier_spec: dict | None = None
@@ -400,8 +405,10 @@ class ShardWorker:
             kv_head_range=self.kv_head_range(),
             dtype=next(self.model.parameters()).dtype,
         )
-        self.kv = None
+        self.kv, self.graphs = None, None
         self.kv = KVCache(layout, num_blocks, self.device)
+        if self.cuda_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, use_triton=self.triton_attention)
         if self.tiers is not None and self.tiers.block_shape != layout.block_shape:
             self.tiers = None  # reopened for the new block shape on first use
         return layout
@@ -561,20 +568,38 @@ class ShardWorker:
                     self.model, expert_parallel=self.ep is not None, dtype=dtype, device=self.device
                 )
             elif self._decodes(step, seqs):  # every row of it sampled: no logits rows to pick
-                ctx = DecodeContext(
-                    cache=cache,
-                    slots=slots[on_device],
-                    block_tables=to_device(
-                        padded_tables([step.block_tables[i] for i in seqs]),
-                        self.device,
-                    ),
-                    context_lens=to_device(
-                        torch.tensor([step.context_lens[i] for i in seqs], dtype=torch.int32),
-                        self.device,
-                    ),
+                rows_of = [starts[i] for i in seqs]  # one token each
+                out = run_decode(
+                    self.model,
+                    cache,
+                    tokens=step.token_ids[rows_of],
+                    positions=step.positions[rows_of],
+                    slots=step.slot_mapping[rows_of],
+                    tables=[step.block_tables[i] for i in seqs],
+                    context_lens=[step.context_lens[i] for i in seqs],
+                    graphs=self.graphs,
                     use_triton=self.triton_attention,
+                    x=None if self.model.first else x,
                 )
-                out = self.model(x, positions[on_device], lens, paged=ctx)
+                if self.graphs is not None and self.graphs.error is None:
+                    out = out.clone()  # a graph's static output: the next micro-batch reuses it
+            elif self._short_rows(step, seqs):  # a row per new token (LocalRunner's too)
+                rows_of = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+                out = run_decode(
+                    self.model,
+                    cache,
+                    tokens=step.token_ids[rows_of],
+                    positions=step.positions[rows_of],
+                    slots=step.slot_mapping[rows_of],
+                    tables=[step.block_tables[i] for i in seqs for _ in range(step.query_lens[i])],
+                    context_lens=step.positions[rows_of].to(torch.int32) + 1,
+                    graphs=None,
+                    use_triton=self.triton_attention,
+                    shared_rows=True,
+                    x=None if self.model.first else x,
+                )
+                if logits_rows is not None:
+                    out = out[logits_rows]
             else:
                 ctx = PagedContext(
                     cache=cache,
@@ -620,6 +645,10 @@ class ShardWorker:
             and self.model.arch.sliding_window is None
         )
 
+    def _short_rows(self, step: StepInput, seqs: list[int]) -> bool:
+        lens = [step.query_lens[i] for i in seqs]
+        return self.fast_decode and short_rows(step, lens, self.model.arch)
+
     def _routed(self) -> dict[int, list[int]]:
         """Routing counts of this step; TP members share tokens, so only TP rank 0 reports."""
         if self.tp.rank != 0:
@@ -655,7 +684,9 @@ class ShardWorker:
 
     def health(self) -> dict[str, object]:
         """Small status dict: rank, coordinates, steps done, in_step, broken reason, world id,
-        the core it is pinned to (None: not pinned, actors/comm/affinity.py)."""
+        the core it is pinned to (None: not pinned, actors/comm/affinity.py), the decode graphs
+        captured and why capture was refused (None: not refused, or no graphs here)."""
+        graphs = self.graphs
         return {
             "rank": self.rank,
             "pp": self.coord.pp,
@@ -666,6 +697,8 @@ class ShardWorker:
             "broken": self.broken,
             "world_id": self.rendezvous.world_id if self.rendezvous else None,
             "core": self.core,
+            "graphs": None if graphs is None else len(graphs.graphs),
+            "graph_error": None if graphs is None else graphs.error,
         }
 
     def close(self) -> None:

@@ -50,6 +50,9 @@ class DecodeContext:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     use_triton: bool = False
+    shared_rows: bool = False
+    """Rows of one sequence in the step (a row per new token): every row's K/V is written
+    before any row attends (no attention kernel that writes its own row while others read)."""
     counters: dict = field(default_factory=dict)
 
     def layer(self, index: int) -> DecodeView:
@@ -120,7 +123,8 @@ class DecodeView:
         the program holding the new token writes its K/V (`paged_decode.RopeWrite`)."""
         c, i = self.context, self.index
         kc, vc = c.cache.k[i], c.cache.v[i]
-        if c.use_triton and triton_suits(kc) and paged_decode.rope_write_suits(q, k, v, kc):
+        fused_write = c.use_triton and not c.shared_rows and triton_suits(kc)
+        if fused_write and paged_decode.rope_write_suits(q, k, v, kc):
             qw, kw = norms if norms is not None else (None, None)
             pro = paged_decode.RopeWrite(k, v, qw, kw, eps, cos, sin, c.slots)
             return paged_decode.gqa_decode_triton(
@@ -211,12 +215,19 @@ eviction); past it every graph is dropped, with its pool."""
 
 
 class DecodeGraphs:
-    """CUDA graphs of `model(tokens, positions, ..., paged=DecodeContext)`, one per (B, NB).
+    """CUDA graphs of `model(x, positions, ..., paged=DecodeContext)`, one per (B, NB).
+
+    `model` is a StageModel: every layer (LocalRunner) or one pipeline stage (ShardWorker), whose
+    forward has no collective inside (a stage under TP or EP all-reduces / exchanges between its
+    layers; those ranks run `run_decode` eagerly). The first stage's input x is token ids [B], a
+    later stage's the previous stage's hidden states [B, H], copied into the graph's static input.
 
     `run` copies the step's inputs into the graph's static tensors and replays it; the returned
-    logits [B, V] are the graph's static output (valid until the next `run`). All graphs share one
-    memory pool. Capturing runs the forward once eagerly first (writing the same K/V the replay
-    writes again); the routing counters are restored so the step is counted once.
+    output (logits [B, V], or hidden states [B, H] of a stage before the last) is the graph's
+    static output (valid until the next `run`). All graphs share one memory pool. Capturing runs
+    the forward once eagerly first (writing the same K/V the replay writes again); the routing
+    counters are restored so the step is counted once. A capture that torch refuses sets `error`
+    and `run_decode` goes on eagerly.
     """
 
     def __init__(
@@ -224,18 +235,20 @@ class DecodeGraphs:
     ):
         self.model, self.cache, self.use_triton = model, cache, use_triton
         self.limit = GRAPH_LIMIT[0] if limit is None else limit
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]]
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
+        self.error: str | None = None
         self.last: tuple[int, int] | None = None
         """The (B, NB) key of the graph `run` replayed last."""
 
-    def run(self, packed: PackedInputs, *, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, packed: PackedInputs, *, x: torch.Tensor | None = None) -> torch.Tensor:
         """packed: tokens [B] int64, positions [B] int64, slots [B] int64, block_tables [B, NB]
         int32, context_lens [B] int32 (host tensors in one buffer): one copy, one replay.
-        `tokens` [B] int64 on the device: copied over the packed tokens (async scheduling feeds
-        the last step's sampled ids without the host reading them)."""
+        `x` on the device: the first stage's token ids [B] in place of the packed ones (async
+        scheduling feeds the last step's sampled ids without the host reading them), a later
+        stage's input hidden states [B, H] (required there)."""
         shapes = {name: shape for name, _, _, _, shape in packed.layout}
         key = (shapes["tokens"][0], shapes["block_tables"][1])
         entry = self.graphs.get(key)
@@ -243,17 +256,17 @@ class DecodeGraphs:
             if len(self.graphs) >= self.limit:
                 self.graphs.clear()  # and a fresh pool: capturing into the dropped graphs' pool
                 self.pool = torch.cuda.graph_pool_handle()  # trips torch 2.11's allocator assert
-            entry = self._capture(packed)
+            entry = self._capture(packed, x)
             self.graphs[key] = entry
         self.last = key
-        graph, static, logits, token_view = entry
+        graph, static, out, x_static = entry
         static.copy_(packed.host, non_blocking=True)
-        if tokens is not None:
-            token_view.copy_(tokens)
+        if x is not None:
+            x_static.copy_(x)
         graph.replay()
-        return logits
+        return out
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, inputs: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         ctx = DecodeContext(
             cache=self.cache,
             slots=inputs["slots"],
@@ -262,24 +275,128 @@ class DecodeGraphs:
             use_triton=self.use_triton,
         )
         b = int(inputs["tokens"].shape[0])
-        return self.model(inputs["tokens"], inputs["positions"], (1,) * b, paged=ctx)
+        return self.model(x, inputs["positions"], (1,) * b, paged=ctx)
 
-    def _capture(self, packed: PackedInputs):
+    def _capture(self, packed: PackedInputs, x: torch.Tensor | None):
         buf = packed.host.to(self.cache.device)
         static = packed.views(buf)
+        if self.model.first:
+            x_static = static["tokens"]
+            if x is not None:
+                x_static.copy_(x)
+        else:
+            if x is None:
+                raise ValueError("a stage after the first needs its input hidden states x")
+            x_static = x.clone()  # outside the pool: the graph's own input buffer
         counts = {
             n: b.clone() for n, b in self.model.named_buffers() if n.endswith("routed_counts")
         }
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(static)
+            self.forward(static, x_static)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.forward(static)
+            out = self.forward(static, x_static)
         buffers = dict(self.model.named_buffers())
         for name, saved in counts.items():
             buffers[name].copy_(saved)
         self.captures += 1
-        return graph, buf, logits, static["tokens"]
+        return graph, buf, out, x_static
+
+
+def graph_batch(b: int) -> int:
+    """The batch a graph is captured for: `b` rounded up to 1, 2, 4, 8, then a multiple of 8
+    (vLLM's capture sizes), so a run of steps whose batch shrinks as requests end captures a
+    few graphs per table width instead of one per batch size."""
+    if b <= 8:
+        return 1 << (b - 1).bit_length()
+    return -(-b // 8) * 8
+
+
+def decode_inputs(
+    tokens, positions, slots, tables, context_lens, *, pin: bool, rows: int | None = None
+) -> PackedInputs:
+    """A pure decode step's host inputs packed (`PackedInputs`), its tables padded; `rows` > B:
+    the batch padded with copies of row 0 (same token, position, slot and table: the padded
+    rows write row 0's K/V again, the same values, and their outputs are dropped)."""
+    b = len(context_lens)
+    tokens, positions, slots = (torch.as_tensor(t) for t in (tokens, positions, slots))
+    context_lens = torch.as_tensor(context_lens, dtype=torch.int32)
+    tables = list(tables)
+    if rows is not None and rows > b:
+        pad = rows - b
+        tokens, positions, slots, context_lens = (
+            torch.cat([t, t[:1].expand(pad)]) for t in (tokens, positions, slots, context_lens)
+        )
+        tables += [tables[0]] * pad
+    return PackedInputs(
+        {
+            "tokens": tokens,
+            "positions": positions,
+            "slots": slots,
+            "block_tables": padded_tables(tables),
+            "context_lens": context_lens,
+        },
+        pin=pin,
+    )
+
+
+def run_decode(
+    model: torch.nn.Module,
+    cache: Any,
+    *,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    tables,
+    context_lens,
+    graphs: DecodeGraphs | None,
+    use_triton: bool,
+    x: torch.Tensor | None = None,
+    shared_rows: bool = False,
+) -> torch.Tensor:
+    """One pure decode step of `model` (a whole model or one stage) over `cache`: replayed from
+    `graphs` where they hold or can capture it (the batch padded to `graph_batch`), else eagerly
+    over the same `DecodeContext`. Both runners call this (LocalRunner per step, ShardWorker
+    per decode micro-batch).
+
+    tokens, positions, slots [B] and context_lens [B] on the host, tables B block lists.
+    x: on the device, token ids [B] in place of `tokens`, or a later stage's input hidden
+    states [B, H]. `shared_rows`: a row per new token, several of one sequence (eager, the rows
+    padded to a power of two so that kernels specialised on the row count compile a few times,
+    not once per count; `DecodeContext.shared_rows`). Returns logits [B, V] (last stage) or
+    hidden states [B, H]; a replayed graph's output is a view of its static buffer,
+    overwritten by the next replay of that graph.
+    """
+    b = len(context_lens)
+    pin = cache.device.type == "cuda"
+    if shared_rows:
+        graphs = None
+    if graphs is not None and graphs.error is None:
+        rows = graph_batch(b)
+        packed = decode_inputs(tokens, positions, slots, tables, context_lens, pin=pin, rows=rows)
+        if x is not None and rows > b:
+            x = torch.cat([x, x[:1].expand(rows - b, *x.shape[1:])])
+        try:
+            return graphs.run(packed, x=x)[:b]
+        except RuntimeError as exc:  # capture refused: eager from now on, and say why
+            graphs.error = f"{type(exc).__name__}: {exc}"[:500]
+            graphs.graphs.clear()
+        x = None if x is None else x[:b]
+    rows = 1 << (b - 1).bit_length() if shared_rows else b
+    packed = decode_inputs(tokens, positions, slots, tables, context_lens, pin=pin, rows=rows)
+    if x is not None and rows > b:
+        x = torch.cat([x, x[:1].expand(rows - b, *x.shape[1:])])
+    inputs = packed.to(cache.device)
+    ctx = DecodeContext(
+        cache=cache,
+        slots=inputs["slots"],
+        block_tables=inputs["block_tables"],
+        context_lens=inputs["context_lens"],
+        use_triton=use_triton,
+        shared_rows=shared_rows,
+    )
+    out = model(inputs["tokens"] if x is None else x, inputs["positions"], (1,) * rows, paged=ctx)
+    return out if rows == b else out[:b]

@@ -103,7 +103,9 @@ def split_plan(
     batch: int, kv_heads: int, tokens: int, tile: int, per_sm: int, sms: int = 132
 ) -> tuple[int, int]:
     """(splits S, tiles per split) over a padded context of `tokens`: about per_sm * sms
-    programs in all (so the last wave is short), each reading whole tiles."""
+    programs in all (so the last wave is short), each reading whole tiles. Both reach the
+    kernels as runtime values, not constexprs: as constexprs every new (batch, table width)
+    compiled the kernels again, about a second inside a served request's first token."""
     n_tiles = max(1, math.ceil(tokens / tile))
     want = max(1, math.ceil(per_sm * sms / max(1, batch * kv_heads)))
     per = math.ceil(n_tiles / min(want, n_tiles))
@@ -166,7 +168,7 @@ if triton_available():
         stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_btb,
         qk_scale,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
-        BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr, S: tl.constexpr,
+        BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT, S,  # runtime: see split_plan
         GDC: tl.constexpr = False,
         pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
         slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
@@ -253,7 +255,7 @@ if triton_available():
         tl.store(ml_ptr + row * 2 + 1, l_sum, mask=keep)
 
     @triton.jit
-    def _gqa_merge(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+    def _gqa_merge(acc_ptr, ml_ptr, out_ptr, D: tl.constexpr, S, S_PAD: tl.constexpr,
                    GDC: tl.constexpr = False):  # fmt: skip
         gdc_enter(GDC)
         bh = tl.program_id(0)
@@ -276,8 +278,8 @@ if triton_available():
         stride_qb, stride_qh, stride_rb, stride_rh, stride_cn, stride_ct, stride_btb,
         qk_scale,
         H: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
-        P_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr,
-        S: tl.constexpr,
+        P_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT,
+        S,
     ):  # fmt: skip
         """Program (j, b, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b for query heads
         [j * HB, (j + 1) * HB), each cached row [latent R | rotary P] read once for all of
