@@ -50,10 +50,22 @@ def inspect(
     report["unsupported_operators"] = [
         op["name"] for op in report["operators"] if not op["supported"]
     ]
+    if "meta_model" in spec.features:
+        report["operator_record"] = _operator_record(config)
     if as_json:
         typer.echo(json.dumps(report))
         return
     _print_tables(report)
+
+
+def _operator_record(config: str) -> dict:
+    """Summary of the forward-pass record of a model read through transformers' module tree."""
+    from placement.config_fields import ConfigFields
+    from placement.model_spec import read_config
+    from placement.operator_record import record_operators
+
+    data, label = read_config(config)
+    return record_operators(ConfigFields(data, label=label)).summary()
 
 
 def _gb(n: int) -> str:

@@ -12,7 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ATTENTION_KINDS = ("gqa", "mla", "sliding", "chunked", "linear", "lightning")
+ATTENTION_KINDS = (
+    "gqa", "mla", "sliding", "chunked", "linear", "lightning", "deltanet", "mamba", "none",
+)  # fmt: skip
+"""linear: Kimi Delta Attention; deltanet: Gated DeltaNet (Qwen3-Next); mamba: a selective state
+space mixer; none: a layer without a token mixer (Nemotron-H's MLP/MoE-only layers)."""
+RECURRENT_KINDS = frozenset({"linear", "lightning", "deltanet", "mamba", "none"})
+"""Kinds that keep a fixed state per sequence instead of per-token KV."""
 ROLES = (
     "embedding",
     "attention",
@@ -23,7 +29,10 @@ ROLES = (
     "norm",
     "lm_head",
     "latent",
+    "other",
 )
+"""`other`: parameters of a layer that are neither its token mixer, FFN nor a norm (DeepSeek-V4's
+hyper-connections, residual scales, short convolutions beside the mixer): kept whole on every rank."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +70,7 @@ class AttentionSpec:
     """The token mixer of one layer and the dimensions that size its KV cache, state and FLOPs."""
 
     kind: str
-    """gqa | mla | sliding | chunked | linear (KDA) | lightning."""
+    """One of ATTENTION_KINDS."""
     num_heads: int
     num_kv_heads: int
     """KV heads (GQA); equals num_heads for MLA (the latent is shared) and linear attention."""
@@ -79,31 +88,44 @@ class AttentionSpec:
     output_gate: bool = False
     conv_kernel: int = 0
     """Short causal convolution width over q/k/v (KDA); its state keeps conv_kernel - 1 tokens."""
+    conv_channels: int = 0
+    """Channels of that convolution when they are not num_heads x (2 head_dim + v_head_dim)
+    (Gated DeltaNet with fewer key than value heads, Mamba's x/B/C); 0: that product."""
+    indexer_dim: int = 0
+    """Per-token key width of a sparse-attention indexer (DeepSeek-V3.2's lightning indexer),
+    cached beside the MLA latent; 0 without one."""
+    count: int = 1
+    """Token mixers of this kind in the layer (LongCat-Flash runs two MLA sublayers per layer):
+    the KV, state and score FLOPs of one are multiplied by it."""
 
     @property
     def keeps_kv(self) -> bool:
-        return self.kind not in ("linear", "lightning")
+        return self.kind not in RECURRENT_KINDS
 
     @property
     def kv_elements_per_token(self) -> int:
-        """Cached elements per token of this layer: MLA keeps kv_lora_rank + rope dims; GQA K and V."""
+        """Cached elements per token of this layer: MLA keeps kv_lora_rank + rope dims (+ the
+        indexer key); GQA K and V."""
         if not self.keeps_kv:
             return 0
         if self.kind == "mla":
-            return int(self.kv_lora_rank or 0) + self.qk_rope_head_dim
-        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+            one = int(self.kv_lora_rank or 0) + self.qk_rope_head_dim
+        else:
+            one = self.num_kv_heads * (self.head_dim + self.v_head_dim)
+        return (one + self.indexer_dim) * self.count
 
     @property
     def state_elements(self) -> int:
         """Fixed recurrent state per sequence (fp32): one head_dim x v_head_dim matrix per head."""
-        return 0 if self.keeps_kv else self.num_heads * self.head_dim * self.v_head_dim
+        return 0 if self.keeps_kv else self.num_heads * self.head_dim * self.v_head_dim * self.count
 
     @property
     def conv_state_elements(self) -> int:
         """Short-convolution state per sequence: (conv_kernel - 1) tokens of q, k and v."""
         if self.conv_kernel <= 1:
             return 0
-        return (self.conv_kernel - 1) * self.num_heads * (2 * self.head_dim + self.v_head_dim)
+        channels = self.conv_channels or self.num_heads * (2 * self.head_dim + self.v_head_dim)
+        return (self.conv_kernel - 1) * channels * self.count
 
     def attended_tokens(self, context: int) -> int:
         """Tokens one decode step at position `context` attends (KV entries this layer keeps)."""

@@ -49,7 +49,9 @@ def build_spec(top: ConfigFields, *, source: str) -> ModelSpec:
         text_type = model_type
     if text_type not in FAMILIES:
         known = ", ".join(sorted(set(FAMILIES) | set(MULTIMODAL)))
-        field = "model_type" if text is top else f"{text.prefix}model_type"
+        if text is top:
+            return _meta_spec(top, source=source, known=known)
+        field = f"{text.prefix}model_type"
         raise top.error(field, f"a supported model type ({known})", text_type).with_traceback(None)
     family = _FAMILY_OF_TYPE.get(text_type, text_type)
     decoder: Decoder = FAMILIES[text_type](text, family)
@@ -67,6 +69,17 @@ def build_spec(top: ConfigFields, *, source: str) -> ModelSpec:
         top_level=tuple(_top_level(decoder)), vision_params=_vision_params(top),
         mtp_params=decoder.mtp_params, features=frozenset(decoder.features),
     )  # fmt: skip
+
+
+def _meta_spec(top: ConfigFields, *, source: str, known: str) -> ModelSpec:
+    """A model type outside our families: transformers' own module tree, if it knows the type.
+
+    Imported here: transformers (and torch) load only for such configs."""
+    from placement import meta_model
+
+    if top.str("model_type") not in meta_model.known_model_types():
+        raise meta_model.unknown_model_type_error(top, known).with_traceback(None)
+    return meta_model.build_meta_spec(top, source=source)
 
 
 def _top_level(d: Decoder) -> list:

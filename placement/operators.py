@@ -37,7 +37,8 @@ REGISTRY: dict[str, dict[str, str]] = {
     "mxfp4_dequant": _both("actors.model.weights.CheckpointIndex"),
 }
 """Operators the runtime implements. Not yet: sliding_window_attention, chunked_attention,
-kda_linear_attention, lightning_attention, attention_sinks, clamped_swiglu, shared_expert_gate,
+kda_linear_attention, lightning_attention, gated_deltanet_linear_attention, mamba_ssm, dsa_indexer,
+attention_sinks, clamped_swiglu, shared_expert_gate,
 mla_output_gate, latent_moe_projection, l2_qk_norm, qkv_clip, layernorm, other activations and
 quantisation formats."""
 
@@ -63,7 +64,10 @@ _ATTENTION_OPERATOR = {
     "chunked": "chunked_attention",
     "linear": "kda_linear_attention",
     "lightning": "lightning_attention",
+    "deltanet": "gated_deltanet_linear_attention",
+    "mamba": "mamba_ssm",
 }
+"""Attention kind -> operator; kind "none" (no token mixer in the layer) has none."""
 
 
 def operator_counts(spec: ModelSpec) -> Counter:
@@ -73,7 +77,10 @@ def operator_counts(spec: ModelSpec) -> Counter:
     ops[norm] += 1
     for layer in spec.layers:
         a, f = layer.attention, layer.ffn
-        ops[_ATTENTION_OPERATOR[a.kind]] += 1
+        if a.kind != "none":
+            ops[_ATTENTION_OPERATOR[a.kind]] += a.count
+        if a.indexer_dim:
+            ops["dsa_indexer"] += a.count
         ops[norm] += 2
         if a.kind in ("gqa", "sliding", "chunked") or (
             a.kind == "mla" and "mla_nope" not in spec.features
