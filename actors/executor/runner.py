@@ -68,6 +68,25 @@ def short_rows(step: StepInput, lens: Sequence[int], arch: ArchConfig) -> bool:
     )
 
 
+def row_inputs(step: StepInput, seqs: Sequence[int]) -> dict[str, Any]:
+    """`run_decode`'s inputs for the new tokens of sequences `seqs` of `step`, one row each: its
+    id, position and slot, its sequence's block table, and context length position + 1 (a pure
+    decode step: one row a sequence; decode rows: every new token of short queries)."""
+    starts, at = [], 0
+    for n in step.query_lens:
+        starts.append(at)
+        at += n
+    rows = [r for i in seqs for r in range(starts[i], starts[i] + step.query_lens[i])]
+    positions = step.positions[rows]
+    return {
+        "tokens": step.token_ids[rows],
+        "positions": positions,
+        "slots": step.slot_mapping[rows],
+        "tables": [step.block_tables[i] for i in seqs for _ in range(step.query_lens[i])],
+        "context_lens": positions.to(torch.int32) + 1,
+    }
+
+
 class LocalRunner:
     """All layers of a model in this process (world size 1), with its paged KV cache."""
 
@@ -249,16 +268,10 @@ class LocalRunner:
         decode attention runs once for the step instead of a gather and an attention call per
         sequence and layer. Eager (no graph: the row counts of such steps vary too much)."""
         lens = step.query_lens
-        seq_of_row = [i for i, n in enumerate(lens) for _ in range(n)]
-        context = step.positions.to(torch.int32) + 1
         logits = run_decode(
             self.model,
             self.kv,
-            tokens=step.token_ids,
-            positions=step.positions,
-            slots=step.slot_mapping,
-            tables=[step.block_tables[i] for i in seq_of_row],
-            context_lens=context,
+            **row_inputs(step, range(len(lens))),
             graphs=None,
             use_triton=self.triton_attention,
             shared_rows=True,
@@ -273,11 +286,7 @@ class LocalRunner:
         logits = run_decode(
             self.model,
             self.kv,
-            tokens=step.token_ids,
-            positions=step.positions,
-            slots=step.slot_mapping,
-            tables=step.block_tables,
-            context_lens=step.context_lens,
+            **row_inputs(step, range(b)),
             graphs=self.graphs,
             use_triton=self.triton_attention,
             x=tokens,

@@ -32,7 +32,7 @@ from actors.comm.pp import PipelineParallel
 from actors.comm.symm_ep import expert_parallel
 from actors.comm.tp import TensorParallel
 from actors.engine.sampler import TokenLogprob, sample
-from actors.executor.runner import keep_freed_memory, short_rows
+from actors.executor.runner import keep_freed_memory, row_inputs, short_rows
 from actors.executor.step import StepInput
 from actors.kernels import triton_available
 from actors.kernels.decode_step import DecodeGraphs, run_decode
@@ -568,15 +568,10 @@ class ShardWorker:
                     self.model, expert_parallel=self.ep is not None, dtype=dtype, device=self.device
                 )
             elif self._decodes(step, seqs):  # every row of it sampled: no logits rows to pick
-                rows_of = [starts[i] for i in seqs]  # one token each
                 out = run_decode(
                     self.model,
                     cache,
-                    tokens=step.token_ids[rows_of],
-                    positions=step.positions[rows_of],
-                    slots=step.slot_mapping[rows_of],
-                    tables=[step.block_tables[i] for i in seqs],
-                    context_lens=[step.context_lens[i] for i in seqs],
+                    **row_inputs(step, seqs),
                     graphs=self.graphs,
                     use_triton=self.triton_attention,
                     x=None if self.model.first else x,
@@ -584,15 +579,10 @@ class ShardWorker:
                 if self.graphs is not None and self.graphs.error is None:
                     out = out.clone()  # a graph's static output: the next micro-batch reuses it
             elif self._short_rows(step, seqs):  # a row per new token (LocalRunner's too)
-                rows_of = [r for i in seqs for r in range(starts[i], starts[i + 1])]
                 out = run_decode(
                     self.model,
                     cache,
-                    tokens=step.token_ids[rows_of],
-                    positions=step.positions[rows_of],
-                    slots=step.slot_mapping[rows_of],
-                    tables=[step.block_tables[i] for i in seqs for _ in range(step.query_lens[i])],
-                    context_lens=step.positions[rows_of].to(torch.int32) + 1,
+                    **row_inputs(step, seqs),
                     graphs=None,
                     use_triton=self.triton_attention,
                     shared_rows=True,
