@@ -123,9 +123,14 @@ class AsyncEngine:
             return dict(self._stats)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop stepping; the finished requests' blocks still being written reach the tiers
+        first (within `timeout_s` more)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout_s)
+        flush = getattr(self.engine, "flush_writes", None)
+        if flush is not None and not self._thread.is_alive():
+            flush(timeout_s)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=False, cancel_futures=True)
 

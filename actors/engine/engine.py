@@ -38,6 +38,7 @@ only the standard library; never pydantic, redis, ray or grpc.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -49,12 +50,14 @@ from typing import Any
 import torch
 
 from actors.engine.block_manager import BlockKeyer, BlockManager
+from actors.engine.block_writer import BlockWriter, WriteJob
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.outputs import Handoff, RequestOutput
 from actors.engine.overlap import InFlight, launches, next_decode
 from actors.engine.sampler import RowSampling, SamplingParams, TokenLogprob
 from actors.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from actors.executor.step import StepInput
+from actors.kernels.decode_step import CAPTURE_LOCK
 from actors.kv.cache import slots_for
 from actors.kv.tier_io import BlockCache
 from actors.kv.tiers import KVTiers
@@ -136,6 +139,14 @@ class Engine:
         )
         if self.tiers is not None:
             runner.attach_tiers(self.tiers, key_secret=cache_key_secret)
+        self.writer = (
+            BlockWriter(self._store_chunk, max_pending=max(1, num_blocks // 2))
+            if self.tiers is not None and getattr(runner, "stores_off_step", False)
+            else None
+        )
+        """Finished requests' blocks go to the tiers from this thread (`block_writer.py`); a
+        runner without `stores_off_step` (a Replica: its ranks' store calls share the step's
+        channel) writes them on the step thread."""
         self.scheduler = Scheduler(
             config, self.blocks, match_prefix=self._match_prefix, on_preempt=self._write_down
         )
@@ -205,6 +216,7 @@ class Engine:
         With async scheduling a decode step may return the tokens of the step launched by the
         previous call, the next one already running (actors/engine/overlap.py)."""
         started = time.perf_counter()
+        self._reap_writes()
         outputs, self._pending = self._pending, []
         current, self._inflight = self._inflight, None
         if current is None:
@@ -324,7 +336,7 @@ class Engine:
         out = self._output(seq, (token,), text, reason, lps, handoff)
         if reason is not None:
             if handoff is None:
-                self._write_down(seq)
+                self._write_down(seq, wait=False)
             self.scheduler.remove(seq)
             self._forget(seq)
         return out
@@ -439,10 +451,12 @@ class Engine:
         parent = seq.block_keys[i - 1] if i else None
         self.blocks.register(block, seq.block_keys[i], parent=parent, tokens=tokens)
 
-    def _write_down(self, seq: Sequence) -> int:
+    def _write_down(self, seq: Sequence, *, wait: bool = True) -> int:
         """Write the sequence's computed full blocks to the tiers (finish, preemption, handoff);
         returns the bytes newly written. A block whose put faulted stays unmarked (a later
-        write-down tries again); one the tiers already held counts as stored."""
+        write-down tries again); one the tiers already held counts as stored. `wait=False` (a
+        finished request) with a writer: the leading blocks that fit are handed to it, held and
+        marked stored until it returns them (`_reap_writes`); returns 0."""
         if self.tiers is None:
             return 0
         todo = [
@@ -453,6 +467,16 @@ class Engine:
         ]
         if not todo:
             return 0
+        if not wait and self.writer is not None:
+            blocks = [b for b, _ in todo]
+            for block in blocks:
+                self.blocks.acquire(block)  # no new owner before its bytes are read
+                self.blocks.stored[block] = True  # a later write-down skips it meanwhile
+            taken = self.writer.submit(WriteJob(blocks=blocks, keys=[k for _, k in todo]))
+            for block in blocks[taken:]:
+                self.blocks.stored[block] = False
+            self.blocks.release(blocks[taken:])
+            return 0
         with self._tier_lock:
             faults = self.tiers.counts["faults"]
             flags = self.runner.store_kv([b for b, _ in todo], [k for _, k in todo])
@@ -460,6 +484,38 @@ class Engine:
         for block, _ in todo:
             self.blocks.stored[block] = intact
         return sum(flags) * self.block_bytes
+
+    def _store_chunk(self, blocks, keys) -> tuple[list[bool], bool]:
+        """The writer's store of one chunk (its thread). Not under the tier lock: a slow or
+        hung tier then holds this thread only, never a lookup or load of the step thread (the
+        tiers' own batch lock still orders batched device copies). On CUDA outside any graph
+        capture (a capture refuses other threads' copies in flight), so a capture waits for the
+        chunk being written. `intact`: no fault counted meanwhile (a fault of a concurrent read
+        leaves the chunk unmarked: a later write-down stores it again, no harm)."""
+        on_cuda = self.runner.device.type == "cuda"
+        with CAPTURE_LOCK if on_cuda else contextlib.nullcontext():
+            faults = self.tiers.counts["faults"]
+            flags = self.runner.store_kv(blocks, keys)
+            return flags, self.tiers.counts["faults"] == faults
+
+    def _reap_writes(self) -> None:
+        """Blocks the writer has returned: marked stored (unless the tiers faulted meanwhile)
+        and released."""
+        if self.writer is None:
+            return
+        for job in self.writer.finished():
+            if not job.intact:
+                for block in job.blocks:
+                    self.blocks.stored[block] = False
+            self.blocks.release(job.blocks)
+
+    def flush_writes(self, timeout_s: float | None = None) -> bool:
+        """Wait for the writer's blocks to be stored and released (tests, a clean stop)."""
+        if self.writer is None:
+            return True
+        done = self.writer.wait(timeout_s)
+        self._reap_writes()
+        return done
 
     # --------------------------------------------------------------- recovery
 
@@ -471,6 +527,9 @@ class Engine:
         `actors/engine/recovery.py` re-admits with `resume_request`.
         """
         dropped = list(self.seqs)
+        if self.writer is not None:  # its blocks belong to the pool about to be dropped
+            self.writer.wait()
+            self.writer.finished()
         if self._inflight is not None:  # let it finish before its graph and cache are dropped
             self.runner.collect(self._inflight.launched)
             self._inflight = None
@@ -541,6 +600,8 @@ class Engine:
             "kv_utilisation": (total - free) / total,
             **self.counts,  # prefix, tier, handoff, step counts
             "tier_hits_by_tier": dict(self.tiers.tier_hits) if self.tiers is not None else {},
+            "tier_writes_pending": self.writer.pending if self.writer is not None else 0,
+            "tier_writes_dropped": self.writer.dropped if self.writer is not None else 0,
             "preemptions": self.scheduler.preemptions,
             "role": self.role,
             "step_latency_s": self._latency["last_s"],

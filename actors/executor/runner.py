@@ -90,6 +90,10 @@ def row_inputs(step: StepInput, seqs: Sequence[int]) -> dict[str, Any]:
 class LocalRunner:
     """All layers of a model in this process (world size 1), with its paged KV cache."""
 
+    stores_off_step = True
+    """`store_kv` may run on another thread than the steps (the engine's write-down thread):
+    it reads blocks the engine holds, which no step writes."""
+
     def __init__(
         self,
         model: StageModel,

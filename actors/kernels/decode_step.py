@@ -13,6 +13,7 @@ Step 2: attention over each sequence's blocks: the Triton flash-decoding kernel 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +210,10 @@ class PackedInputs:
         return self.views(self.host.to(device, non_blocking=True))
 
 
+CAPTURE_LOCK = threading.Lock()
+"""Held while a graph is captured and while another thread moves KV blocks (the engine's
+write-down thread): a capture errors on work other threads put on the device meanwhile."""
+
 GRAPH_LIMIT = [64]
 """Graphs a DecodeGraphs keeps (a one-element list: the device check sets 1 to exercise the
 eviction); past it every graph is dropped, with its pool."""
@@ -256,7 +261,8 @@ class DecodeGraphs:
             if len(self.graphs) >= self.limit:
                 self.graphs.clear()  # and a fresh pool: capturing into the dropped graphs' pool
                 self.pool = torch.cuda.graph_pool_handle()  # trips torch 2.11's allocator assert
-            entry = self._capture(packed, x)
+            with CAPTURE_LOCK:
+                entry = self._capture(packed, x)
             self.graphs[key] = entry
         self.last = key
         graph, static, out, x_static = entry

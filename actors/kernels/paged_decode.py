@@ -103,12 +103,14 @@ def split_plan(
     batch: int, kv_heads: int, tokens: int, tile: int, per_sm: int, sms: int = 132
 ) -> tuple[int, int]:
     """(splits S, tiles per split) over a padded context of `tokens`: about per_sm * sms
-    programs in all (so the last wave is short), each reading whole tiles. Both reach the
-    kernels as runtime values, not constexprs: as constexprs every new (batch, table width)
-    compiled the kernels again, about a second inside a served request's first token."""
+    programs in all (so the last wave is short), each reading whole tiles. S reaches the
+    kernels as a runtime value and the tiles per split (a constexpr: the loop's fixed trip
+    count, which the interpreter needs and the pipeliner likes) as a power of two: with both
+    exact constexprs every new (batch, table width) compiled the kernels again, about a second
+    inside a served request's first token."""
     n_tiles = max(1, math.ceil(tokens / tile))
     want = max(1, math.ceil(per_sm * sms / max(1, batch * kv_heads)))
-    per = math.ceil(n_tiles / min(want, n_tiles))
+    per = 1 << (math.ceil(n_tiles / min(want, n_tiles)) - 1).bit_length()
     return math.ceil(n_tiles / per), per
 
 
@@ -168,7 +170,7 @@ if triton_available():
         stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_btb,
         qk_scale,
         H: tl.constexpr, REP: tl.constexpr, REP_PAD: tl.constexpr, D: tl.constexpr,
-        BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT, S,  # runtime: see split_plan
+        BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr, S,  # see split_plan
         GDC: tl.constexpr = False,
         pk_ptr=None, pv_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
         slots_ptr=None, eps=0.0, stride_pkb=0, stride_pvb=0,
@@ -278,7 +280,7 @@ if triton_available():
         stride_qb, stride_qh, stride_rb, stride_rh, stride_cn, stride_ct, stride_btb,
         qk_scale,
         H: tl.constexpr, HB: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
-        P_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT,
+        P_PAD: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PER_SPLIT: tl.constexpr,
         S,
     ):  # fmt: skip
         """Program (j, b, s): tokens [s * PER_SPLIT * TILE, ...) of sequence b for query heads

@@ -37,7 +37,8 @@ def make_engine(path, **kw):
 
 
 def run(engine, requests):
-    """requests: {id: (prompt, params)}; returns {id: [RequestOutput, ...]}."""
+    """requests: {id: (prompt, params)}; returns {id: [RequestOutput, ...]}, once the finished
+    requests' blocks are in the tiers too (written off the step thread: `flush_writes`)."""
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     outs = {rid: [] for rid in requests}
@@ -46,6 +47,8 @@ def run(engine, requests):
             break
         for o in engine.step():
             outs[o.request_id].append(o)
+    flush = getattr(engine, "flush_writes", None)  # (a RecoveringEngine has none)
+    assert flush is None or flush(30)
     return outs
 
 
