@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -397,10 +399,14 @@ def _cache(urls: list[str], capacity: int, deployment: str):
     from cache_service.namespace import CacheNamespace
     from cache_service.store import TieredCache
 
+    # The Redis tier MACs every value under the deployment secret; a bench run without one
+    # uses a fresh secret of its own (each process reads only what it wrote itself).
+    secret = os.environ.get("MOE_CACHE_SECRET", "").encode() or secrets.token_bytes(32)
     return TieredCache.from_urls(
         urls,
         capacities=[capacity] * len(urls),
         namespace=CacheNamespace(model_fingerprint="bench", deployment=deployment),
+        secret=secret,
     )
 
 

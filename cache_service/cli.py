@@ -5,7 +5,11 @@ first use, so every package adds its benchmark with `bench_group(app).command("n
 own `register(app)` whatever the registration order (a package that cannot import cache_service
 looks the group up the same way: the `TyperInfo` named "bench" in `app.registered_groups`).
 
-Exit codes of `cache serve`: 2 for bad input (a malformed URL or size, TLS with half its files);
+A Redis tier needs the deployment secret in MOE_CACHE_SECRET (the same value as the engines'):
+every block it stores carries a MAC keyed with it (cache_service/block_mac.py).
+
+Exit codes of `cache serve`: 2 for bad input (a malformed URL or size, TLS with half its files,
+--redis without MOE_CACHE_SECRET);
 3 when the environment fails it (the port is taken; Redis unreachable at start when Redis is the
 only tier asked for). When Redis is unreachable but a host or disk tier was asked for too, the
 server starts without Redis and says so on stderr (the tier rejoins when Redis answers, if the

@@ -39,7 +39,9 @@ complement), which is what makes the two devices agree (tests check it on both).
 
 The checksum catches accidental corruption (torn writes, bit rot, truncation) at tens of GB/s; it
 is not a MAC. Misfiling is caught by the header key (the keyed BLAKE2b `BlockKey` digest), which
-every reader compares with the key it asked for.
+every reader compares with the key it asked for. Forgery is caught outside the codec: a shared
+tier stores each block with an HMAC tag under the deployment secret (`block_mac.py`), so the
+header layout (and the GPU path that writes it) is the same for every tier.
 
 Trust ("verify once"): `encode_block` returns an `EncodedBlock`, a `bytes` subclass only this
 module constructs. Its bytes were produced here, checksummed here and cannot change afterwards

@@ -12,7 +12,10 @@ the `tier` label (device, host, redis, disk, or the name given to the tier).
     moe_kv_demotions_total{tier}            evicted blocks handed to the next tier down
     moe_kv_promotions_total{tier}           blocks copied up into this tier after a lower hit
     moe_kv_corrupt_blocks_total{tier,reason}  header, truncated, checksum, key_mismatch, decompress
+    moe_kv_unauthenticated_blocks_total{tier} well-formed blocks of a shared tier whose MAC tag is
+                                            not ours (forged, another deployment's secret)
     moe_kv_tier_errors_total{tier}          faults (e.g. Redis connection errors) turned into misses
+    moe_kv_tier_timeouts_total{tier}        those of the faults that were timeouts
     moe_kv_tier_available{tier}             1 while the tier answers, 0 while its breaker is open
     moe_kv_tier_used_bytes{tier}, moe_kv_tier_capacity_bytes{tier}
     moe_kv_op_seconds{tier,op}              latency histogram of get/put/contains/evict batches
@@ -54,8 +57,17 @@ class CacheMetrics:
             ["tier", "reason"],
             registry=r,
         )
+        self.unauthenticated = Counter(
+            "moe_kv_unauthenticated_blocks",
+            "Well-formed KV blocks whose MAC tag failed (forged or another secret; misses)",
+            ["tier"],
+            registry=r,
+        )
         self.errors = Counter(
             "moe_kv_tier_errors", "Tier faults turned into misses", ["tier"], registry=r
+        )
+        self.timeouts = Counter(
+            "moe_kv_tier_timeouts", "Tier faults that were timeouts", ["tier"], registry=r
         )
         self.available = Gauge(
             "moe_kv_tier_available", "1 while the tier answers", ["tier"], registry=r

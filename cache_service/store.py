@@ -13,6 +13,7 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
         namespace=CacheNamespace(model_fingerprint=fp, deployment="prod"),
         write_through=False,          # True: puts also go to the shared tier(s) (Redis) at once
         eviction="lru",               # or "attention" (sink_blocks=4, window_blocks=16 kwargs)
+        secret=None,                  # MAC key of the shared tiers; None: MOE_CACHE_SECRET
     )
     cache.put(key, block) -> bool                 # block = encode_block(...) bytes for this key;
                                                   #   False if the tier(s) written already held it
@@ -29,7 +30,9 @@ Public API (stable; the gRPC service, the CLI and the engine code against it):
     cache.record_attention(key, mass: float)      # accumulate attention mass (attention eviction)
     cache.stats() -> dict                         # {"namespace", "tiers": [{name, url, kind,
                                                   #   used_bytes, capacity_bytes, blocks, hits,
-                                                  #   misses, evictions, corrupt, available}]}
+                                                  #   misses, evictions, corrupt,
+                                                  #   unauthenticated, errors, timeouts,
+                                                  #   available, breaker_open}]}
     cache.health() -> dict                        # {"ok": bool, "tiers": {name: {available, url}}}
     cache.metrics.registry                        # prometheus CollectorRegistry of this cache
     cache.close()                                 # also a context manager
@@ -55,6 +58,11 @@ Semantics:
     Corrupted process memory is outside this threat model. A copy that fails verification is a
     miss for that tier (metric
     moe_kv_corrupt_blocks_total{tier,reason}), is deleted there, and the next tier is tried.
+  - Shared tiers (Redis) authenticate: every value carries a MAC under the deployment secret
+    (`block_mac.py`, checked by the tier on every read, before the checksum), so a block forged
+    with a recomputed checksum, or written under another deployment's secret, is a miss
+    (moe_kv_unauthenticated_blocks_total{tier}). `from_urls` takes the secret, or reads
+    MOE_CACHE_SECRET, and refuses to open a shared tier without one.
   - A tier that is down (Redis) answers misses and skips writes; the cache keeps serving from the
     others and the tier reconnects by itself (circuit breaker in the Redis tier).
   - Keys carry placement hints (BlockKey.position/run/root, see block_key.py); build them with
@@ -65,6 +73,7 @@ Semantics:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -85,6 +94,8 @@ from cache_service.namespace import CacheNamespace
 from cache_service.tiers.base import Tier, redact
 from cache_service.tiers.factory import open_tier
 
+SECRET_ENV = "MOE_CACHE_SECRET"
+"""Where `from_urls` finds the deployment secret when none is passed."""
 _KIND_BY_SCHEME = {
     "device": "device",
     "host": "host",
@@ -132,10 +143,16 @@ class TieredCache:
         sink_blocks: int = 4,
         window_blocks: int = 16,
         metrics: CacheMetrics | None = None,
+        secret: bytes | None = None,
     ) -> TieredCache:
-        """Open one tier per URL; `capacities` by tier name, by URL, or one per URL in order."""
+        """Open one tier per URL; `capacities` by tier name, by URL, or one per URL in order.
+
+        secret: the deployment secret keying the shared tiers' MACs; None reads MOE_CACHE_SECRET
+        when a shared tier is asked for (CacheConfigError when it is unset)."""
         if not urls:
             raise CacheConfigError("a TieredCache needs at least one tier URL")
+        if secret is None and any(_is_shared(u) for u in urls):
+            secret = os.environ.get(SECRET_ENV, "").encode() or None
         metrics = metrics if metrics is not None else CacheMetrics()
         names = _tier_names(urls)
         if isinstance(capacities, dict):
@@ -168,6 +185,7 @@ class TieredCache:
                         window_blocks=window_blocks,
                         metrics=metrics,
                         name=name,
+                        secret=secret,
                     )
                 )
         except BaseException:
@@ -339,7 +357,13 @@ class TieredCache:
                             if s.name.endswith("_total") and s.labels.get("tier") == tier.name
                         )
                     ),
+                    "unauthenticated": int(
+                        value("moe_kv_unauthenticated_blocks_total", tier=tier.name)
+                    ),
+                    "errors": int(value("moe_kv_tier_errors_total", tier=tier.name)),
+                    "timeouts": int(value("moe_kv_tier_timeouts_total", tier=tier.name)),
                     "available": tier.available(),
+                    "breaker_open": not tier.available(),
                 }
             )
         return {"namespace": self.namespace.prefix, "tiers": rows}
@@ -433,6 +457,11 @@ def _admitted(key: BlockKey, block: bytes) -> bytes:
     except CorruptBlock as exc:
         raise InvalidBlock(f"put of block {key.hex} refused: {exc}") from None
     return block
+
+
+def _is_shared(url: object) -> bool:
+    scheme = url.split("://", 1)[0].lower() if isinstance(url, str) else ""
+    return _KIND_BY_SCHEME.get(scheme) == "redis"
 
 
 def _tier_names(urls: Sequence[str]) -> list[str]:

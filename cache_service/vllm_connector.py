@@ -7,8 +7,10 @@ imports this one at import time):
         "kv_connector_module_path": "cache_service.vllm_connector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"tiers": ["host://", "redis://127.0.0.1:6379/0"]}}'
 
-with `MOE_CACHE_SECRET` set in vLLM's environment (the block-key secret; every process of one
-deployment needs the same value, so there is no per-process random fallback here).
+with `MOE_CACHE_SECRET` set in vLLM's environment (the block-key secret, which also keys the MAC
+of every block in the shared tiers, `block_mac.py`: a forged block or one of another deployment
+is a miss that vLLM recomputes; every process of one deployment needs the same value, so there
+is no per-process random fallback here).
 
 What it does, per role (vLLM runs the scheduler side and the worker side in different processes
 unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`; they share nothing but the tiers):
@@ -36,6 +38,7 @@ process sees it), `eviction` ("lru"), `secret_env` ("MOE_CACHE_SECRET").
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -165,6 +168,7 @@ class TieredKVConnector(KVConnectorBase_V1):
             ),
             write_through=bool(extra.get("write_through", True)),
             eviction=str(extra.get("eviction", "lru")),
+            secret=self._key_fields["secret"],
         )
         # Scheduler side.
         self._requests: dict[str, _RequestState] = {}
@@ -362,12 +366,16 @@ def _shared_cache(
     namespace: CacheNamespace,
     write_through: bool,
     eviction: str,
+    secret: bytes,
 ) -> TieredCache:
     if capacities is None:
         kinds = [u.split("://", 1)[0].split("+", 1)[0].replace("rediss", "redis") for u in urls]
         kinds = ["disk" if k == "file" else k for k in kinds]
         capacities = [_DEFAULT_CAPACITIES.get(k, 1 << 30) for k in kinds]
-    config = (tuple(urls), repr(capacities), namespace.prefix, write_through, eviction, os.getpid())
+    config = (
+        tuple(urls), repr(capacities), namespace.prefix, write_through, eviction,
+        hashlib.blake2b(secret, digest_size=16).digest(), os.getpid(),
+    )  # fmt: skip
     with _CACHES_LOCK:
         cache = _CACHES.get(config)
         if cache is None:
@@ -377,5 +385,6 @@ def _shared_cache(
                 namespace=namespace,
                 write_through=write_through,
                 eviction=eviction,
+                secret=secret,
             )
         return cache

@@ -246,6 +246,8 @@ def _print_run(run) -> None:
     Console().print(table)
     if run.avg_busbw_GBps is not None:
         Console().print(f"avg bus bandwidth: {run.avg_busbw_GBps:.3f} GB/s")
+    if run.skipped:
+        Console().print(f"skipped {run.skipped} interleaved launcher line(s) inside the table")
 
 
 @topology_app.command("probe")

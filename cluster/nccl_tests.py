@@ -8,9 +8,23 @@ Parsed output (`NcclRun.to_json()`):
     {"op", "ranks", "rows": [{"size", "count", "type", "redop", "root", "time_us", "algbw_GBps",
      "busbw_GBps", "wrong", "error", "inplace_time_us", "inplace_algbw_GBps",
      "inplace_busbw_GBps", "inplace_wrong", "inplace_error"}], "avg_busbw_GBps",
-     "complete", "errors": [{"line", "text"}], "warnings": [{"line", "text"}]}
+     "complete", "errors": [{"line", "text"}], "warnings": [{"line", "text"}], "skipped"}
 `wrong` is None where the run printed N/A (validation off) or used the legacy `error` column,
 whose float lands in `error`. `root` is None in the legacy format.
+
+What nccl-tests wrote and what the launcher interleaved: inside the results table (after its
+header) a line is one of
+- a data row: it starts with an integer and at least half of its cells are numbers (size,
+  count, times, bandwidths, #wrong; `N/A` counts as one). A data row that does not parse, or is
+  cut short, is a malformed row: bad input when good rows follow it, else the run's failure;
+- a comment (`#`, the footer), or a failure line (CUDA/NCCL errors, kills, exit codes): errors;
+- launcher noise, skipped and counted in `skipped`: MPI help messages (the text between two
+  `-----` banners and the banners, `[host:pid] N more processes have sent help message ...`,
+  `Set MCA parameter ...`), `srun:` status lines, and any other text that is none of these
+  (MPI, UCX, NCCL warnings ...: also listed in `warnings`). Launcher prefixes (srun ` 0: `,
+  Open MPI `[1,0]<stdout>:`, Ray `(head, rank=0, pid=...)`) are stripped from every line first.
+A fatal line inside a help message (a process killed, terminated, an exit code) is still an
+error.
 """
 
 from __future__ import annotations
@@ -37,6 +51,15 @@ _OP_NAME = re.compile(r"\b(" + "|".join(OPS) + r")_perf\b")
 _FAILURE = re.compile(
     r"(?i)fail|error|abort|terminat|segmentation|illegal|signal|killed|timeout|exit code"
 )
+_FATAL = re.compile(r"(?i)abort|terminat|segmentation|signal \d|killed|exit(ed)? (code|on)")
+"""Failure words that count even inside an MPI help message (help text says 'error' freely)."""
+_WARNING = re.compile(r"(?i)warn")
+_HELP_BANNER = re.compile(r"^-{20,}$")
+_LAUNCHER_LINE = re.compile(
+    r"(?i)^(\[[^\]]*\]\s*)?(\d+ more process(es)? ha(s|ve) sent help message"
+    r"|set mca parameter)|^srun: (?!error)"
+)
+_NUMBER = re.compile(r"^(-?\d+(\.\d*)?([eE][+-]?\d+)?|N/A)$")
 
 
 def bus_factor(op: str, ranks: int) -> float:
@@ -81,6 +104,9 @@ class NcclRun:
     complete: bool
     errors: tuple[dict, ...] = field(default=())
     warnings: tuple[dict, ...] = field(default=())
+    skipped: int = 0
+    """Lines inside the results table that nccl-tests did not write (launcher help messages,
+    warnings, other interleaved text; see the module docstring), skipped."""
 
     @property
     def total_wrong(self) -> int:
@@ -106,6 +132,15 @@ def _header_columns(line: str) -> list[str] | None:
     if tokens[:3] == ["size", "count", "type"] and "time" in tokens:
         return tokens
     return None
+
+
+def _is_data_row(tokens: list[str]) -> bool:
+    """A line nccl-tests printed as a table row, well formed or not: an integer first and at
+    least half of the cells numbers (launcher text is mostly words, also when it starts with a
+    count, as in `7 more processes have sent help message ...`)."""
+    if not tokens or not tokens[0].isdigit():
+        return False
+    return 2 * sum(1 for t in tokens if _NUMBER.match(t)) >= len(tokens)
 
 
 def _row(tokens: list[str], columns: list[str]) -> NcclRow:
@@ -150,7 +185,8 @@ def parse_nccl_tests(
     """Parse the output of one nccl-tests run; InputError (naming the line) if it is not one.
 
     A run that stopped mid-table keeps its complete rows and reports `complete=False` with the
-    lines that follow; a garbled row followed by more good rows is bad input.
+    lines that follow; a garbled row followed by more good rows is bad input. Launcher lines
+    interleaved with the table are skipped and counted (`skipped`, see the module docstring).
     """
     lines = [strip_prefix(ln.rstrip("\r\n")) for ln in text.splitlines()]
     # Step 1: preamble facts: the op (from a command echo or `Collective test starting`), ranks.
@@ -170,6 +206,8 @@ def parse_nccl_tests(
     warnings: list[dict] = []
     avg = None
     footer = False
+    in_help = False
+    skipped = 0
     for number, line in enumerate(lines, start=1):
         stripped = line.strip()
         if columns is None:
@@ -177,6 +215,9 @@ def parse_nccl_tests(
                 columns = _header_columns(stripped)
             continue
         if not stripped:
+            continue
+        if _HELP_BANNER.match(stripped):
+            in_help, skipped = not in_help, skipped + 1
             continue
         if stripped.startswith("#"):
             m = _AVG.match(stripped)
@@ -187,7 +228,7 @@ def parse_nccl_tests(
                 errors.append({"line": number, "text": stripped})
             continue
         tokens = stripped.split()
-        if tokens[0].isdigit() and not footer:
+        if _is_data_row(tokens) and not footer:
             cells = tokens
             if len(tokens) > len(columns) and tokens[len(columns)].startswith("#"):
                 cells = tokens[: len(columns)]
@@ -204,9 +245,15 @@ def parse_nccl_tests(
                     f"expected {len(columns)}: {' '.join(columns)})"
                 )
             rows.append(row)
-        elif _FAILURE.search(stripped) and not re.search(r"(?i)warn", stripped):
+        elif in_help or _LAUNCHER_LINE.search(stripped):
+            if _FATAL.search(stripped):
+                errors.append({"line": number, "text": stripped})
+            else:
+                skipped += 1
+        elif _FAILURE.search(stripped) and not _WARNING.search(stripped):
             errors.append({"line": number, "text": stripped})
         else:
+            skipped += 1
             warnings.append({"line": number, "text": stripped})
     if columns is None:
         raise InputError(
@@ -221,6 +268,7 @@ def parse_nccl_tests(
         complete=complete,
         errors=tuple(errors),
         warnings=tuple(warnings),
+        skipped=skipped,
     )
 
 

@@ -181,6 +181,12 @@ class ApiKey(SecretRef):
     """Key inside the Secret; exposed as the variable named by serve.http.api_key_env."""
 
 
+class CacheSecret(SecretRef):
+    secretKey: str = "cache-secret"
+    """Key inside the Secret; exposed as MOE_CACHE_SECRET to every Ray container and cache
+    sidecar (block keys and the MAC of blocks in Redis: the same value everywhere)."""
+
+
 class Persistence(_Strict):
     enabled: bool = True
     size: Quantity = "64Gi"
@@ -309,6 +315,7 @@ class ChartValues(_Strict):
     autoscaling: Autoscaling = Autoscaling()
     upgrade: Upgrade = Upgrade()
     rayAuth: RayAuth = RayAuth()
+    cacheSecret: CacheSecret = CacheSecret()
     apiKey: ApiKey = ApiKey()
     redis: Redis = Redis()
     cacheServer: CacheServer = CacheServer()

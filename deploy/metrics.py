@@ -26,6 +26,16 @@ Names (labels in braces; every series also has `model` and Ray's `WorkerId`/`Nod
     moe_kv_free_blocks                         free KV blocks (gauge)
     moe_cache_hits_total{tier}                 prefix blocks found per tier: device, then each
                                                lower tier by name (host, redis, disk ...)
+    moe_cache_corrupt_blocks_total{tier}       blocks of the replica's cache that failed the codec's
+                                               checks (damage: checksum, truncated, key mismatch)
+    moe_cache_unauthenticated_blocks_total{tier}  well-formed blocks of a shared tier whose MAC
+                                               failed (forged, another deployment's secret)
+    moe_cache_tier_errors_total{tier}          tier faults turned into misses (Redis down ...)
+    moe_cache_tier_timeouts_total{tier}        those of the faults that were timeouts
+    moe_cache_tier_breaker_open{tier}          1 while the tier's circuit breaker is open (gauge)
+      The five mirror the counters of the cache the replica uses (`cache_faults`: its rows of
+      engine.stats()["cache"]["tiers"]); replicas sharing one cache server report the same
+      totals, so aggregate them with max by (tier), not sum.
     moe_aborted_requests_total                 requests aborted (client disconnect)
 """
 
@@ -90,6 +100,29 @@ class EngineMetrics:
             "moe_cache_hits_total", "Prefix blocks found, per tier.", (*keys, "tier")
         )
         self._hits_seen: dict[str, float] = {}
+        tier_keys = (*keys, "tier")
+        self.cache_faults = {
+            "corrupt": Counter(
+                "moe_cache_corrupt_blocks_total", "Cache blocks that failed verification.",
+                tier_keys,
+            ),
+            "unauthenticated": Counter(
+                "moe_cache_unauthenticated_blocks_total",
+                "Well-formed cache blocks whose MAC failed (forged or another secret).",
+                tier_keys,
+            ),
+            "errors": Counter(
+                "moe_cache_tier_errors_total", "Cache tier faults turned into misses.", tier_keys
+            ),
+            "timeouts": Counter(
+                "moe_cache_tier_timeouts_total", "Cache tier faults that were timeouts.",
+                tier_keys,
+            ),
+        }  # fmt: skip
+        self.breaker_open = Gauge(
+            "moe_cache_tier_breaker_open", "1 while the tier's circuit breaker is open.", tier_keys
+        )
+        self._faults_seen: dict[tuple[str, str], float] = {}
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         self.phase.observe(max(0.0, seconds), tags={**self.tags, "phase": phase})
@@ -138,8 +171,12 @@ class EngineMetrics:
         kv_utilisation: float,
         free_blocks: float,
         cache_hits: Mapping[str, float],
+        cache_faults: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
-        """Gauges from one engine.stats() reading; `cache_hits` are running totals per tier."""
+        """Gauges from one engine.stats() reading; `cache_hits` are running totals per tier;
+        `cache_faults` per tier the cache's running totals (`deploy.model_server.cache_faults`):
+        each counter grows by what its total grew since the last reading (a total that went
+        down, a restarted cache server, is the new baseline)."""
         self.queue_depth.set(waiting, tags=self.tags)
         self.running.set(running, tags=self.tags)
         self.kv_utilisation.set(kv_utilisation, tags=self.tags)
@@ -149,6 +186,15 @@ class EngineMetrics:
             if delta > 0:
                 self.cache_hits.inc(delta, tags={**self.tags, "tier": tier})
             self._hits_seen[tier] = float(total)
+        for tier, figures in (cache_faults or {}).items():
+            tags = {**self.tags, "tier": tier}
+            for name, counter in self.cache_faults.items():
+                total = float(figures.get(name, 0))
+                delta = total - self._faults_seen.get((tier, name), 0.0)
+                if delta > 0:
+                    counter.inc(delta, tags=tags)
+                self._faults_seen[(tier, name)] = total
+            self.breaker_open.set(float(figures.get("breaker_open", 0)), tags=tags)
 
 
 class IngressMetrics:

@@ -111,6 +111,26 @@ def cache_hits(stats: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+FAULT_FIGURES = ("corrupt", "unauthenticated", "errors", "timeouts")
+"""The running totals per cache tier that `cache_faults` reads (TieredCache.stats() rows)."""
+
+
+def cache_faults(stats: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per tier of the replica's cache, from engine.stats()["cache"]["tiers"] (the rows of the
+    cache's own stats(), through the cache server for a CacheClient): the running totals of
+    FAULT_FIGURES and `breaker_open` (1 while the tier's breaker is open). The figures of
+    moe_cache_corrupt_blocks_total, moe_cache_unauthenticated_blocks_total,
+    moe_cache_tier_errors_total, moe_cache_tier_timeouts_total and moe_cache_tier_breaker_open;
+    empty without a cache."""
+    cache = stats.get("cache") or {}
+    out: dict[str, dict[str, int]] = {}
+    for row in cache.get("tiers") or []:
+        figures = {name: int(row.get(name) or 0) for name in FAULT_FIGURES}
+        figures["breaker_open"] = int(bool(row.get("breaker_open", not row.get("available", True))))
+        out[str(row.get("name"))] = figures
+    return out
+
+
 def byte_level_alphabet() -> dict[str, int]:
     """Character -> byte of the byte-level BPE alphabet (GPT-2's scheme): the printable bytes
     33-126, 161-172 and 174-255 stand for themselves, the other 68 bytes in increasing order
@@ -397,6 +417,7 @@ class ModelServer:
                 kv_utilisation=s["kv_utilisation"],
                 free_blocks=s["free_blocks"],
                 cache_hits=s["cache_hits"],
+                cache_faults=s["cache_faults"],
             )
             drain = getattr(self.runner, "drain_stage_samples", None)
             if callable(drain):
@@ -417,6 +438,7 @@ class ModelServer:
         s.setdefault("running", 0)
         s.setdefault("kv_utilisation", (total - free) / total if total else 0.0)
         s["cache_hits"] = cache_hits(s)
+        s["cache_faults"] = cache_faults(s)
         s["ttft_recent_s"] = self._recent_ttft()
         s["max_model_len"] = self.max_model_len
         s["layout"] = "single" if self.layout is None else self.layout.shorthand

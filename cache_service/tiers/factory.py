@@ -24,8 +24,12 @@ def open_tier(
     window_blocks: int = 16,
     metrics: CacheMetrics | None = None,
     name: str | None = None,
+    secret: bytes | None = None,
 ) -> Tier:
-    """Open the tier `url` names, with a byte budget and (for in-process tiers) a policy."""
+    """Open the tier `url` names, with a byte budget and (for in-process tiers) a policy.
+
+    secret: the deployment secret; a shared tier (redis) needs it (its values carry a MAC keyed
+    with it, `block_mac.py`) and refuses to open without it."""
     if not isinstance(url, str) or "://" not in url:
         raise CacheConfigError(f"tier URL {url!r} has no scheme; expected one of {list(SCHEMES)}")
     scheme = url.split("://", 1)[0].lower()
@@ -45,4 +49,9 @@ def open_tier(
     # redis is imported only for a redis tier: an engine host with in-process tiers needs none
     from cache_service.tiers.redis_tier import RedisTier
 
-    return RedisTier(url=url, name=name or "redis", namespace=namespace, **common)
+    if not secret:
+        raise CacheConfigError(
+            f"tier URL {redact(url)!r} is shared: its blocks are authenticated with the "
+            "deployment secret; set MOE_CACHE_SECRET"
+        )
+    return RedisTier(url=url, name=name or "redis", namespace=namespace, secret=secret, **common)

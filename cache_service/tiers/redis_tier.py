@@ -28,8 +28,18 @@ process has not done so within that many seconds; 0 = on every get), cluster=1 (
 client discovers the other nodes). Eviction on this tier is LRU whatever the cache's policy:
 attention mass lives in the engine process and is not shared across replicas.
 
+Authenticated values: every value this tier writes is the encoded block followed by a 32-byte
+HMAC-SHA256 tag under the deployment secret (`block_mac.py`), and every value it reads is
+checked against it before anyone sees it (the store, KVTiers' unverified reads, eviction's
+demotions alike). A value whose tag fails is a miss, is deleted, and is counted: as
+moe_kv_unauthenticated_blocks_total when the block inside is well formed (forged with a
+recomputed checksum, or written under another secret), else as
+moe_kv_corrupt_blocks_total{reason} (damage); the first failure of an interval is logged. The byte
+accounting and the budget count block bytes without the tags, as every tier does.
+
 Faults (connection refused, timeouts, cluster errors) never reach the caller: reads miss, writes
-are skipped, the fault is counted (moe_kv_tier_errors_total) and a circuit breaker marks the tier
+are skipped, the fault is counted (moe_kv_tier_errors_total; timeouts also in
+moe_kv_tier_timeouts_total) and a circuit breaker marks the tier
 unavailable after `breaker_failures` consecutive faults; after the cool-down one call probes and,
 if it succeeds, the tier is available again (the client reconnects by itself).
 """
@@ -50,8 +60,9 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from cache_service.block_key import BlockKey
+from cache_service.block_mac import BlockMac, FailureLog
 from cache_service.circuit_breaker import CircuitBreaker
-from cache_service.errors import CacheConfigError
+from cache_service.errors import CacheConfigError, CorruptBlock
 from cache_service.metrics import CacheMetrics
 from cache_service.namespace import CacheNamespace
 from cache_service.tiers import redis_scripts
@@ -71,6 +82,7 @@ _OPTIONS = {
     "lru_refresh_s": float,
 }
 _FAULTS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+_TIMEOUTS = (redis.exceptions.TimeoutError, TimeoutError)
 _EVICT_ROUNDS = 64
 _REFRESH_MEMORY = 1 << 16
 
@@ -89,9 +101,13 @@ class RedisTier(Tier):
         capacity_bytes: int,
         namespace: CacheNamespace,
         metrics: CacheMetrics | None,
+        secret: bytes,
     ) -> None:
+        """secret: the deployment secret (MOE_CACHE_SECRET) that keys every value's tag."""
         super().__init__(name=name, capacity_bytes=capacity_bytes, metrics=metrics)
         self.url = url
+        self._mac = BlockMac(secret, context=namespace.prefix)
+        self._auth_log = FailureLog(log, name)
         self._connect_url, self.cluster, options = _parse_url(url)
         self.ttl_ms = int(options.get("ttl_s", 0) * 1000)
         self._timeout = options.get("timeout_s", 1.0)
@@ -138,6 +154,8 @@ class RedisTier(Tier):
                 "Redis tier %s unreachable at start (%s); serving without it", redact(self.url), exc
             )
             self.metrics.errors.labels(tier=self.name).inc()
+            if isinstance(exc, _TIMEOUTS):
+                self.metrics.timeouts.labels(tier=self.name).inc()
             self._breaker.trip()
 
     def _get_client(self) -> Any:
@@ -198,6 +216,8 @@ class RedisTier(Tier):
                 result = work(client)
         except _FAULTS as exc:
             self.metrics.errors.labels(tier=self.name).inc()
+            if isinstance(exc, _TIMEOUTS):
+                self.metrics.timeouts.labels(tier=self.name).inc()
             log.debug("Redis tier %s: %s failed: %s", redact(self.url), op, exc)
             if isinstance(
                 exc, redis.exceptions.RedisClusterException | redis.exceptions.ClusterError
@@ -242,7 +262,8 @@ class RedisTier(Tier):
     def get_many(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
         """Pipelined GET of the values, then the LRU index refresh of the blocks that are due
         (`_due_for_refresh`): one ZADD XX per run with due blocks and one ZADD XX of those runs,
-        in the same round trip."""
+        in the same round trip. Each value's tag is checked (`_opened`): what comes back is the
+        block without its tag, or None."""
         keys = list(keys)
         if not keys:
             return []
@@ -260,7 +281,38 @@ class RedisTier(Tier):
                 pipe.execute_command("ZADD", self._runs, "XX", *[p for r in due for p in (now, r)])
             return pipe.execute()[: len(keys)]
 
-        return self._call("get", work, [None] * len(keys))
+        values = self._call("get", work, [None] * len(keys))
+        blocks = self._opened(list(zip(keys, values, strict=True)))
+        return [block for _, block in blocks]
+
+    def _opened(
+        self, values: Sequence[tuple[BlockKey, bytes | None]]
+    ) -> list[tuple[BlockKey, bytes | None]]:
+        """Each value's block once its tag checks, else None: the failure is counted (see the
+        module docstring), logged once per interval and the value deleted (a forged value left
+        in place would keep the genuine block out: puts are put-if-absent)."""
+        out: list[tuple[BlockKey, bytes | None]] = []
+        bad: list[BlockKey] = []
+        forged = 0
+        for key, value in values:
+            if value is None:
+                out.append((key, None))
+                continue
+            try:
+                out.append((key, self._mac.open(key, value)))
+            except CorruptBlock as exc:
+                out.append((key, None))
+                bad.append(key)
+                if exc.reason == "unauthenticated":
+                    forged += 1
+                else:
+                    self.metrics.corrupt.labels(tier=self.name, reason=exc.reason).inc()
+        if forged:
+            self.metrics.unauthenticated.labels(tier=self.name).inc(forged)
+            self._auth_log.note(forged)
+        if bad:
+            self.delete(bad)
+        return out
 
     def _due_for_refresh(self, keys: list[BlockKey]) -> dict[str, list[int]]:
         """Per run, the indices of `keys` whose LRU score this process has not refreshed within
@@ -311,9 +363,11 @@ class RedisTier(Tier):
         return self._call("contains", work, [False] * len(keys))
 
     def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> PutResult:
-        items = list(items)
-        if not items:
+        given = list(items)
+        if not given:
             return PutResult(stored=[])
+        # Values are sealed (block || tag); sizes in the index and the totals stay block bytes.
+        items = [(key, self._mac.seal(key, block)) for key, block in given]
         # A key repeated within one batch is stored once; its later copies answer False.
         groups: dict[str, list[int]] = {}
         seen: set[BlockKey] = set()
@@ -328,7 +382,7 @@ class RedisTier(Tier):
             value_keys = [self.value_key(items[i][0]) for i in idx]
             argv: list[Any] = [now]
             for i in idx:
-                argv += [items[i][0].hex, len(items[i][1])]
+                argv += [items[i][0].hex, len(given[i][1])]
             # EVAL, not EVALSHA: inside MULTI a missing script would fail alone and let the SETs
             # run unindexed. Redis caches the compiled script by its SHA1 either way.
             pipe.execute_command(
@@ -370,7 +424,7 @@ class RedisTier(Tier):
             answers = totals.execute()
             self._last_totals = (int(answers[-2]), int(answers[-1]))
             self.metrics.bytes_written.labels(tier=self.name).inc(
-                sum(len(items[i][1]) for i, s in enumerate(stored) if s)
+                sum(len(given[i][1]) for i, s in enumerate(stored) if s)
             )
             return stored
 
@@ -379,11 +433,17 @@ class RedisTier(Tier):
             # Redis is down or the call failed: the blocks were not taken, so hand them back as
             # rejected; the store passes them on to the tier below (a block the host tier evicted
             # into a failing Redis would otherwise be gone).
-            return PutResult(stored=[False] * len(items), evicted=items)
+            return PutResult(stored=[False] * len(items), evicted=given)
         evicted = self._enforce_budget() if self._last_totals[0] > self.capacity_bytes else []
         return PutResult(stored=stored, evicted=evicted)
 
     def _enforce_budget(self) -> list[tuple[BlockKey, bytes]]:
+        """`_evict_lru`'s victims for demotion, each without its tag once the tag checks (a
+        value that fails is counted and dropped: it is deleted already)."""
+        evicted = self._evict_lru()
+        return [(key, block) for key, block in self._opened(evicted) if block is not None]
+
+    def _evict_lru(self) -> list[tuple[BlockKey, bytes]]:
         """Evict LRU blocks of the LRU runs until the namespace total fits the budget.
 
         Each round reads the victims and their values first (PEEK_LRU, which changes nothing),

@@ -144,6 +144,19 @@ def test_corrupt_blocks_are_misses_not_wrong_output(report):
     assert _same(healed, baseline["B"])
 
 
+def test_forged_blocks_are_misses_not_wrong_output(report):
+    """Blocks rewritten in Redis with a recomputed checksum fail the MAC (the same check the
+    engine's tiers use): misses vLLM recomputes, counted as unauthenticated, not corrupt."""
+    phases, baseline = report["phases"], report["baseline"]
+    forged, healed = phases["forged"], phases["healed"]
+    assert forged["counters"]["failed_blocks"] == 4
+    assert forged["counters"]["loaded_blocks"] == 0
+    redis_row = forged["cache"]["redis"]
+    assert redis_row["unauthenticated"] >= 4
+    assert redis_row["corrupt"] == healed["cache"]["redis"]["corrupt"]
+    assert _same(forged, baseline["B"])
+
+
 def test_redis_stopping_costs_hits_not_correctness(report):
     phases, baseline, prefix = report["phases"], report["baseline"], report["prefix_tokens"]
     assert _same(phases["q_cold"], baseline["Q"])

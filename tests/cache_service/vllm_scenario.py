@@ -15,6 +15,9 @@ connector's counters, our cache's stats and vLLM's `external_prefix_cache_hits` 
     hit         B = P + tail_b: P's blocks loaded from our cache
     corrupt     P's blocks dropped from the host tier, their payload in Redis overwritten: misses
     healed      B again: the blocks vLLM recomputed were stored again, hits again
+    forged      P's blocks dropped from the host tier, rewritten in Redis with the payload
+                changed and the checksum recomputed (the codec's checks pass): the MAC makes
+                them misses (unauthenticated), the output equals B's baseline
     noise       P's blocks replaced by validly encoded noise: the output must change (loads are used)
     restored    A again after removing the noise: computes and stores P again
     redis_down  Q's blocks only in Redis, Redis shut down: D = Q + tail computes (no hit), and B
@@ -38,7 +41,8 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 from cache_service import vllm_connector
 from cache_service.block_key import prefix_block_keys
-from cache_service.codec import HEADER_BYTES, encode_block
+from cache_service.block_mac import TAG_BYTES
+from cache_service.codec import HEADER_BYTES, decode_block, encode_block, read_header
 
 
 def main() -> int:
@@ -96,6 +100,18 @@ def main() -> int:
         client.set(shared.value_key(key), value[:HEADER_BYTES] + garbage)
     phase("corrupt", "B")
     phase("healed", "B")
+    # Forged: a writer without the secret rewrites the blocks with a valid checksum.
+    host.delete(p_keys)
+    for key in p_keys:
+        value = client.get(shared.value_key(key))
+        block, tag = value[:-TAG_BYTES], value[-TAG_BYTES:]
+        head = read_header(block)
+        forged = encode_block(
+            -3 * decode_block(block, expected_key=key), key=key, codec=head.codec,
+            compression=head.compression, checksum=head.checksum_kind,
+        )  # fmt: skip
+        client.set(shared.value_key(key), bytes(forged) + tag)
+    phase("forged", "B")
     # Noise: valid blocks (right key, right checksum) holding the wrong KV.
     shape = (len(worker._layers), *worker._layers[0].shape[1:])
     host.delete(p_keys)

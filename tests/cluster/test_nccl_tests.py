@@ -151,3 +151,60 @@ def test_garbled_row_in_the_middle_is_bad_input(shared_dir):
 def test_text_without_a_table_is_bad_input():
     with pytest.raises(InputError, match="no nccl-tests table header"):
         parse_nccl_tests("hello\nworld\n")
+
+
+MPI_HELP = "nccl_mpi_help_between_rows_allreduce.txt"
+"""Our own fixture: an all_reduce table over 4 ranks with Open MPI help messages (banners,
+`[host:pid] N more processes have sent help message`, `Set MCA parameter`, a bare `2 more
+processes ...`), a UCX warning and an srun status line between the rows: 16 non-blank launcher
+lines inside the table, 13 data rows."""
+MPI_HELP_SIZES = [8 * 4**i for i in range(13)]
+
+
+def test_launcher_lines_between_rows_are_skipped_and_counted():
+    text = (DATA / MPI_HELP).read_text()
+    run = parse_nccl_tests(text)
+    assert (run.op, run.ranks, run.complete, run.errors) == ("all_reduce", 4, True, ())
+    assert [r.size for r in run.rows] == MPI_HELP_SIZES
+    assert run.rows[-1].busbw_GBps == 221.53 and run.rows[-1].inplace_wrong == 0
+    assert run.skipped == 16
+    assert [w["text"].split()[-1] for w in run.warnings] == ["available"]  # the UCX line
+    assert run.to_json()["skipped"] == 16
+    _check_busbw(run, "all_reduce")
+
+
+def test_launcher_lines_with_srun_and_openmpi_prefixes():
+    """The same output as srun -l (every line ` 0: `) and as mpirun --tag-output would tag it
+    (the table on [1,0]<stdout>, the help messages on [1,0]<stderr>)."""
+    text = (DATA / MPI_HELP).read_text()
+    srun = "".join(f" 0: {line}\n" for line in text.splitlines())
+    tagged = "".join(
+        f"[1,0]<{'stdout' if line.startswith(('#', ' ')) else 'stderr'}>:{line}\n"
+        for line in text.splitlines()
+    )
+    for variant in (srun, tagged):
+        run = parse_nccl_tests(variant)
+        assert [r.size for r in run.rows] == MPI_HELP_SIZES
+        assert run.complete and run.skipped == 16
+
+
+def test_malformed_numeric_row_among_launcher_lines_is_still_refused():
+    text = (DATA / MPI_HELP).read_text()
+    broken = text.replace("2.30    3.46", "2.30    3x46", 1)  # the 32768-byte row
+    with pytest.raises(InputError, match="line 34: malformed row"):
+        parse_nccl_tests(broken)
+    count = text.replace("8388608       2097152", "8388608       20971x2", 1)
+    with pytest.raises(InputError, match="malformed row"):
+        parse_nccl_tests(count)
+
+
+def test_a_fatal_line_inside_a_help_message_is_an_error():
+    lines = (DATA / MPI_HELP).read_text().splitlines()
+    cut = lines[: lines.index("2 more processes have sent help message help-mpi-btl-base.txt"
+                              " / btl:no-nics")]  # fmt: skip
+    banner = "-" * 74
+    cut += [banner, "mpirun noticed that process rank 2 on node gpu-n01 exited on signal 9 (Killed).",
+            banner]  # fmt: skip
+    run = parse_nccl_tests("\n".join(cut))
+    assert run.complete is False and len(run.rows) == 7
+    assert [e["text"][:16] for e in run.errors] == ["mpirun noticed t"]

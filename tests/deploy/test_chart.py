@@ -296,19 +296,30 @@ def test_secrets_come_from_secrets_never_from_values(default_docs):
     names = {d["metadata"]["name"] for d in default_docs if d["kind"] == "Secret"}
     for _, c in _containers(default_docs):
         for env in c.get("env", []):
-            if re.search(r"KEY|PASSWORD|TOKEN", env["name"]):
+            if re.search(r"KEY|PASSWORD|TOKEN|SECRET", env["name"]):
                 assert env["valueFrom"]["secretKeyRef"]["name"] in names, env
+    # one cache secret for every Ray container and cache sidecar (block keys and block MACs)
+    cache = only(default_docs, "Secret", "-cache-secret")["metadata"]["name"]
+    refs = [
+        (c["name"], e["valueFrom"]["secretKeyRef"]["name"])
+        for _, c in _containers(default_docs)
+        for e in c.get("env", [])
+        if e["name"] == "MOE_CACHE_SECRET"
+    ]
+    assert {n for n, _ in refs} >= {"cache-server"} and any(n.startswith("ray-") for n, _ in refs)
+    assert {s for _, s in refs} == {cache}
     # named existing Secrets: nothing created, everything references them
     docs = render(
         {
             "rayAuth": {"existingSecret": "ops-ray"},
             "apiKey": {"existingSecret": "ops-api"},
+            "cacheSecret": {"existingSecret": "ops-cache"},
             "redis": {"auth": {"existingSecret": "ops-redis"}},
         }
     )
     assert [d for d in docs if d["kind"] == "Secret"] == []
     text = yaml.safe_dump_all(docs)
-    for name in ("ops-ray", "ops-api", "ops-redis"):
+    for name in ("ops-ray", "ops-api", "ops-cache", "ops-redis"):
         assert name in text
 
 

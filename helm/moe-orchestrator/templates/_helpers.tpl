@@ -55,6 +55,19 @@ moe.io/ray: "true"
 {{- default (printf "%s-ray-auth" (include "moe.fullname" .)) .Values.rayAuth.existingSecret -}}
 {{- end -}}
 
+{{- define "moe.cacheSecret" -}}
+{{- default (printf "%s-cache-secret" (include "moe.fullname" .)) .Values.cacheSecret.existingSecret -}}
+{{- end -}}
+
+{{/* MOE_CACHE_SECRET from the chart's Secret (Ray containers and cache sidecars alike). */}}
+{{- define "moe.cacheSecretEnv" -}}
+- name: MOE_CACHE_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "moe.cacheSecret" . }}
+      key: {{ .Values.cacheSecret.secretKey }}
+{{- end -}}
+
 {{- define "moe.apiKeySecret" -}}
 {{- default (printf "%s-api-key" (include "moe.fullname" .)) .Values.apiKey.existingSecret -}}
 {{- end -}}
@@ -155,6 +168,7 @@ affinity:
   valueFrom:
     fieldRef:
       fieldPath: spec.nodeName
+{{ include "moe.cacheSecretEnv" . }}
 {{- with .Values.serve.http.api_key_env }}
 - name: {{ . }}
   valueFrom:

@@ -172,6 +172,7 @@ chart's, so its groups carry no defaults from values.yaml).
     - --tls-key=/etc/moe/cache-tls/tls.key
     {{- end }}
   env:
+    {{- include "moe.cacheSecretEnv" . | nindent 4 }}
     {{- if eq (include "moe.redisHasPassword" .) "true" }}
     - name: MOE_REDIS_PASSWORD
       valueFrom:
