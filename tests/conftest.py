@@ -14,9 +14,16 @@ import pytest
 # Offline and quiet before anything imports transformers or Ray.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster only
+# The session's test cluster only (`ray_session`); the local stacks that moectl starts in
+# subprocesses make a token of their own whatever this says (deploy/local_ray.py).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The deployment secret: shared cache tiers (Redis) MAC every block with it and refuse to open
+# without one; the same value as the Ray session's workers get (`ray_session`).
+SESSION_SECRET = "moe-test-session-secret"
+os.environ.setdefault("MOE_CACHE_SECRET", SESSION_SECRET)
+TEST_API_KEY = "moe-test-api-key"
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
@@ -120,7 +127,9 @@ def ray_session():
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         # Serve replicas that share cache tiers key blocks with one deployment secret.
-        "MOE_CACHE_SECRET": "moe-test-session-secret",
+        "MOE_CACHE_SECRET": SESSION_SECRET,
+        # An API key a served test may name in http.api_key_env (no app does by default).
+        "MOE_TEST_API_KEY": TEST_API_KEY,
     }
     cluster = Cluster(
         initialize_head=True,
