@@ -14,9 +14,7 @@ import pytest
 # Offline and quiet before anything imports transformers or Ray.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# The session's test cluster only (`ray_session`); the local stacks that moectl starts in
-# subprocesses make a token of their own whatever this says (deploy/local_ray.py).
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster only
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The deployment secret: shared cache tiers (Redis) MAC every block with it and refuse to open

@@ -198,7 +198,11 @@ class _Stack:
     def __init__(self, ckpt) -> None:
         from ray import serve
 
-        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            "RAY_AUTH_MODE": "disabled",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         os.environ.update(env)
         os.environ.setdefault("MOE_CACHE_SECRET", os.urandom(16).hex())
         env["MOE_CACHE_SECRET"] = os.environ["MOE_CACHE_SECRET"]
@@ -214,14 +218,10 @@ class _Stack:
         )  # fmt: skip
         _wait_for_port(cache_port, self.server)
         os.environ.pop("RAY_ADDRESS", None)
-        from deploy.local_ray import LocalRayEnv
-
-        self.auth = LocalRayEnv.create()  # a token of its own, on 127.0.0.1 (deploy/local_ray.py)
         try:
             self._ray_init(env)
         except (RuntimeError, ConnectionError) as exc:
             self._stop_server()
-            self.auth.undo()
             raise EnvironmentMissing(f"could not start a local Ray: {exc}") from None
         with _socket() as s:
             self.port = s.getsockname()[1]
@@ -232,12 +232,10 @@ class _Stack:
     def _ray_init(env: dict[str, str]) -> None:
         import ray
 
-        from deploy.local_ray import LOOPBACK_INIT, with_loopback_hook
-
         ray.init(
             address="local",
-            num_cpus=8, log_to_driver=False, configure_logging=False,
-            runtime_env=with_loopback_hook({"env_vars": env}), **LOOPBACK_INIT,
+            num_cpus=8, include_dashboard=False, log_to_driver=False,
+            configure_logging=False, runtime_env={"env_vars": env},
         )  # fmt: skip
 
     def deploy(self, name: str, args: dict[str, Any]):
@@ -283,7 +281,6 @@ class _Stack:
 
         serve.shutdown()
         ray.shutdown()
-        self.auth.undo()
         self._stop_server()
 
     def _stop_server(self) -> None:
