@@ -12,15 +12,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-import sys
 
 import pytest
-import typer
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from cluster.errors import InputError, MoeError
-from placement import plan_cli
+from cluster.errors import InputError
 from placement.config_fields import ConfigFields
 from placement.meta_model import (
     build_meta_model,
@@ -31,6 +28,7 @@ from placement.meta_model import (
 )
 from placement.model_types import FAMILIES, build_spec
 from tests.conftest import REPO
+from tests.placement.test_plan_cli import run  # noqa: F401 (the `moectl plan` fixture)
 
 hf_logging.set_verbosity_error()  # default configs warn about token ids outside small vocabularies
 
@@ -173,29 +171,6 @@ def test_meta_model_agrees_with_the_hand_written_family(model_type):
         assert name not in differences, differences
 
 
-@pytest.fixture
-def plan(capsys):
-    app = typer.Typer()
-    plan_cli.register(app)
-
-    @app.command("noop")
-    def _noop() -> None:  # keeps `plan` a subcommand, as under moectl
-        pass
-
-    def call(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = 0
-        try:
-            app(args=["plan", *map(str, args)], standalone_mode=False, prog_name="moectl")
-        except MoeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            code = exc.exit_code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
-
-
 def _write(tmp_path, family: str, **change) -> str:
     path = tmp_path / f"{family}.config.json"
     path.write_text(json.dumps({**_default_config(family), **change}))
@@ -203,8 +178,8 @@ def _write(tmp_path, family: str, **change) -> str:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "minimax_m2", "olmoe"])
-def test_planner_runs_unchanged_on_new_families(plan, tmp_path, model_type):
-    code, out, err = plan("--model", _write(tmp_path, model_type), "--topology", TOPOLOGY,
+def test_planner_runs_unchanged_on_new_families(run, tmp_path, model_type):  # noqa: F811
+    code, out, err = run("--model", _write(tmp_path, model_type), "--topology", TOPOLOGY,
                           "--context", "4096", "--json")  # fmt: skip
     assert code == 0, err
     d = json.loads(out)
