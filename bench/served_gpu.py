@@ -18,7 +18,9 @@ Step 2: the in-process engine (`build_engine(ckpt, device="cuda")`: LocalRunner,
         once. Per request TTFT and TPOT; per level output tokens/s.
 Step 3: `moectl serve` on the same checkpoint and engine settings (a subprocess: a local Ray,
         Serve, the OpenAI ingress, one replica on the GPU), and the official `openai` client
-        streams the same requests (same prompts and seeds) from one thread each. Then a prefix
+        (`AsyncOpenAI`, a level's c streams started together on one event loop, as vLLM's
+        benchmark_serving sends them) streams the same requests (same prompts and seeds); one
+        thread a stream spread a c=32 level's sends over ~0.44 s (the GIL). Then a prefix
         hit: an 8K and a 32K prompt sent cold (max_tokens 1) and again (its blocks still in the
         replica's pool).
 Step 4: one JSON object and table: per (c, sampling) both sides' tokens/s and TTFT / TPOT
@@ -30,6 +32,7 @@ Step 4: one JSON object and table: per (c, sampling) both sides' tokens/s and TT
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import gc
 import json
@@ -39,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -335,29 +337,55 @@ def stop_server(proc, logf) -> None:
     logf.close()
 
 
-def streamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    first, usage, text, times = None, None, [], []
-    chunks = client.completions.create(
+class Record:
+    """One streamed request as the client sees it: TTFT, each output token's time, usage."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.first, self.usage, self.text, self.times = None, None, [], []
+
+    def chunk(self, chunk) -> None:
+        if chunk.choices and chunk.choices[0].text:
+            now = time.perf_counter() - self.t0
+            self.first = self.first if self.first is not None else now
+            self.text.append(chunk.choices[0].text)
+            self.times += [now] * len(chunk.choices[0].text.split())
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+
+    def row(self) -> dict[str, Any]:
+        e2e, usage = time.perf_counter() - self.t0, self.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        return {
+            "ttft_s": self.first if self.first is not None else e2e, "e2e_s": e2e,
+            "tokens": usage.completion_tokens if usage else 0, "text": "".join(self.text),
+            "cached_tokens": (details.cached_tokens or 0) if details else 0,
+            "times": self.times, "sent": self.t0,
+        }  # fmt: skip
+
+
+def request(ids, max_tokens, sampling, seed) -> dict[str, Any]:
+    return dict(
         model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, seed=seed, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         **SAMPLINGS[sampling],
     )  # fmt: skip
-    for chunk in chunks:
-        if chunk.choices and chunk.choices[0].text:
-            first = first if first is not None else time.perf_counter() - t0
-            text.append(chunk.choices[0].text)
-            times += [time.perf_counter() - t0] * len(chunk.choices[0].text.split())
-        if chunk.usage is not None:
-            usage = chunk.usage
-    e2e = time.perf_counter() - t0
-    details = getattr(usage, "prompt_tokens_details", None)
-    return {
-        "ttft_s": first if first is not None else e2e, "e2e_s": e2e,
-        "tokens": usage.completion_tokens if usage else 0, "text": "".join(text),
-        "cached_tokens": (details.cached_tokens or 0) if details else 0, "times": times,
-        "sent": t0,
-    }  # fmt: skip
+
+
+def streamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
+    """One request through the blocking client (`openai.OpenAI`)."""
+    rec = Record()
+    for chunk in client.completions.create(**request(ids, max_tokens, sampling, seed)):
+        rec.chunk(chunk)
+    return rec.row()
+
+
+async def astreamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
+    """One request through the asyncio client (`openai.AsyncOpenAI`)."""
+    rec = Record()
+    async for chunk in await client.completions.create(**request(ids, max_tokens, sampling, seed)):
+        rec.chunk(chunk)
+    return rec.row()
 
 
 def served(
@@ -374,15 +402,20 @@ def served(
     proc, logf = start_server(ckpt, opts, device, port, workdir, variant)
     out: dict[str, Any] = {"variant": variant, "levels": {}, "token_match": {}}
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0, timeout=600)  # fmt: skip
-        pool = ThreadPoolExecutor(max(opts.concurrency))
+        url = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+        aclient = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
+        loop = asyncio.new_event_loop()
 
         def wave(prompts, sampling, max_tokens, seed0):
+            async def together():
+                return await asyncio.gather(*(
+                    astreamed(aclient, p, max_tokens, sampling, seed0 + i)
+                    for i, p in enumerate(prompts)
+                ))  # fmt: skip
+
             t0 = time.perf_counter()
-            futures = [pool.submit(streamed, client, p, max_tokens, sampling, seed0 + i)
-                       for i, p in enumerate(prompts)]  # fmt: skip
-            rows = [f.result() for f in futures]
+            rows = loop.run_until_complete(together())
             for r in rows:  # the times of each request from the wave's start, as in-process
                 shift = r["sent"] - t0
                 r["ttft_s"] += shift
@@ -402,7 +435,8 @@ def served(
         out["prefix_hit"] = [prefix_hit(client, opts, n, variant) for n in
                              (opts.prefix_tokens if variant.get("prefix") else ())]  # fmt: skip
         out["admin_stats"] = admin_stats(port)
-        pool.shutdown()
+        loop.run_until_complete(aclient.close())
+        loop.close()
     finally:
         stop_server(proc, logf)
         out["serve_log_tail"] = tail(workdir, 1500)
