@@ -337,55 +337,30 @@ def stop_server(proc, logf) -> None:
     logf.close()
 
 
-class Record:
-    """One streamed request as the client sees it: TTFT, each output token's time, usage."""
-
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-        self.first, self.usage, self.text, self.times = None, None, [], []
-
-    def chunk(self, chunk) -> None:
-        if chunk.choices and chunk.choices[0].text:
-            now = time.perf_counter() - self.t0
-            self.first = self.first if self.first is not None else now
-            self.text.append(chunk.choices[0].text)
-            self.times += [now] * len(chunk.choices[0].text.split())
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-
-    def row(self) -> dict[str, Any]:
-        e2e, usage = time.perf_counter() - self.t0, self.usage
-        details = getattr(usage, "prompt_tokens_details", None)
-        return {
-            "ttft_s": self.first if self.first is not None else e2e, "e2e_s": e2e,
-            "tokens": usage.completion_tokens if usage else 0, "text": "".join(self.text),
-            "cached_tokens": (details.cached_tokens or 0) if details else 0,
-            "times": self.times, "sent": self.t0,
-        }  # fmt: skip
-
-
-def request(ids, max_tokens, sampling, seed) -> dict[str, Any]:
-    return dict(
+async def streamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
+    """One streamed request through `openai.AsyncOpenAI`, as the client sees it."""
+    t0 = time.perf_counter()
+    first, usage, text, times = None, None, [], []
+    chunks = await client.completions.create(
         model=SERVED_NAME, prompt=ids, max_tokens=max_tokens, seed=seed, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         **SAMPLINGS[sampling],
     )  # fmt: skip
-
-
-def streamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
-    """One request through the blocking client (`openai.OpenAI`)."""
-    rec = Record()
-    for chunk in client.completions.create(**request(ids, max_tokens, sampling, seed)):
-        rec.chunk(chunk)
-    return rec.row()
-
-
-async def astreamed(client, ids, max_tokens, sampling, seed) -> dict[str, Any]:
-    """One request through the asyncio client (`openai.AsyncOpenAI`)."""
-    rec = Record()
-    async for chunk in await client.completions.create(**request(ids, max_tokens, sampling, seed)):
-        rec.chunk(chunk)
-    return rec.row()
+    async for chunk in chunks:
+        if chunk.choices and chunk.choices[0].text:
+            first = first if first is not None else time.perf_counter() - t0
+            text.append(chunk.choices[0].text)
+            times += [time.perf_counter() - t0] * len(chunk.choices[0].text.split())
+        if chunk.usage is not None:
+            usage = chunk.usage
+    e2e = time.perf_counter() - t0
+    details = getattr(usage, "prompt_tokens_details", None)
+    return {
+        "ttft_s": first if first is not None else e2e, "e2e_s": e2e,
+        "tokens": usage.completion_tokens if usage else 0, "text": "".join(text),
+        "cached_tokens": (details.cached_tokens or 0) if details else 0, "times": times,
+        "sent": t0,
+    }  # fmt: skip
 
 
 def served(
@@ -401,21 +376,20 @@ def served(
     workdir = Path(tempfile.mkdtemp(prefix="served-"))
     proc, logf = start_server(ckpt, opts, device, port, workdir, variant)
     out: dict[str, Any] = {"variant": variant, "levels": {}, "token_match": {}}
+    loop = asyncio.new_event_loop()
     try:
-        url = f"http://127.0.0.1:{port}/v1"
-        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-        aclient = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
-        loop = asyncio.new_event_loop()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                    max_retries=0, timeout=600)  # fmt: skip
+
+        def send(*requests):  # (ids, max_tokens, sampling, seed) each, all started together
+            async def together():
+                return await asyncio.gather(*(streamed(client, *r) for r in requests))
+
+            return loop.run_until_complete(together())
 
         def wave(prompts, sampling, max_tokens, seed0):
-            async def together():
-                return await asyncio.gather(*(
-                    astreamed(aclient, p, max_tokens, sampling, seed0 + i)
-                    for i, p in enumerate(prompts)
-                ))  # fmt: skip
-
             t0 = time.perf_counter()
-            rows = loop.run_until_complete(together())
+            rows = send(*((p, max_tokens, sampling, seed0 + i) for i, p in enumerate(prompts)))
             for r in rows:  # the times of each request from the wave's start, as in-process
                 shift = r["sent"] - t0
                 r["ttft_s"] += shift
@@ -431,22 +405,23 @@ def served(
             out["token_match"][key] = round(same / max(1, sum(map(len, reference[key]))), 4)
             log(f"served {key}: {out['levels'][key]} match {out['token_match'][key]}")
         if not variant.get("sweep"):  # what the sweep's warm-up does: kernels compiled
-            streamed(client, workload(opts.cfg, 1, 64, 98)[0], 4, "greedy", 1)
-        out["prefix_hit"] = [prefix_hit(client, opts, n, variant) for n in
+            send((workload(opts.cfg, 1, 64, 98)[0], 4, "greedy", 1))
+        out["prefix_hit"] = [prefix_hit(send, opts, n, variant) for n in
                              (opts.prefix_tokens if variant.get("prefix") else ())]  # fmt: skip
         out["admin_stats"] = admin_stats(port)
-        loop.run_until_complete(aclient.close())
-        loop.close()
+        loop.run_until_complete(client.close())
     finally:
+        loop.close()
         stop_server(proc, logf)
         out["serve_log_tail"] = tail(workdir, 1500)
     return out
 
 
-def prefix_hit(client, opts, n: int, variant: dict) -> dict[str, Any]:
+def prefix_hit(send, opts, n: int, variant: dict) -> dict[str, Any]:
+    """`send`: `served`'s, one request at a time here."""
     ids = workload(opts.cfg, 1, n, 500 + n)[0]
-    cold = streamed(client, ids, 1, "greedy", 1)
-    hit = streamed(client, ids, 1, "greedy", 1)
+    [cold] = send((ids, 1, "greedy", 1))
+    [hit] = send((ids, 1, "greedy", 1))
     row = {"tokens": n, "cold_ttft_ms": round(cold["ttft_s"] * 1e3, 2),
            "hit_ttft_ms": round(hit["ttft_s"] * 1e3, 2), "hit_cached_tokens": hit["cached_tokens"],
            "ratio": round(hit["ttft_s"] / cold["ttft_s"], 4)}  # fmt: skip
@@ -454,8 +429,8 @@ def prefix_hit(client, opts, n: int, variant: dict) -> dict[str, Any]:
         pool_tokens = variant["engine"]["num_blocks"] * engine_kw(opts)["block_size"]
         fill = min(n, 8192)
         for k in range(-(-pool_tokens // fill) + 1):
-            streamed(client, workload(opts.cfg, 1, fill, 9000 + 10 * n + k)[0], 1, "greedy", 1)
-        tier = streamed(client, ids, 1, "greedy", 1)
+            send((workload(opts.cfg, 1, fill, 9000 + 10 * n + k)[0], 1, "greedy", 1))
+        [tier] = send((ids, 1, "greedy", 1))
         row.update({"tier_hit_ttft_ms": round(tier["ttft_s"] * 1e3, 2),
                     "tier_hit_cached_tokens": tier["cached_tokens"],
                     "tier_ratio": round(tier["ttft_s"] / cold["ttft_s"], 4)})  # fmt: skip
