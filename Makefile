@@ -14,7 +14,9 @@ PYTEST_WORKERS ?= 2
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
-export RAY_AUTH_MODE := disabled
+# No RAY_AUTH_MODE here: every local Ray that moectl starts (demo, serve, bench) makes its own
+# token and binds to 127.0.0.1 (deploy/local_ray.py); the tests' shared session Ray runs without
+# a token on its own (tests/conftest.py).
 export RAY_USAGE_STATS_ENABLED := 0
 export TOKENIZERS_PARALLELISM := false
 

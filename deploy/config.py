@@ -276,6 +276,21 @@ class HttpSection(_Strict):
         return v
 
 
+def api_key_from_env(env: str | None, *, field: str = "http.api_key_env") -> str | None:
+    """The API key held by the environment variable `env` names (None when `env` is None): what
+    the ingress reads in its replicas, checked here before anything starts. InputError, naming
+    `field`, when the variable is unset or empty (a key nobody can send would lock every
+    client out)."""
+    import os
+
+    if env is None:
+        return None
+    key = os.environ.get(env, "")
+    if not key:
+        raise InputError(f"{field}={env!r} names an unset or empty environment variable")
+    return key
+
+
 class RoutingSection(_Strict):
     """How the ingress picks a model replica (a Ray Serve request router, deploy/routing.py)."""
 

@@ -17,8 +17,12 @@ Step 5: OpenAI requests with the official client: two sharing a long prefix (the
 Step 6: the report: plan, layout, latency per request phase and per pipeline stage (moving
         average of the slowest rank of each stage), tokens/s, cache hits per tier, precision.
 
-`--keep` leaves the endpoint up until Ctrl-C or SIGTERM; otherwise everything is shut down and
-the exit status is 0 (1 when the precision check fails).
+`--keep` leaves the endpoint up until Ctrl-C or SIGTERM (to the `moectl` process, the driver or
+the whole process group: deploy/supervisor.py); otherwise everything is shut down and the exit
+status is 0 (1 when the precision check fails). Shutting down drains Serve, stops Ray, and deletes
+the demo's own Redis namespace (made for this run; a deployment's namespace is never touched).
+`--api-key-env NAME` asks every request for the key held by $NAME, as the serve YAML's
+`http.api_key_env` does.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +60,9 @@ class DemoOptions:
     """None: REDIS_URL from the environment, else redis://127.0.0.1:6379/0."""
     cache_dir: Path | None = None
     """Where the demo checkpoint lives (default ~/.cache/moe-orchestrator/demo)."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key, as the serve YAML's
+    `http.api_key_env`: requests carry it as `Authorization: Bearer <key>`."""
 
 
 # -- steps ---------------------------------------------------------------------------------------
@@ -137,7 +145,8 @@ def send_requests(stack: LocalStack) -> dict[str, Any]:
     """Step 5: the requests, through the official OpenAI client."""
     import openai
 
-    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+    key = stack.api_key() or "unused"
+    client = openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0, timeout=120)
     text, prefix = _corpus(), shared_prefix()
     a, b, c = (prefix + q for q in PREFIX_PROMPTS.values())
 
@@ -322,7 +331,11 @@ def run_demo(opts: DemoOptions, ui: Any) -> dict[str, Any]:
         check = _Background(precision_check, ckpt, opts.layout)
         redis_url = opts.redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
         config = StackConfig(
-            model_dir=ckpt, layout=opts.layout, port=opts.port, redis_url=redis_url
+            model_dir=ckpt,
+            layout=opts.layout,
+            port=opts.port,
+            redis_url=redis_url,
+            api_key_env=opts.api_key_env,
         )
         with LocalStack(config) as stack:
             with ui.step("local Ray"):
@@ -333,6 +346,7 @@ def run_demo(opts: DemoOptions, ui: Any) -> dict[str, Any]:
             with ui.step(f"Serve: the {opts.layout} replica"):
                 stack.start_serve()
             report["endpoint"] = stack.base_url
+            report["api_key_env"] = opts.api_key_env
             if opts.ready_file is not None:
                 opts.ready_file.write_text(stack.base_url + "\n")
             with ui.step("OpenAI requests"):
@@ -345,8 +359,17 @@ def run_demo(opts: DemoOptions, ui: Any) -> dict[str, Any]:
                 report["kept"] = True
                 ui.show(report)
                 _wait_for_stop()
-            with ui.step("shutting down Serve, Ray and the cache"):
+            with ui.step("shutting down Serve, Ray, the cache and the demo's namespace"):
                 stack.close()
+            if stack.dropped_keys is not None:
+                report["cache"]["dropped_keys"] = stack.dropped_keys
+                if opts.keep:  # the report is out already
+                    print(
+                        f"removed the demo's Redis namespace {stack.namespace} "
+                        f"({stack.dropped_keys} keys)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return report
 
 

@@ -8,9 +8,11 @@
         stack.tier_stats()      # the TieredCache's per-tier figures (hits, blocks, bytes)
 
 Step 1: a local Ray of its own (`address="local"`, never an existing cluster; RAY_ADDRESS is
-        ignored), no dashboard, a small object store, token auth off (RAY_AUTH_MODE=disabled) for
-        this one-machine cluster, the cache secret in the workers' environment. Ray starts before
-        the cache's gRPC server, so no gRPC threads run while Ray forks its processes.
+        ignored) closed to other processes (deploy/local_ray.py): every socket on 127.0.0.1,
+        token authentication on with a token made for this stack (a 0600 file, removed on
+        close), no dashboard; a small object store, the cache secret in the workers'
+        environment. Ray starts before the cache's gRPC server, so no gRPC threads run while Ray
+        forks its processes.
 Step 2: the KV tiers: host:// on top, then Redis at `redis_url` when it answers a PING within
         half a second (a fresh namespace per run; on close only that namespace's keys are
         deleted), else file:// under a temporary folder (removed on close). A gRPC cache server
@@ -69,6 +71,9 @@ class StackConfig:
     ray_cpus: int = 4
     """Logical CPUs of the local Ray (the replica takes 0.5, each ShardWorker 0.25)."""
     ready_timeout_s: float = 180.0
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key (the serve YAML's
+    `http.api_key_env`); None: no key required."""
 
 
 def redis_answers(url: str, timeout_s: float = 0.5) -> bool:
@@ -115,6 +120,9 @@ class LocalStack:
         self.namespace = f"demo-{secrets.token_hex(6)}"
         self._server = None
         self._tmp: Path | None = None
+        self._ray_env = None
+        self.dropped_keys: int | None = None
+        """Keys of this run's Redis namespace deleted on close (None until then)."""
         self._ray_started = False
         self._serve_started = False
 
@@ -156,34 +164,42 @@ class LocalStack:
         self._server.start()
 
     def start_ray(self) -> None:
-        """Step 1: a local Ray of its own."""
+        """Step 1: a local Ray of its own, closed to other processes (deploy/local_ray.py)."""
         import ray
+
+        from deploy.local_ray import LOOPBACK_INIT, LocalRayEnv, with_loopback_hook
 
         os.environ.pop("RAY_ADDRESS", None)
         if not os.environ.get("MOE_CACHE_SECRET"):
             os.environ["MOE_CACHE_SECRET"] = secrets.token_hex(32)
-        for name, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0")):
-            os.environ.setdefault(name, value)
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         env = {
-            "RAY_AUTH_MODE": "disabled",
             "MOE_CACHE_SECRET": os.environ["MOE_CACHE_SECRET"],
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
+        self._ray_env = LocalRayEnv.create()
         try:
             ray.init(
                 address="local",
                 num_cpus=self.config.ray_cpus,
-                include_dashboard=False,
                 log_to_driver=False,
                 object_store_memory=256 << 20,
-                runtime_env={"env_vars": env},
+                runtime_env=with_loopback_hook({"env_vars": env}),
                 namespace=self.namespace,
+                **LOOPBACK_INIT,
             )
         except (ConnectionError, RuntimeError) as exc:
+            self._ray_env.undo()
+            self._ray_env = None
             raise EnvironmentMissing(f"could not start a local Ray: {exc}") from None
         self._ray_started = True
+
+    @property
+    def ray_token_file(self) -> Path | None:
+        """The 0600 file holding this stack's Ray token (None before start_ray / after close)."""
+        return self._ray_env.token_file if self._ray_env is not None else None
 
     def serve_args(self) -> dict[str, Any]:
         """The serve YAML (as a mapping) of the application: deploy/config.py's fields."""
@@ -210,7 +226,7 @@ class LocalStack:
                 "num_cpus": 0.5,
             },
             "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-            "http": {"host": "127.0.0.1", "port": cfg.port},
+            "http": {"host": "127.0.0.1", "port": cfg.port, "api_key_env": cfg.api_key_env},
         }
 
     def start_serve(self) -> None:
@@ -249,9 +265,17 @@ class LocalStack:
 
     # -- state ----------------------------------------------------------------------------------
 
+    def api_key(self) -> str | None:
+        """The API key requests carry (`Authorization: Bearer ...`), or None when none is asked."""
+        env = self.config.api_key_env
+        return os.environ.get(env) if env else None
+
     def engine_stats(self) -> dict[str, Any]:
         """One replica's engine stats (GET /admin/stats)."""
-        with urllib.request.urlopen(f"{self.root_url}/admin/stats", timeout=30) as r:
+        request = urllib.request.Request(f"{self.root_url}/admin/stats")
+        if (key := self.api_key()) is not None:
+            request.add_header("Authorization", f"Bearer {key}")
+        with urllib.request.urlopen(request, timeout=30) as r:
             return json.loads(r.read())
 
     def tier_stats(self) -> list[dict[str, Any]]:
@@ -261,7 +285,8 @@ class LocalStack:
     # -- stop -----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Serve, Ray, the cache server, the tiers and their keys/files, in that order."""
+        """Serve (drained: requests in flight get Serve's graceful_shutdown_timeout_s), Ray and
+        its token, the cache server, the tiers and their keys/files, in that order."""
         steps = []
         if self._serve_started:
             from ray import serve
@@ -273,15 +298,22 @@ class LocalStack:
 
             steps.append(ray.shutdown)
             self._ray_started = False
+        if self._ray_env is not None:
+            ray_env, self._ray_env = self._ray_env, None
+            steps.append(ray_env.undo)
         if self._server is not None:
             server, self._server = self._server, None
             steps.append(lambda: server.stop(grace_s=1.0))
         if self.cache is not None:
             cache, self.cache = self.cache, None
             steps.append(cache.close)
-            if self.cache_mode == "redis":
+            if self.cache_mode == "redis":  # this run's own namespace, never shared data
                 prefix = cache.namespace.prefix
-                steps.append(lambda: drop_redis_namespace(self.config.redis_url, prefix))
+
+                def drop() -> None:
+                    self.dropped_keys = drop_redis_namespace(self.config.redis_url, prefix)
+
+                steps.append(drop)
         if self._tmp is not None:
             tmp, self._tmp = self._tmp, None
             steps.append(lambda: shutil.rmtree(tmp, ignore_errors=True))

@@ -9,7 +9,9 @@ The printed config is what `serve deploy` takes and what the Helm chart embeds a
 `serveConfigV2`. With cache tiers in the YAML, a gRPC cache server over them runs in this process
 on `cache.listen`; the replicas reach it with CacheClient. Block keys need the deployment secret
 MOE_CACHE_SECRET: when unset, a random one is made for this run (fine for one local Ray; on a
-shared cluster set it everywhere). SIGINT/SIGTERM stop Serve and the cache server (exit 0).
+shared cluster set it everywhere). SIGINT/SIGTERM (to `moectl`, the driver or the whole process
+group: deploy/supervisor.py) drain Serve, then stop Ray and the cache server (exit 0); a cache
+namespace on Redis is the deployment's shared data and is kept (said on exit).
 """
 
 from __future__ import annotations
@@ -75,6 +77,17 @@ def serve_command(
             print(yaml.safe_dump(serve_cfg, sort_keys=False), end="")
         return
     _check_local_model(cfg, address)
+    if address is None:  # a local Ray: the key is checked here, the stack runs supervised
+        from deploy.config import api_key_from_env
+        from deploy.supervisor import supervise
+
+        api_key_from_env(cfg.http.api_key_env)
+        argv = ["serve", "-c", str(config)]
+        argv += ["--host", host] if host is not None else []
+        argv += ["--port", str(port)] if port is not None else []
+        code = supervise(argv)
+        if code is not None:
+            raise typer.Exit(code)
     _run(cfg, address)
 
 
@@ -156,6 +169,7 @@ def _run(cfg, address: str | None) -> None:
     # Step 1: the cache tiers first, so replicas find them (and the secret is in the environment
     # a local Ray's workers inherit).
     server, cache = _start_cache(cfg)
+    auth = None
     try:
         import ray
         from ray import serve
@@ -163,13 +177,25 @@ def _run(cfg, address: str | None) -> None:
         from cache_service.cli import _wait_for_signal
         from deploy.app import build_app
 
-        # Step 2: Ray, local unless an address is given: a local one on the loopback address
-        # with no dashboard (nothing of it reachable from another machine).
-        local = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-        try:
-            ray.init(**({"address": address} if address else local), log_to_driver=False)
-        except ConnectionError as exc:
-            raise EnvironmentMissing(f"no Ray cluster at --address={address}: {exc}") from None
+        # Step 2: Ray, local unless an address is given: a local one closed to other processes
+        # (deploy/local_ray.py: every socket on 127.0.0.1, a token made for this run, no
+        # dashboard); a cluster's own address, token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH)
+        # and interfaces otherwise.
+        if address is None:
+            from deploy.local_ray import LOOPBACK_INIT, LocalRayEnv, with_loopback_hook
+
+            auth = LocalRayEnv.create()
+            ray.init(
+                address="local",
+                log_to_driver=False,
+                runtime_env=with_loopback_hook({}),
+                **LOOPBACK_INIT,
+            )
+        else:
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except ConnectionError as exc:
+                raise EnvironmentMissing(f"no Ray cluster at --address={address}: {exc}") from None
         # Step 3: the engine's device against what the cluster has, before any actor starts.
         cfg = _with_device(cfg, ray.nodes())
         # Step 4: Serve on the configured host/port, then the application.
@@ -185,13 +211,26 @@ def _run(cfg, address: str | None) -> None:
             "(SIGTERM or Ctrl-C stops it)"
         )
         _wait_for_signal()
-        _say("stopping")
+        _say("stopping: draining Serve (graceful_shutdown_timeout_s), then Ray")
         serve.shutdown()
         ray.shutdown()
     finally:
+        if auth is not None:
+            auth.undo()
         if server is not None:
             server.stop(grace_s=2.0)
             cache.close()
+            _say_namespace_kept(cfg)
+
+
+def _say_namespace_kept(cfg) -> None:
+    """A deployment's cache namespace on a shared Redis is shared data: replicas of this
+    deployment, and later runs with the same namespace, read its blocks. `moectl serve` keeps it
+    and says so (the demo's namespace is made for one run and deleted on exit)."""
+    redis = [t.url for t in cfg.cache.tiers if t.url.split("://")[0] in ("redis", "rediss")]
+    if redis:
+        where = ", ".join(url.rpartition("@")[2] for url in redis)  # no password in the log
+        _say(f"cache namespace {cfg.cache.namespace!r} kept on {where} (shared data)")
 
 
 def demo_command(
@@ -204,13 +243,20 @@ def demo_command(
         "ep2xpp2", "--layout", help="Layout served (ep2xpp2: EP and PP over 4 CPU actors)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+    api_key_env: str | None = typer.Option(
+        None,
+        "--api-key-env",
+        help="Require the API key held by this environment variable (as http.api_key_env).",
+    ),
 ) -> None:
     """The main job: make a tiny MoE, plan it, serve it over Ray, query it, check precision."""
     import os
 
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from deploy.config import api_key_from_env
     from deploy.demo import DemoOptions, Stopped, run_demo
     from deploy.demo_view import ConsoleUI
+    from deploy.supervisor import PARENT_ENV, supervise
     from placement.parallel_dims import parse_layout
 
     parse_layout(layout)  # InputError (exit 2) before anything starts
@@ -218,8 +264,25 @@ def demo_command(
         raise typer.BadParameter(
             f"{ready_file.parent} is not a directory", param_hint="--ready-file"
         )
+    api_key_from_env(api_key_env, field="--api-key-env")
     ui = ConsoleUI(as_json=as_json)
-    opts = DemoOptions(layout=layout, port=port, keep=keep, ready_file=ready_file)
+    if os.environ.get(PARENT_ENV) is None:  # the parent: a layout the model cannot take is exit 2
+        from deploy.demo import check_layout
+        from deploy.demo_checkpoint import ensure_demo_checkpoint
+
+        with ui.step("demo checkpoint (made or reused under ~/.cache)"):
+            ckpt = ensure_demo_checkpoint()
+        check_layout(ckpt, layout)
+    argv = ["demo", "--port", str(port), "--layout", layout]
+    argv += ["--keep"] * keep + ["--json"] * as_json
+    argv += ["--ready-file", str(ready_file)] if ready_file is not None else []
+    argv += ["--api-key-env", api_key_env] if api_key_env is not None else []
+    code = supervise(argv)
+    if code is not None:
+        raise typer.Exit(code)
+    opts = DemoOptions(
+        layout=layout, port=port, keep=keep, ready_file=ready_file, api_key_env=api_key_env
+    )
     try:
         with ui.stdout_to_stderr():
             report = run_demo(opts, ui)

@@ -14,7 +14,9 @@ import pytest
 # Offline and quiet before anything imports transformers or Ray.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster only
+# The session's test cluster only (`ray_session`); the local stacks that moectl starts in
+# subprocesses make a token of their own whatever this says (deploy/local_ray.py).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The deployment secret: shared cache tiers (Redis) MAC every block with it and refuse to open
@@ -134,6 +136,9 @@ def ray_session():
         head_node_args={
             "num_cpus": 4,
             "include_dashboard": False,
+            # A port the OS picks for the dashboard agent's HTTP server, not Ray's fixed 52365 on
+            # 127.0.0.1, which the local stacks that tests start beside this Ray bind too.
+            "dashboard_agent_listen_port": None,
             "labels": {"moe.io/node": "head"},
             # Workers report metrics every 2 s instead of Ray's 10 s, so the tests that wait for
             # a replica's figures on /metrics wait less (the figures are the same).

@@ -298,8 +298,24 @@ def host_store(host: str, timeout_s: float) -> dist.TCPStore:
     port is bound before anyone is told it. Keep the returned store until that build is done."""
     return dist.TCPStore(
         host, 0, None, is_master=True, timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False, multi_tenant=True,
+        wait_for_workers=False, multi_tenant=True, master_listen_fd=_listen_fd(host, 0),
     )  # fmt: skip
+
+
+def _listen_fd(host: str, port: int) -> int:
+    """A listening socket on `host:port` (port 0: one the OS picks), handed to torch's TCP store
+    server as `master_listen_fd`: given only a host, the store listens on every interface."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024).detach()
+
+
+def _free_listen_fd(host: str, port: int) -> int | None:
+    """`_listen_fd`, or None where the port is taken: by the server `host_store` runs in this
+    process, which a multi-tenant master store joins (anyone else's makes the store fail)."""
+    try:
+        return _listen_fd(host, port)
+    except OSError:
+        return None
 
 
 def init_world(
@@ -320,6 +336,7 @@ def init_world(
     store = dist.TCPStore(
         host, port, world_size, is_master=master, timeout=timeout, wait_for_workers=False,
         multi_tenant=master,  # rank 0 joins the server its process hosts, if `host_store` ran
+        master_listen_fd=_free_listen_fd(host, port) if master else None,
     )  # fmt: skip
     prefixed = dist.PrefixStore(f"moe/{rendezvous.world_id}/", store)
     dist.init_process_group(

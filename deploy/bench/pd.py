@@ -198,11 +198,7 @@ class _Stack:
     def __init__(self, ckpt) -> None:
         from ray import serve
 
-        env = {
-            "RAY_AUTH_MODE": "disabled",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         os.environ.update(env)
         os.environ.setdefault("MOE_CACHE_SECRET", os.urandom(16).hex())
         env["MOE_CACHE_SECRET"] = os.environ["MOE_CACHE_SECRET"]
@@ -218,10 +214,14 @@ class _Stack:
         )  # fmt: skip
         _wait_for_port(cache_port, self.server)
         os.environ.pop("RAY_ADDRESS", None)
+        from deploy.local_ray import LocalRayEnv
+
+        self.auth = LocalRayEnv.create()  # a token of its own, on 127.0.0.1 (deploy/local_ray.py)
         try:
             self._ray_init(env)
         except (RuntimeError, ConnectionError) as exc:
             self._stop_server()
+            self.auth.undo()
             raise EnvironmentMissing(f"could not start a local Ray: {exc}") from None
         with _socket() as s:
             self.port = s.getsockname()[1]
@@ -232,10 +232,12 @@ class _Stack:
     def _ray_init(env: dict[str, str]) -> None:
         import ray
 
+        from deploy.local_ray import LOOPBACK_INIT, with_loopback_hook
+
         ray.init(
             address="local",
-            num_cpus=8, include_dashboard=False, log_to_driver=False,
-            configure_logging=False, runtime_env={"env_vars": env},
+            num_cpus=8, log_to_driver=False, configure_logging=False,
+            runtime_env=with_loopback_hook({"env_vars": env}), **LOOPBACK_INIT,
         )  # fmt: skip
 
     def deploy(self, name: str, args: dict[str, Any]):
@@ -281,6 +283,7 @@ class _Stack:
 
         serve.shutdown()
         ray.shutdown()
+        self.auth.undo()
         self._stop_server()
 
     def _stop_server(self) -> None:

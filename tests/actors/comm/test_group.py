@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -114,3 +115,36 @@ def test_a_hosted_rendezvous_holds_its_port_from_the_moment_it_is_named():
     with socket.socket() as other, pytest.raises(OSError):
         other.bind(rdv.host_port)
     assert Rendezvous.hosted("127.0.0.1", hosted.port).world_id != rdv.world_id
+
+
+def _listening_hosts(port: int) -> set[str]:
+    """The local addresses this process listens on at `port` (IPv4 and IPv6, from /proc)."""
+    hosts = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    hosts.add(addr)
+    return hosts
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
+def test_the_rendezvous_store_listens_on_its_host_only():
+    """torch's TCP store server, given a host and no socket, listens on every interface: the
+    store a replica's rank 0 hosts on 127.0.0.1 must not be reachable from another machine."""
+    hosted = host_store("127.0.0.1", 5.0)
+    assert _listening_hosts(hosted.port) == {"0100007F"}  # 127.0.0.1, and nothing on 0.0.0.0/::
+    # Rank 0 of a world that met on a fresh address hosts the store inside `init_world`.
+    rdv = Rendezvous.fresh(timeout_s=20.0)
+    hosts = run_ranks(_store_hosts, 2, rendezvous=rdv)
+    assert hosts[0] == ["0100007F"], hosts
+
+
+def _store_hosts(rank, world_size, rendezvous):
+    world = init_world(rendezvous, rank=rank, world_size=world_size)
+    world.barrier()
+    hosts = sorted(_listening_hosts(rendezvous.host_port[1]))
+    world.barrier()
+    return hosts
