@@ -270,13 +270,14 @@ class LocalRunner:
         position + 1). Every row's K/V is written before any row attends, so a query sees the
         earlier new tokens of its sequence as it would in a causal prefill; the batched
         decode attention runs once for the step instead of a gather and an attention call per
-        sequence and layer. Eager (no graph: the row counts of such steps vary too much)."""
+        sequence and layer. Replayed from a graph per power-of-two row count and table width
+        where graphs are on (`run_decode`)."""
         lens = step.query_lens
         logits = run_decode(
             self.model,
             self.kv,
             **row_inputs(step, range(len(lens))),
-            graphs=None,
+            graphs=self.graphs,
             use_triton=self.triton_attention,
             shared_rows=True,
         )

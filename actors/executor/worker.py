@@ -583,13 +583,15 @@ class ShardWorker:
                     self.model,
                     cache,
                     **row_inputs(step, seqs),
-                    graphs=None,
+                    graphs=self.graphs,
                     use_triton=self.triton_attention,
                     shared_rows=True,
                     x=None if self.model.first else x,
                 )
                 if logits_rows is not None:
-                    out = out[logits_rows]
+                    out = out[logits_rows]  # a copy, off the graph's static output
+                elif self.graphs is not None and self.graphs.error is None:
+                    out = out.clone()
             else:
                 ctx = PagedContext(
                     cache=cache,

@@ -220,7 +220,9 @@ eviction); past it every graph is dropped, with its pool."""
 
 
 class DecodeGraphs:
-    """CUDA graphs of `model(x, positions, ..., paged=DecodeContext)`, one per (B, NB).
+    """CUDA graphs of `model(x, positions, ..., paged=DecodeContext)`, one per (B, NB, shared
+    rows): pure decode steps, and steps of decode rows (a row per new token of short queries,
+    `DecodeContext.shared_rows`) whose row counts `run_decode` pads to a power of two.
 
     `model` is a StageModel: every layer (LocalRunner) or one pipeline stage (ShardWorker), whose
     forward has no collective inside (a stage under TP or EP all-reduces / exchanges between its
@@ -240,29 +242,32 @@ class DecodeGraphs:
     ):
         self.model, self.cache, self.use_triton = model, cache, use_triton
         self.limit = GRAPH_LIMIT[0] if limit is None else limit
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]]
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]]
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.error: str | None = None
-        self.last: tuple[int, int] | None = None
-        """The (B, NB) key of the graph `run` replayed last."""
+        self.last: tuple[int, int, bool] | None = None
+        """The (B, NB, shared rows) key of the graph `run` replayed last."""
 
-    def run(self, packed: PackedInputs, *, x: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, packed: PackedInputs, *, x: torch.Tensor | None = None, shared_rows: bool = False
+    ) -> torch.Tensor:
         """packed: tokens [B] int64, positions [B] int64, slots [B] int64, block_tables [B, NB]
         int32, context_lens [B] int32 (host tensors in one buffer): one copy, one replay.
         `x` on the device: the first stage's token ids [B] in place of the packed ones (async
         scheduling feeds the last step's sampled ids without the host reading them), a later
-        stage's input hidden states [B, H] (required there)."""
+        stage's input hidden states [B, H] (required there). `shared_rows`: the rows are decode
+        rows, several of one sequence (`DecodeContext.shared_rows`; a graph of its own)."""
         shapes = {name: shape for name, _, _, _, shape in packed.layout}
-        key = (shapes["tokens"][0], shapes["block_tables"][1])
+        key = (shapes["tokens"][0], shapes["block_tables"][1], shared_rows)
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.limit:
                 self.graphs.clear()  # and a fresh pool: capturing into the dropped graphs' pool
                 self.pool = torch.cuda.graph_pool_handle()  # trips torch 2.11's allocator assert
             with CAPTURE_LOCK:
-                entry = self._capture(packed, x)
+                entry = self._capture(packed, x, shared_rows)
             self.graphs[key] = entry
         self.last = key
         graph, static, out, x_static = entry
@@ -272,18 +277,21 @@ class DecodeGraphs:
         graph.replay()
         return out
 
-    def forward(self, inputs: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: dict[str, torch.Tensor], x: torch.Tensor, shared_rows: bool
+    ) -> torch.Tensor:
         ctx = DecodeContext(
             cache=self.cache,
             slots=inputs["slots"],
             block_tables=inputs["block_tables"],
             context_lens=inputs["context_lens"],
             use_triton=self.use_triton,
+            shared_rows=shared_rows,
         )
         b = int(inputs["tokens"].shape[0])
         return self.model(x, inputs["positions"], (1,) * b, paged=ctx)
 
-    def _capture(self, packed: PackedInputs, x: torch.Tensor | None):
+    def _capture(self, packed: PackedInputs, x: torch.Tensor | None, shared_rows: bool):
         buf = packed.host.to(self.cache.device)
         static = packed.views(buf)
         if self.model.first:
@@ -300,11 +308,11 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(static, x_static)
+            self.forward(static, x_static, shared_rows)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(static, x_static)
+            out = self.forward(static, x_static, shared_rows)
         buffers = dict(self.model.named_buffers())
         for name, saved in counts.items():
             buffers[name].copy_(saved)
@@ -364,29 +372,27 @@ def run_decode(
     shared_rows: bool = False,
 ) -> torch.Tensor:
     """One pure decode step of `model` (a whole model or one stage) over `cache`: replayed from
-    `graphs` where they hold or can capture it (the batch padded to `graph_batch`), else eagerly
-    over the same `DecodeContext`. Both runners call this (LocalRunner per step, ShardWorker
+    `graphs` where they hold or can capture it (the batch padded to `graph_batch`, decode rows
+    to a power of two), else eagerly over the same `DecodeContext` and padding. Both runners call this (LocalRunner per step, ShardWorker
     per decode micro-batch).
 
     tokens, positions, slots [B] and context_lens [B] on the host, tables B block lists.
     x: on the device, token ids [B] in place of `tokens`, or a later stage's input hidden
-    states [B, H]. `shared_rows`: a row per new token, several of one sequence (eager, the rows
-    padded to a power of two so that kernels specialised on the row count compile a few times,
-    not once per count; `DecodeContext.shared_rows`). Returns logits [B, V] (last stage) or
+    states [B, H]. `shared_rows`: a row per new token, several of one sequence (the rows padded
+    to a power of two: a few graphs, or a few compilations of kernels specialised on the row
+    count, not one per count; `DecodeContext.shared_rows`). Returns logits [B, V] (last stage) or
     hidden states [B, H]; a replayed graph's output is a view of its static buffer,
     overwritten by the next replay of that graph.
     """
     b = len(context_lens)
     pin = cache.device.type == "cuda"
-    if shared_rows:
-        graphs = None
     if graphs is not None and graphs.error is None:
-        rows = graph_batch(b)
+        rows = 1 << (b - 1).bit_length() if shared_rows else graph_batch(b)
         packed = decode_inputs(tokens, positions, slots, tables, context_lens, pin=pin, rows=rows)
         if x is not None and rows > b:
             x = torch.cat([x, x[:1].expand(rows - b, *x.shape[1:])])
         try:
-            return graphs.run(packed, x=x)[:b]
+            return graphs.run(packed, x=x, shared_rows=shared_rows)[:b]
         except RuntimeError as exc:  # capture refused: eager from now on, and say why
             graphs.error = f"{type(exc).__name__}: {exc}"[:500]
             graphs.graphs.clear()
