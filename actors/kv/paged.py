@@ -149,6 +149,8 @@ def load_into(t: KVTiers, kv: KVCache, ids: Sequence[int], keys: Sequence[BlockK
         scatter.fused = fused if fused.usable() else None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with t.batch_lock:
+    with t.loading() as free:
+        if not free:
+            return 0
         got = kv_offload.load_many(t, keys, dtype=layout.dtype, device=device, scatter=scatter)
     return len(got)

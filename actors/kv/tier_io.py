@@ -9,9 +9,10 @@ The batched offload takes a `TierIO` rather than a KVTiers, so the dependency ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -27,6 +28,12 @@ class BlockCache(Protocol):
     def put(self, key: BlockKey, block: bytes) -> bool: ...
 
     def longest_prefix(self, keys: Sequence[BlockKey]) -> int: ...
+
+
+READ_WAIT_S = 0.1
+"""How long a load waits for a store in flight on another thread (the engine's write-down) to
+let go of the batch buffers (`TierIO.loading`): past it the load is a miss, counted `busy`, so a
+store stuck on a hung tier does not hold the step that loads."""
 
 
 class TierIO:
@@ -54,6 +61,7 @@ class TierIO:
             "misses": 0,
             "stored": 0,
             "corrupt": 0,
+            "busy": 0,
             "faults": 0,
         }
         self.tier_hits: dict[str, int] = {}
@@ -68,10 +76,24 @@ class TierIO:
         self._events: dict[torch.device, list] = {}
         self._scratches: dict[str, torch.Tensor] = {}
         self.batch_lock = threading.Lock()
+        self.read_wait_s = READ_WAIT_S
         self._tier_hits_read: bool | None = None
         self.trace: dict | None = None
         """A dict to fill with the time points of each batched call (`actors.kv.trace.Marks`;
         `actors.kv.trace.split_ms` splits a call's time with it)."""
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[bool]:
+        """The batch buffers for one load: yields False (a miss, counted `busy`) when a store
+        on another thread still holds them after `read_wait_s`."""
+        got = self.batch_lock.acquire(timeout=self.read_wait_s)
+        if not got:
+            self.counts["busy"] += 1
+        try:
+            yield got
+        finally:
+            if got:
+                self.batch_lock.release()
 
     def tier_counters(self) -> dict[str, int] | None:
         """{tier name: hits so far} from the cache's stats(), or None (no stats, or a fault)."""

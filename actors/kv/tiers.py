@@ -132,7 +132,9 @@ class KVTiers(TierIO):
             if not got:
                 return torch.empty((0, *shape), dtype=dtype, device=device)
             return torch.stack(got).to(device, dtype)
-        with self.batch_lock:
+        with self.loading() as free:
+            if not free:
+                return torch.empty((0, *shape), dtype=dtype, device=device)
             return kv_offload.load_many(self, keys, dtype=dtype, device=device)
 
     def stats(self) -> dict:

@@ -22,6 +22,7 @@ Totals are updated after the per-run script, so a process killed between the two
 accounting off by that batch; expired (TTL) values stay accounted until eviction reaches them.
 
 URL query options: ttl_s (block TTL, default none), timeout_s (socket timeouts, 1.0),
+read_timeout_s (0.1: the reads' deadline, below),
 retries (2, exponential backoff from 10 ms), breaker_failures (3), breaker_cooldown_s (2.0),
 max_connections (32), lru_refresh_s (2.0: a get re-scores a block in the LRU index only if this
 process has not done so within that many seconds; 0 = on every get), cluster=1 (same as the redis+cluster:// scheme; one seed host:port, the
@@ -42,6 +43,14 @@ are skipped, the fault is counted (moe_kv_tier_errors_total; timeouts also in
 moe_kv_tier_timeouts_total) and a circuit breaker marks the tier
 unavailable after `breaker_failures` consecutive faults; after the cool-down one call probes and,
 if it succeeds, the tier is available again (the client reconnects by itself).
+
+Reads run on a client of their own, made for the engine's step: its socket waits at most
+`read_timeout_s` (connect, each reply, a free pooled connection) and it does not retry, so a Redis
+that hangs (stopped, or a peer that accepts and never answers) costs a request's read that long
+and is a miss; the breaker opens at once on a read's timeout (not after `breaker_failures`), so
+the next reads do not wait at all until the probe after the cool-down. A reply that keeps coming
+is not cut: the bound is per socket wait, not per call. Writes (off the step, bounded) keep
+`timeout_s` and the retries.
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ PASSWORD_ENV = "MOE_CACHE_REDIS_PASSWORD"
 _OPTIONS = {
     "ttl_s": float,
     "timeout_s": float,
+    "read_timeout_s": float,
     "retries": int,
     "breaker_failures": int,
     "breaker_cooldown_s": float,
@@ -111,6 +121,7 @@ class RedisTier(Tier):
         self._connect_url, self.cluster, options = _parse_url(url)
         self.ttl_ms = int(options.get("ttl_s", 0) * 1000)
         self._timeout = options.get("timeout_s", 1.0)
+        self._read_timeout = options.get("read_timeout_s", 0.1)
         self._retries = options.get("retries", 2)
         self._max_connections = options.get("max_connections", 32)
         self._lru_refresh_s = options.get("lru_refresh_s", 2.0)
@@ -127,6 +138,7 @@ class RedisTier(Tier):
         )
         self._client_lock = threading.Lock()
         self._client: Any = None
+        self._read_client: Any = None
         self._scripts: dict[str, str] = {}
         self._last_totals = (0, 0)
         self._connect_at_start()
@@ -158,18 +170,23 @@ class RedisTier(Tier):
                 self.metrics.timeouts.labels(tier=self.name).inc()
             self._breaker.trip()
 
-    def _get_client(self) -> Any:
+    def _get_client(self, *, read: bool = False) -> Any:
+        """The client of writes and upkeep, or (`read`) the reads' client (module docstring)."""
         with self._client_lock:
+            if read:
+                if self._read_client is None:
+                    self._read_client = self._new_client(self._read_timeout, retries=0)
+                return self._read_client
             if self._client is None:
-                self._client = self._new_client()
+                self._client = self._new_client(self._timeout, retries=self._retries)
                 self._scripts = {}
             return self._client
 
-    def _new_client(self) -> Any:
+    def _new_client(self, timeout: float, *, retries: int) -> Any:
         common = {
-            "socket_timeout": self._timeout,
-            "socket_connect_timeout": self._timeout,
-            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), self._retries),
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), retries),
             "decode_responses": False,
         }
         if self.cluster:
@@ -181,17 +198,19 @@ class RedisTier(Tier):
         pool = redis.BlockingConnectionPool.from_url(
             self._connect_url,
             max_connections=self._max_connections,
-            timeout=self._timeout,
+            timeout=timeout,
             **common,
         )
         return redis.Redis(connection_pool=pool)
 
     def _drop_client(self) -> None:
         with self._client_lock:
-            client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(*_FAULTS):
-                client.close()
+            clients = (self._client, self._read_client)
+            self._client = self._read_client = None
+        for client in clients:
+            if client is not None:
+                with contextlib.suppress(*_FAULTS):
+                    client.close()
 
     def _availability_changed(self, up: bool) -> None:
         self.metrics.available.labels(tier=self.name).set(1 if up else 0)
@@ -202,13 +221,16 @@ class RedisTier(Tier):
     def available(self) -> bool:
         return not self._breaker.is_open
 
-    def _call(self, op: str, work: Callable[[Any], Any], fallback: Any) -> Any:
-        """Run `work(client)` through the breaker; a fault becomes `fallback` and a metric."""
+    def _call(
+        self, op: str, work: Callable[[Any], Any], fallback: Any, *, read: bool = False
+    ) -> Any:
+        """Run `work(client)` through the breaker; a fault becomes `fallback` and a metric.
+        `read`: on the reads' client, and a timeout opens the breaker at once."""
         if not self._breaker.allow():
             return fallback
         started = time.perf_counter()
         try:
-            client = self._get_client()
+            client = self._get_client(read=read)
             try:
                 result = work(client)
             except redis.exceptions.NoScriptError:
@@ -223,7 +245,10 @@ class RedisTier(Tier):
                 exc, redis.exceptions.RedisClusterException | redis.exceptions.ClusterError
             ):
                 self._drop_client()
-            self._breaker.failure()
+            if read and isinstance(exc, _TIMEOUTS):
+                self._breaker.trip()
+            else:
+                self._breaker.failure()
             return fallback
         self._breaker.success()
         self.metrics.latency.labels(tier=self.name, op=op).observe(time.perf_counter() - started)
@@ -281,7 +306,7 @@ class RedisTier(Tier):
                 pipe.execute_command("ZADD", self._runs, "XX", *[p for r in due for p in (now, r)])
             return pipe.execute()[: len(keys)]
 
-        values = self._call("get", work, [None] * len(keys))
+        values = self._call("get", work, [None] * len(keys), read=True)
         blocks = self._opened(list(zip(keys, values, strict=True)))
         return [block for _, block in blocks]
 
@@ -360,7 +385,7 @@ class RedisTier(Tier):
                 pipe.execute_command("EXISTS", self.value_key(key))
             return [bool(n) for n in pipe.execute()]
 
-        return self._call("contains", work, [False] * len(keys))
+        return self._call("contains", work, [False] * len(keys), read=True)
 
     def put_many(self, items: Sequence[tuple[BlockKey, bytes]]) -> PutResult:
         given = list(items)
@@ -526,7 +551,7 @@ class RedisTier(Tier):
             self._last_totals = (int(used or 0), int(blocks or 0))
             return self._last_totals
 
-        return self._call("stats", work, self._last_totals)
+        return self._call("stats", work, self._last_totals, read=True)  # asked beside loads
 
     def used_bytes(self) -> int:
         used = self._totals()[0]

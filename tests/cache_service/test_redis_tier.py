@@ -203,7 +203,7 @@ def test_longest_prefix_of_a_million_tokens_is_one_round_trip_per_tier(redis_url
     ) as cache:
         cache.put_many([(k, block_for(k, i)) for i, k in enumerate(keys[:1500])])
         tier = cache.tiers[1]
-        client = tier._get_client()
+        client = tier._get_client(read=True)  # presence is a read
         calls = []
         original = client.pipeline
 

@@ -12,6 +12,9 @@ checksum and key check and served as misses: the tokens stay right and the hits 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
+import signal
 import threading
 import time
 
@@ -65,9 +68,9 @@ def redis_proxy():
     server.cleanup()
 
 
-def open_cache(ckpt, proxy) -> TieredCache:
+def open_cache(ckpt, proxy, opts: str = OPTS) -> TieredCache:
     ns = CacheNamespace(model_fingerprint=weights_fingerprint(ckpt), deployment="redis-faults")
-    url = f"redis://127.0.0.1:{proxy.port}/0?{OPTS}"
+    url = f"redis://127.0.0.1:{proxy.port}/0?{opts}"
     return TieredCache.from_urls([url], capacities=[64 << 20], namespace=ns)
 
 
@@ -204,3 +207,73 @@ def test_corrupt_values_are_detected_and_served_as_misses(ckpt, reference, redis
         for rid in ("r1", "r2", "r3"):
             assert outs[rid][-1].cached_tokens == 4 * BLOCK, rid
         assert outs["r4"][-1].cached_tokens == len(keys_of("r4")) * BLOCK
+
+
+READ_DEADLINE_S = 0.05
+STALL_REQUESTS = {
+    f"s{i}": (
+        SHARED + prompt(13 + i, 300 + i),
+        SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8 * (i % 2), seed=i),
+    )
+    for i in range(8)
+}
+
+
+def staggered_gaps(async_engine, on_first=None) -> tuple[dict, list[float]]:
+    """The 8 STALL_REQUESTS streamed, each admitted once the one before has 2 tokens (so
+    admissions, and their tier reads, fall among running streams); `on_first()` runs when the
+    first stream's first token is out. Returns ({rid: outputs}, every inter-token gap in s)."""
+
+    async def one(i, rid, ready):
+        ids, params = STALL_REQUESTS[rid]
+        if i:
+            await ready[i - 1].wait()
+        got, times = [], []
+        async for out in async_engine.generate(rid, ids, params):
+            got.append(out)
+            times.append(time.perf_counter())
+            if i == 0 and len(times) == 1 and on_first is not None:
+                on_first()
+            if len(tokens(got)) >= 2:
+                ready[i].set()
+        return rid, got, [b - a for a, b in itertools.pairwise(times)]
+
+    async def load():
+        ready = [asyncio.Event() for _ in STALL_REQUESTS]
+        return await asyncio.gather(*(one(i, r, ready) for i, r in enumerate(STALL_REQUESTS)))
+
+    done = asyncio.run(asyncio.wait_for(load(), 120))
+    return {rid: got for rid, got, _ in done}, [g for _, _, gaps in done for g in gaps]
+
+
+def test_a_stopped_redis_stalls_no_stream_past_the_read_deadline(ckpt, redis_proxy):
+    """SIGSTOP on the test's own redis-server while 8 streams run: the admissions' tier reads
+    wait at most the read deadline each (then miss; the breaker opens at the first timeout), so
+    no inter-token gap exceeds twice the p99 gap of the same load with Redis answering plus the
+    deadline, and every stream's tokens are a cold run's (issue 41, item 2)."""
+    server, proxy = redis_proxy
+    cold = run(build_engine(ckpt, cache_key_secret=SECRET, **KW), STALL_REQUESTS)
+    opts = f"{OPTS}&read_timeout_s={READ_DEADLINE_S}"
+    with open_cache(ckpt, proxy, opts) as cache:
+        run(engine(ckpt, cache), STALL_REQUESTS)  # every prompt's blocks in Redis
+        gaps, hits = {}, {}
+        for stalled in (False, True):
+            e = engine(ckpt, cache)  # a fresh pool: the prompts' blocks are read from Redis
+            async_engine = AsyncEngine(e)
+            pause = (lambda: os.kill(server.proc.pid, signal.SIGSTOP)) if stalled else None
+            try:
+                outs, gaps[stalled] = staggered_gaps(async_engine, pause)
+            finally:
+                if stalled:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                async_engine.shutdown()
+            for rid in STALL_REQUESTS:
+                assert tokens(outs[rid]) == tokens(cold[rid]), (stalled, rid)
+            hits[stalled] = e.stats()["tier_hits"]
+        timeouts = cache.metrics.value("moe_kv_tier_timeouts_total", tier="redis")
+    normal = sorted(gaps[False])
+    p99 = normal[min(len(normal) - 1, int(0.99 * len(normal)))]
+    worst = max(gaps[True])
+    print(f"normal p99 gap {p99 * 1e3:.1f} ms; stalled max gap {worst * 1e3:.1f} ms")
+    assert hits[False] > 0 and timeouts >= 1  # reads were served, then met the stopped server
+    assert worst <= 2 * p99 + READ_DEADLINE_S, (worst, p99)
