@@ -234,7 +234,13 @@ def in_process(
         "levels": results,
         "engine_stats": {
             k: stats.get(k)
-            for k in ("steps", "overlapped_steps", "decode_graphs", "graph_captures")
+            for k in (
+                "steps",
+                "overlapped_steps",
+                "decode_graphs",
+                "graph_captures",
+                "graph_capture_s",
+            )
         },
         "rank_health": health,
     }, tokens

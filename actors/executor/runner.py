@@ -365,7 +365,11 @@ class LocalRunner:
         captured so far (a capture in the middle of serving costs a forward or two)."""
         if self.graphs is None:
             return {}
-        return {"decode_graphs": len(self.graphs.graphs), "graph_captures": self.graphs.captures}
+        return {
+            "decode_graphs": len(self.graphs.graphs),
+            "graph_captures": self.graphs.captures,
+            "graph_capture_s": round(self.graphs.capture_s, 3),
+        }
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv.copy_block(src, dst)

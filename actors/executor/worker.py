@@ -691,6 +691,7 @@ class ShardWorker:
             "core": self.core,
             "graphs": None if graphs is None else len(graphs.graphs),
             "graph_error": None if graphs is None else graphs.error,
+            "graph_capture_s": None if graphs is None else round(graphs.capture_s, 3),
         }
 
     def close(self) -> None:

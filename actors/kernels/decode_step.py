@@ -14,6 +14,7 @@ Step 2: attention over each sequence's blocks: the Triton flash-decoding kernel 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +247,8 @@ class DecodeGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.captures = 0
+        self.capture_s = 0.0
+        """Host seconds spent capturing (eager run, capture, the first replay's wait)."""
         self.error: str | None = None
         self.last: tuple[int, int, bool] | None = None
         """The (B, NB, shared rows) key of the graph `run` replayed last."""
@@ -266,8 +269,11 @@ class DecodeGraphs:
             if len(self.graphs) >= self.limit:
                 self.graphs.clear()  # and a fresh pool: capturing into the dropped graphs' pool
                 self.pool = torch.cuda.graph_pool_handle()  # trips torch 2.11's allocator assert
+            t0 = time.perf_counter()
             with CAPTURE_LOCK:
                 entry = self._capture(packed, x, shared_rows)
+            torch.cuda.current_stream().synchronize()
+            self.capture_s += time.perf_counter() - t0
             self.graphs[key] = entry
         self.last = key
         graph, static, out, x_static = entry
