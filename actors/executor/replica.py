@@ -101,6 +101,11 @@ def gather_logits(results: Sequence[StepResult], num_sequences: int) -> list[tor
     return [found[i] for i in range(num_sequences)]
 
 
+ACTOR_START_S = 300.0
+"""How long a replica's first build waits for its rank actors to start (Ray spawning the
+processes and their imports) before it calls that a failure."""
+
+
 class Replica(InOrder):
     """The ShardWorker actors of one replica on a Ray cluster (ray.init already called).
 
@@ -238,8 +243,14 @@ class Replica(InOrder):
         self._teardown_graph()
         self._close_channels()
         host = "127.0.0.1"
+        # The first build waits for the ranks' processes to start (spawn, imports: slow on a
+        # loaded node, which is not a fault); a rebuild's actors are up, so a hung one is one.
+        first = not getattr(self, "_started", False)
+        start_s = max(self.timeout_s, ACTOR_START_S) if first else self.timeout_s
+        nodes = ray.get([a.rendezvous_host.remote() for a in self.actors], timeout=start_s)
+        self._started = True
         if len(self.actors) > 1:
-            node = ray.get(self.actors[0].rendezvous_host.remote(), timeout=self.timeout_s)
+            node = nodes[0]
             if node != ray.util.get_node_ip_address():
                 host = node
             # rank 0 binds the store's port before anyone is told it

@@ -22,7 +22,7 @@ Totals are updated after the per-run script, so a process killed between the two
 accounting off by that batch; expired (TTL) values stay accounted until eviction reaches them.
 
 URL query options: ttl_s (block TTL, default none), timeout_s (socket timeouts, 1.0),
-read_timeout_s (0.1: the reads' deadline, below),
+read_timeout_s (0.25: the reads' deadline, below),
 retries (2, exponential backoff from 10 ms), breaker_failures (3), breaker_cooldown_s (2.0),
 max_connections (32), lru_refresh_s (2.0: a get re-scores a block in the LRU index only if this
 process has not done so within that many seconds; 0 = on every get), cluster=1 (same as the redis+cluster:// scheme; one seed host:port, the
@@ -121,7 +121,7 @@ class RedisTier(Tier):
         self._connect_url, self.cluster, options = _parse_url(url)
         self.ttl_ms = int(options.get("ttl_s", 0) * 1000)
         self._timeout = options.get("timeout_s", 1.0)
-        self._read_timeout = options.get("read_timeout_s", 0.1)
+        self._read_timeout = options.get("read_timeout_s", 0.25)
         self._retries = options.get("retries", 2)
         self._max_connections = options.get("max_connections", 32)
         self._lru_refresh_s = options.get("lru_refresh_s", 2.0)
