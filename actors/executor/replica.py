@@ -158,6 +158,7 @@ class Replica(InOrder):
             raise ValueError(f"{len(node_ids)} node ids given for {world} ranks")
         self.layout, self.checkpoint_dir = layout, str(checkpoint_dir)
         self.backend, self.device_name, self.timeout_s = backend, device, timeout_s
+        self._started = False  # the first build waits for the actors to start (ACTOR_START_S)
         self.dtype = dtype
         """Each rank's compute dtype (`bfloat16`; None: float32)."""
         self.device = torch.device(device)
@@ -245,8 +246,7 @@ class Replica(InOrder):
         host = "127.0.0.1"
         # The first build waits for the ranks' processes to start (spawn, imports: slow on a
         # loaded node, which is not a fault); a rebuild's actors are up, so a hung one is one.
-        first = not getattr(self, "_started", False)
-        start_s = max(self.timeout_s, ACTOR_START_S) if first else self.timeout_s
+        start_s = self.timeout_s if self._started else max(self.timeout_s, ACTOR_START_S)
         nodes = ray.get([a.rendezvous_host.remote() for a in self.actors], timeout=start_s)
         self._started = True
         if len(self.actors) > 1:
