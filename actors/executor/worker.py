@@ -393,6 +393,8 @@ class ShardWorker:
         """Global KV heads [start, stop) this rank stores (MLA: (0, 1), replicated over TP)."""
         if self.model.arch.mla:
             return (0, 1)
+        if self.model.arch.generic:  # transformers' own layers: whole (no TP)
+            return (0, self.model.arch.num_kv_heads)
         attn = next(iter(self.model.layers.values())).self_attn
         return (attn.kv0, attn.kv0 + attn.kv_heads)
 
@@ -691,6 +693,7 @@ class ShardWorker:
             "core": self.core,
             "graphs": None if graphs is None else len(graphs.graphs),
             "graph_error": None if graphs is None else graphs.error,
+            "graph_captures": None if graphs is None else graphs.captures,
             "graph_capture_s": None if graphs is None else round(graphs.capture_s, 3),
         }
 

@@ -82,6 +82,9 @@ class ArchConfig:
     dense_layers: tuple[int, ...] = ()
     """Layer indices with a dense MLP instead of a MoE block."""
     tie_word_embeddings: bool = False
+    generic: bool = False
+    """Layers run as transformers' own modules (`actors/model/generic.py`): `family` is then the
+    config's model_type, and the fields past the sizes the runners read are informative."""
 
     @property
     def softmax_scale(self) -> float:
@@ -226,6 +229,11 @@ class ArchConfig:
             )
         if self.rope.dim % 2:
             raise InputError(f"{source}: the rotary dimension {self.rope.dim} must be even")
+
+
+def is_native(model_type: object) -> bool:
+    """Whether the native layers implement `model_type` (else the generic path may run it)."""
+    return _ALIASES.get(model_type, model_type) in FAMILIES  # type: ignore[arg-type]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from actors.model.arch import ArchConfig
+from actors.model.arch import ArchConfig, is_native
 from actors.model.layers.share import Share
 from actors.model.stage import StageModel
 from cluster.errors import CheckFailed, InputError
@@ -108,7 +108,13 @@ class CheckpointIndex:
         return cls(d, config, entries)
 
     def arch(self) -> ArchConfig:
-        return ArchConfig.from_hf(self.config, source=str(self.directory / "config.json"))
+        """The native families' ArchConfig, else the generic path's (transformers' modules)."""
+        source = str(self.directory / "config.json")
+        if is_native(self.config.get("model_type")):
+            return ArchConfig.from_hf(self.config, source=source)
+        from actors.model.generic import generic_arch
+
+        return generic_arch(self.config, source)
 
     def _logical_shapes(self) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
@@ -202,6 +208,8 @@ def load_stage_model(
     arch = index.arch()
     model_kwargs.setdefault("first", layer_range[0] == 0)
     model_kwargs.setdefault("last", layer_range[1] == arch.num_layers)
+    if arch.generic:
+        return _generic(index, arch, layer_range, tp_size, local_experts, rank, dtype, model_kwargs)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(compute_dtype(dtype))
     try:
@@ -216,6 +224,23 @@ def load_stage_model(
     finally:
         torch.set_default_dtype(previous)
     return model, load_stage(model, index, rank=rank)
+
+
+def _generic(index, arch, layer_range, tp_size, local_experts, rank, dtype, kw):
+    """load_stage_model over transformers' own layers (`actors/model/generic.py`): whole
+    layers, so pipeline stages only (TP or EP refused, naming the model type)."""
+    from actors.model.generic import load_generic_stage
+
+    if tp_size > 1 or local_experts is not None:
+        raise InputError(
+            f"{index.directory}: model_type={arch.family!r} runs through transformers' own "
+            "layers (not natively), which split over pipeline stages only: no tp or ep"
+        )
+    stage = load_generic_stage(
+        index.directory, arch, index.config, layer_range=layer_range,
+        dtype=compute_dtype(dtype), first=kw["first"], last=kw["last"], device=kw.get("device"),
+    )  # fmt: skip
+    return stage, ReadLog(rank=rank)
 
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

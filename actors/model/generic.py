@@ -1,0 +1,416 @@
+"""A pipeline stage of a model whose layers are not implemented natively: transformers' own
+decoder-layer modules, with attention through the paged KV cache (issue 37, item 4).
+
+vLLM's Transformers backend runs a model the day transformers knows it by handing its attention
+to the engine; this does the same for one stage of a sharded model:
+
+Step 1: transformers' model class is built on the meta device (no memory); the stage keeps its
+        decoder layers [start, stop), the embedding on the first stage, the final norm and the
+        head on the last, and drops the rest.
+Step 2: only the stage's tensors are read from the checkpoint, through transformers' own key
+        conversions (per-expert files into fused expert tensors, renamings), onto the device.
+Step 3: every attention module calls `paged_attention` (registered as transformers attention
+        implementation `moe_paged`): the step's new K/V go into the paged cache at their slots
+        and each sequence attends over its cached context (`paged_attend`, the native layers'
+        own path), so continuous batching, prefix caching and KV tiers work as for the native
+        families. A decode step's `DecodeView` (CUDA fast decode) is served too.
+
+What is refused, in one line naming the layer's module path and class: an attention kind other
+than full or sliding-window softmax attention (linear attention, a sparse indexer: they keep a
+state per sequence that the paged cache does not hold), and key and value heads of different
+sizes (MLA expanded to heads). MoE blocks run as transformers wrote them, every expert on every
+rank (no expert parallelism on this path; the native families have it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from actors.model.arch import ArchConfig, RopeConfig
+from cluster.errors import InputError
+
+ATTENTION = "moe_paged"
+"""The transformers attention implementation this module registers."""
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""`config.layer_types` entries the paged cache serves."""
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
+    """The ArchConfig the runners need (KV layout, sizes) of a model_type transformers knows and
+    the native layers do not; InputError naming `source` when transformers does not know it."""
+    import transformers
+
+    model_type = cfg.get("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise InputError(
+            f"{source}: model_type={model_type!r} is known neither natively nor to the "
+            f"installed transformers {transformers.__version__}"
+        )
+    config = hf_config(cfg, source)
+    text = config.get_text_config()
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    types = tuple(getattr(text, "layer_types", None) or ())
+    windows = {getattr(text, "sliding_window", None) for t in types if t == "sliding_attention"}
+    experts = int(
+        getattr(text, "num_experts", None)
+        or getattr(text, "num_local_experts", None)
+        or getattr(text, "n_routed_experts", None)
+        or 0
+    )
+    return ArchConfig(
+        family=str(model_type),
+        generic=True,
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
+        rope=RopeConfig(dim=head_dim, theta=10000.0, kind="default"),
+        sliding_window=next(iter(windows)) if len(windows) == 1 and None not in windows else None,
+        intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
+        moe_intermediate_size=int(getattr(text, "moe_intermediate_size", 0) or 0),
+        num_experts=experts,
+        top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+def hf_config(cfg: dict[str, Any], source: str) -> Any:
+    """transformers' config object of `cfg` (a config.json dict)."""
+    import transformers
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        return transformers.AutoConfig.for_model(cfg["model_type"], **fields)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise InputError(f"{source}: transformers cannot build this config: {exc}") from None
+
+
+def paged_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface over the step's paged context (`kwargs["paged"]`):
+    query [1, H, T, D], key and value [1, KV, T, D], the step's new tokens (its sequences one
+    after another, after rotary and norms) -> ([1, T, H, D], None). The mask is not read: the
+    context's query and context lengths make it (causal, `sliding_window` when given)."""
+    from actors.kernels.decode_step import DecodeView
+    from actors.model.layers.attention import paged_attend
+
+    paged = kwargs.get("paged")
+    if paged is None:
+        raise RuntimeError("moe_paged attention runs inside a GenericStage step (no paged context)")
+    view = paged.layer(module.layer_idx)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if isinstance(view, DecodeView):
+        view.write(k, v)
+        return view.gqa(q.contiguous(), scale)[None], None
+    view.write(k, v)
+    rep = q.shape[1] // k.shape[1]
+
+    def expand(ck, cv):
+        return ck.repeat_interleave(rep, dim=1), cv.repeat_interleave(rep, dim=1)
+
+    out = paged_attend(
+        q.contiguous(), view, expand, scale=scale, window=kwargs.get("sliding_window"),
+        written=(k, v), grouped=True,
+    )  # fmt: skip
+    return out[None], None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention)
+
+
+class GenericStage(nn.Module):
+    """Layers [start, stop) of a transformers model, with StageModel's interface (`forward`,
+    `first`, `last`, `arch`, `layer_range`); see the module docstring."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        config: Any,
+        *,
+        layer_range: tuple[int, int],
+        first: bool,
+        last: bool,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        _register()
+        start, stop = layer_range
+        if not 0 <= start <= stop <= arch.num_layers:
+            raise InputError(
+                f"layer_range={layer_range} is outside the model's {arch.num_layers} layers"
+            )
+        self.arch, self.layer_range, self.first, self.last = arch, (start, stop), first, last
+        self.config = config
+        config._attn_implementation = ATTENTION
+        text = config.get_text_config()
+        text._attn_implementation = ATTENTION
+        with torch.device("meta"):
+            full = transformers.AutoModelForCausalLM.from_config(config)
+        base = full.get_decoder()
+        layers = getattr(base, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) != arch.num_layers:
+            raise InputError(
+                f"{type(full).__name__}: no decoder `layers` list of {arch.num_layers} modules "
+                "(the generic path needs transformers' usual model.layers)"
+            )
+        refuse_unpaged(base, text, layer_range)
+        self.embed_tokens = full.get_input_embeddings() if first else None
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, stop)})
+        self.norm = base.norm if last else None
+        self.lm_head = full.get_output_embeddings() if last else None
+        self.rotary_class = type(base.rotary_emb)
+        self.embedding_multiplier = float(getattr(text, "embedding_multiplier", 1.0) or 1.0)
+        self.logits_scaling = float(getattr(text, "logits_scaling", 1.0) or 1.0)
+        self.device_ = torch.device(device) if device is not None else torch.device("cpu")
+        self.to_empty(device=self.device_)
+        with torch.device(self.device_):
+            self.rotary_emb = self.rotary_class(config=text)  # its buffers computed, not empty
+        self.requires_grad_(False)
+        self.eval()
+
+    def stage_keys(self, names: Sequence[str]) -> list[str]:
+        """The checkpoint tensors this stage reads: its layers', and the rest (embedding, norm,
+        head) on the stages holding those (transformers' renamings map them)."""
+        start, stop = self.layer_range
+        out = []
+        for name in names:
+            m = _LAYER_KEY.search(name)
+            if m is not None:
+                if start <= int(m.group(1)) < stop:
+                    out.append(name)
+            elif self.first or self.last:
+                out.append(name)
+        return out
+
+    def load(self, directory: Path, dtype: torch.dtype) -> list[str]:
+        """Read the stage's tensors (Step 2); returns the names read."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        holder = _Holder(self)
+        files = sorted(Path(directory).glob("*.safetensors"))
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
+            state = {}
+            for h in handles:
+                for name in self.stage_keys(list(h.keys())):
+                    state[name] = h.get_tensor(name)
+            tied = self.last and self.arch.tie_word_embeddings
+            config = LoadStateDictConfig(
+                dtype=dtype, weight_mapping=get_model_conversion_mapping(holder.model)
+            )
+            info, _ = convert_and_load_state_dict_in_model(holder.model, state, config)
+        missing = [k for k in info.missing_keys if not (tied and k.endswith("lm_head.weight"))]
+        if missing or info.mismatched_keys or info.conversion_errors:
+            raise InputError(
+                f"{directory}: the checkpoint does not fill this stage: missing "
+                f"{missing[:4]}, mismatched {list(info.mismatched_keys)[:4]}, errors "
+                f"{list(info.conversion_errors)[:2]}"
+            )
+        if tied and self.embed_tokens is None:  # a last stage without the embedding it ties
+            name = next((n for n in state if n.endswith("embed_tokens.weight")), None)
+            if name is None:
+                raise InputError(f"{directory}: tied embeddings, no embed_tokens.weight")
+            self.lm_head.weight.copy_(state[name].to(dtype))
+        elif tied:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.to(self.device_)
+        return sorted(state)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: Sequence[int],
+        *,
+        capture: dict | None = None,
+        paged: Any = None,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """StageModel.forward's contract: token ids [T] (first stage) or hidden states [T, H],
+        positions [T]; logits [T or R, V] on the last stage, else hidden states [T, H]."""
+        if paged is None:
+            raise InputError("the generic path runs over the paged cache (no dense forward)")
+        t = inputs.shape[0]
+        if sum(seq_lens) != t or positions.shape != (t,):
+            raise InputError(
+                f"seq_lens sum {sum(seq_lens)} and positions {tuple(positions.shape)} must match {t} tokens"
+            )
+        if self.first:
+            x = self.embed_tokens(inputs) * self.embedding_multiplier
+            if capture is not None:
+                capture["model.embed_tokens"] = x
+        else:
+            x = inputs
+        x = x[None]  # [1, T, H]: the step's tokens as one row, attention splits them per sequence
+        pos = positions[None]
+        rotary = self.rotary_emb(x, pos)
+        for i, layer in self.layers.items():
+            out = layer(
+                x, attention_mask=None, position_ids=pos, position_embeddings=rotary, paged=paged
+            )
+            x = out[0] if isinstance(out, tuple) else out
+            if capture is not None:
+                capture[f"model.layers.{i}"] = x[0]
+        x = x[0]
+        if not self.last:
+            return x
+        if logits_rows is not None:
+            x = x[logits_rows]
+        x = self.norm(x)
+        logits = self.lm_head(x) / self.logits_scaling
+        if capture is not None:
+            capture["model.norm"] = x
+            capture["lm_head"] = logits
+        return logits
+
+    # StageModel's other calls, with nothing to do here.
+    def column_major_weights(self) -> None:
+        pass
+
+    def routing_counts(self) -> dict[int, torch.Tensor]:
+        return {}
+
+    def reset_routing_counts(self) -> None:
+        pass
+
+
+class _Holder:
+    """A transformers model object whose modules are the stage's (for transformers' loader,
+    which finds the conversions by the model's classes and the parameters by full names)."""
+
+    def __init__(self, stage: GenericStage) -> None:
+        import transformers
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(stage.config)
+        base = model.get_decoder()
+        for i in range(stage.arch.num_layers):
+            base.layers[i] = stage.layers[str(i)] if str(i) in stage.layers else nn.Module()
+        base.embed_tokens = stage.embed_tokens
+        base.norm = stage.norm if stage.norm is not None else nn.Module()
+        model.lm_head = stage.lm_head if stage.lm_head is not None else nn.Module()
+        base.rotary_emb = nn.Module()
+        self.model = model
+
+
+ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
+"""Where transformers' decoder layers keep their attention module."""
+
+
+def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> None:
+    """InputError naming the first layer of the range whose attention the paged cache cannot
+    serve, by module path and class: a layer type other than full or sliding softmax attention
+    (linear attention, state-space mixers), an attention module that does not dispatch through
+    transformers' attention interface, one with attention sinks, or latent attention (value
+    heads unlike the keys); also a base model whose rotary embedding differs per layer."""
+    if not isinstance(getattr(base, "rotary_emb", None), nn.Module) or hasattr(base, "rotary_embs"):
+        raise InputError(
+            f"{type(base).__name__}: no single rotary_emb (rotary settings per layer) has no "
+            "generic path"
+        )
+    types = list(getattr(text, "layer_types", None) or ())
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    v_dim = int(getattr(text, "v_head_dim", None) or head_dim)
+    for i in range(*layer_range):
+        layer = base.layers[i]
+        kind = types[i] if i < len(types) else "full_attention"
+        name = next(
+            (n for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None
+        )
+        if kind not in ATTENTION_LAYER_TYPES or name is None:
+            name, mod = next(
+                ((n, m) for n, m in layer.named_children() if n not in ("mlp", "feed_forward")
+                 and not n.endswith("norm")),
+                ("", layer),
+            )  # fmt: skip
+            raise InputError(
+                f"model.layers.{i}.{name}: {type(mod).__name__} ({kind}) has no paged path; "
+                f"expected one of {', '.join(ATTENTION_LAYER_TYPES)}"
+            )
+        attn = getattr(layer, name)
+        path = f"model.layers.{i}.{name}: {type(attn).__name__}"
+        if not _dispatches(attn):
+            raise InputError(f"{path} does not call transformers' attention interface")
+        if "sinks" in dict(attn.named_parameters(recurse=False)):
+            raise InputError(f"{path} has attention sinks, which the paged path does not add")
+        if v_dim != head_dim or getattr(text, "kv_lora_rank", None):
+            raise InputError(
+                f"{path} (latent attention, value heads of {v_dim} against keys of {head_dim}) "
+                "has no paged path here"
+            )
+
+
+def _dispatches(attn: nn.Module) -> bool:
+    """Whether the module's forward hands q/k/v to transformers' attention interface (where
+    `moe_paged` takes over) and knows its layer index."""
+    import inspect
+
+    try:
+        source = inspect.getsource(type(attn).forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source and isinstance(getattr(attn, "layer_idx", None), int)
+
+
+def load_generic_stage(
+    directory: Path | str,
+    arch: ArchConfig,
+    config: dict[str, Any],
+    *,
+    layer_range: tuple[int, int],
+    dtype: torch.dtype,
+    first: bool,
+    last: bool,
+    device: torch.device | str | None = None,
+) -> GenericStage:
+    """`GenericStage` of the checkpoint at `directory`, its tensors read (`load_stage_model`
+    for a family the native layers do not implement)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        stage = GenericStage(
+            arch,
+            hf_config(config, str(Path(directory) / "config.json")),
+            layer_range=layer_range,
+            first=first,
+            last=last,
+            device=device,
+        )
+    finally:
+        torch.set_default_dtype(previous)
+    stage.load(Path(directory), dtype)
+    return stage

@@ -1,0 +1,137 @@
+"""The generic path (`actors/model/generic.py`): families the native layers do not implement
+run as transformers' own decoder layers over the paged KV cache, in the engine, continuously
+batched, with prefix hits, over LocalRunner and over pipeline stages of ShardWorker actors; the
+greedy tokens equal transformers' `generate`. Families whose attention the paged cache cannot
+serve are refused naming the module. Tiny random checkpoints made by transformers' classes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from actors.engine.factory import build_engine
+from actors.engine.sampler import SamplingParams
+from actors.model.weights import CheckpointIndex, load_stage_model
+from cluster.errors import InputError
+from tests.actors.checkpoints import make_generic_checkpoint
+from tests.actors.engine.test_engine import prompt
+
+GENERIC = tuple(
+    t
+    for t in (
+        "olmoe", "qwen2_moe", "granitemoe", "phimoe", "ernie4_5_moe", "minimax_m2", "glm4_moe",
+        "flex_olmo", "cohere2_moe", "exaone_moe",
+    )
+    if t in transformers.CONFIG_MAPPING
+)  # fmt: skip
+"""MoE families not implemented natively that the generic path serves (those the installed
+transformers ships)."""
+
+SECRET = b"k" * 32
+KW = dict(num_blocks=64, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def test_at_least_six_generic_families_are_shipped():
+    assert len(GENERIC) >= 6, GENERIC
+
+
+def requests():
+    shared = prompt(13, 0)
+    return {"a": shared + prompt(4, 1), "b": prompt(5, 2), "c": shared + prompt(2, 3)}
+
+
+def run_engine(engine) -> dict[str, list[int]]:
+    """a and b together (chunked: 24 tokens a step), c joins two steps later and hits a's
+    cached prefix."""
+    reqs, out = requests(), {}
+    engine.add_request("a", reqs["a"], GREEDY)
+    engine.add_request("b", reqs["b"], GREEDY)
+    for n in range(200):
+        if n == 2:
+            engine.add_request("c", reqs["c"], GREEDY)
+        if not engine.has_unfinished() and n > 2:
+            break
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def generate(model, ids) -> list[int]:
+    got = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    return got[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("model_type", GENERIC)
+def test_a_generic_family_decodes_as_transformers_generate(model_type, tmp_path):
+    path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
+    arch = CheckpointIndex.open(path).arch()
+    assert arch.generic and arch.family == model_type
+    engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False, **KW)
+    got = run_engine(engine)
+    assert engine.stats()["prefix_hits"] >= 3  # c reused a's first blocks
+    for rid, ids in requests().items():
+        assert got[rid] == generate(ref, ids), (model_type, rid)
+
+
+@pytest.mark.ray
+def test_generic_pipeline_stages_over_rank_actors_equal_the_in_process_tokens(
+    ray_session, tmp_path
+):
+    """pp2 over ShardWorker actors (hidden states between the stages through the step channel):
+    every stage builds and loads only its own layers, and the tokens are the in-process ones."""
+    path, ref = make_generic_checkpoint("olmoe", tmp_path / "olmoe")
+    want = {rid: generate(ref, ids) for rid, ids in requests().items()}
+    engine = build_engine(path, layout="pp2", num_cpus=0.25, cache_key_secret=SECRET, **KW)
+    try:
+        assert run_engine(engine) == want
+    finally:
+        engine.runner.shutdown()
+
+
+def test_a_stage_holds_and_reads_only_its_layers(tmp_path):
+    path, ref = make_generic_checkpoint("qwen2_moe", tmp_path / "q")
+    stage, _ = load_stage_model(path, layer_range=(2, 4))
+    assert list(stage.layers) == ["2", "3"] and stage.embed_tokens is None and stage.last
+    theirs = dict(ref.named_parameters())
+    for name, p in stage.layers.named_parameters():
+        torch.testing.assert_close(p, theirs[f"model.layers.{name}"], rtol=0, atol=0)
+    first, _ = load_stage_model(path, layer_range=(0, 2))
+    assert first.norm is None and first.lm_head is None and first.embed_tokens is not None
+
+
+def test_tp_and_ep_are_refused_naming_the_model_type(tmp_path):
+    path, _ = make_generic_checkpoint("olmoe", tmp_path / "o")
+    with pytest.raises(InputError, match=r"model_type='olmoe'.*pipeline stages only"):
+        load_stage_model(path, layer_range=(0, 4), tp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "named"),
+    [
+        ("qwen3_next", r"model\.layers\.0\.linear_attn: Qwen3NextGatedDeltaNet"),
+        ("gpt_oss", r"model\.layers\.0\.self_attn: GptOssAttention has attention sinks"),
+        ("deepseek_v32", r"model\.layers\.0\.self_attn: DeepseekV32Attention \(indexed"),
+        ("deepseek_v2", r"model\.layers\.0\.self_attn: DeepseekV2Attention \(latent"),
+    ],
+)
+def test_attention_the_paged_cache_cannot_serve_is_refused_naming_the_module(
+    model_type, named, tmp_path
+):
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    path, _ = make_generic_checkpoint(model_type, tmp_path / model_type)
+    with pytest.raises(InputError, match=named):
+        load_stage_model(path, layer_range=(0, 4))
+
+
+def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path):
+    path, _ = make_generic_checkpoint("olmoe", tmp_path / "o")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "no_such_moe"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match="model_type='no_such_moe' is known neither natively nor"):
+        CheckpointIndex.open(path).arch()

@@ -1,0 +1,63 @@
+"""A family the native layers do not implement (OLMoE), served: pipeline stages of ShardWorker
+actors running transformers' own decoder layers over the paged cache (`actors/model/generic.py`)
+behind the OpenAI endpoint; a greedy completion equals transformers' `generate`."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.ray
+
+APP = "moe-test-generic"
+PREFIX = "/moegeneric"
+MODEL = "olmoe-tiny"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from tests.actors.checkpoints import make_generic_checkpoint
+
+    return make_generic_checkpoint("olmoe", tmp_path_factory.mktemp("generic") / "olmoe")
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, checkpoint):
+    from ray import serve
+
+    from deploy.app import build_app
+
+    path, _ = checkpoint
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "app_name": APP,
+        "model": {"path": str(path), "name": MODEL},
+        "plan": {"layout": "pp2"},
+        "engine": {"block_size": 16, "num_blocks": 64, "max_num_seqs": 4, "num_cpus": 0.25},
+        "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+        "http": {"route_prefix": PREFIX},
+    }
+    serve.run(build_app(args), name=APP, route_prefix=PREFIX)
+    yield f"http://127.0.0.1:{port}{PREFIX}"
+    serve.delete(APP)
+    serve.shutdown()
+
+
+def test_a_greedy_completion_equals_transformers_generate(server, checkpoint):
+    import openai
+    import torch
+    from transformers import AutoTokenizer
+
+    path, model = checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "experts live here"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=120)
+    r = client.completions.create(
+        model=MODEL, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 8
+    assert r.choices[0].text == tokenizer.decode(want.tolist())
