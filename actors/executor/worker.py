@@ -287,11 +287,16 @@ class ShardWorker:
         forward hooks: a module with hooks takes torch's slow call path (~6 us more per call on
         CPU, 64 calls per decode step of 8 sequences over 4 layers in per-sequence mode)."""
         for layer in self.model.layers.values():
-            for module, region in (
-                (layer.self_attn, "attention"),
-                (layer.mlp, "moe" if isinstance(layer.mlp, MoE) else "dense_mlp"),
+            mlp = getattr(layer, "mlp", None)  # transformers' layers (generic path) may name
+            for module, region in (  # theirs otherwise: untimed
+                (getattr(layer, "self_attn", None), "attention"),
+                (
+                    mlp,
+                    "moe" if isinstance(mlp, MoE) or self.model.arch.num_experts else "dense_mlp",
+                ),
             ):
-                module.forward = self._timed(module.forward, region)
+                if module is not None:
+                    module.forward = self._timed(module.forward, region)
 
     def _timed(self, forward, region: str):
         timings = self._timings

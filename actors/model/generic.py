@@ -261,40 +261,96 @@ class GenericStage(nn.Module):
     ) -> torch.Tensor:
         """StageModel.forward's contract: token ids [T] (first stage) or hidden states [T, H],
         positions [T]; logits [T or R, V] on the last stage, else hidden states [T, H]."""
-        if paged is None:
-            raise InputError("the generic path runs over the paged cache (no dense forward)")
         t = inputs.shape[0]
         if sum(seq_lens) != t or positions.shape != (t,):
             raise InputError(
                 f"seq_lens sum {sum(seq_lens)} and positions {tuple(positions.shape)} must match {t} tokens"
             )
+        if paged is None:  # whole sequences (validation): over a cache of their own
+            paged = self._scratch_context(seq_lens, inputs.device)
+        hooks = self._capture_hooks(capture) if capture is not None else []
+        try:
+            return self._forward(inputs, positions, paged, capture, logits_rows)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _forward(self, inputs, positions, paged, capture, logits_rows) -> torch.Tensor:
         if self.first:
-            x = self.embed_tokens(inputs) * self.embedding_multiplier
-            if capture is not None:
+            x = self.embed_tokens(inputs)
+            if capture is not None:  # the module's output, as transformers' capture takes it
                 capture["model.embed_tokens"] = x
+            x = x * self.embedding_multiplier
         else:
             x = inputs
         x = x[None]  # [1, T, H]: the step's tokens as one row, attention splits them per sequence
         pos = positions[None]
         rotary = self.rotary_emb(x, pos)
-        for i, layer in self.layers.items():
+        for layer in self.layers.values():
             out = layer(
                 x, attention_mask=None, position_ids=pos, position_embeddings=rotary, paged=paged
             )
             x = out[0] if isinstance(out, tuple) else out
-            if capture is not None:
-                capture[f"model.layers.{i}"] = x[0]
         x = x[0]
         if not self.last:
             return x
         if logits_rows is not None:
             x = x[logits_rows]
         x = self.norm(x)
-        logits = self.lm_head(x) / self.logits_scaling
+        logits = self.lm_head(x)
         if capture is not None:
             capture["model.norm"] = x
             capture["lm_head"] = logits
-        return logits
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+    def _scratch_context(self, seq_lens: Sequence[int], device: torch.device) -> Any:
+        """A PagedContext of fresh sequences over a KV cache made for this forward."""
+        from actors.kv.cache import KVCache, KVLayout, PagedContext
+
+        bs = 16
+        layout = KVLayout.for_stage(
+            self.arch, block_size=bs, layer_range=self.layer_range, dtype=self.dtype
+        )
+        tables, slots, at = [], [], 0
+        for n in seq_lens:
+            blocks = -(-n // bs)
+            tables.append(tuple(range(at, at + blocks)))
+            slots += range(at * bs, at * bs + n)
+            at += blocks
+        return PagedContext(
+            cache=KVCache(layout, max(1, at), device),
+            query_lens=tuple(seq_lens),
+            context_lens=tuple(seq_lens),
+            block_tables=tuple(tables),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _capture_hooks(self, capture: dict) -> list:
+        """Forward hooks filling `capture` with the outputs transformers' reference capture
+        takes of the same modules, under the same names (`actors.validate.reference`)."""
+        from actors.validate.reference import LAYER_MODULES, primary
+
+        hooks = []
+
+        def hook_for(name: str):
+            def hook(module, args, out) -> None:
+                capture.update(primary(name, out))
+
+            return hook
+
+        for i, layer in self.layers.items():
+            for path in ("", *LAYER_MODULES):
+                name = f"model.layers.{i}" + (f".{path}" if path else "")
+                try:
+                    module = layer.get_submodule(path) if path else layer
+                except AttributeError:
+                    continue
+                hooks.append(module.register_forward_hook(hook_for(name)))
+        return hooks
 
     # StageModel's other calls, with nothing to do here.
     def column_major_weights(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from cluster.errors import InputError
 
-_LAYER_MODULES = ("self_attn", "mlp", "mlp.gate", "mlp.experts", "mlp.shared_experts")
+LAYER_MODULES = ("self_attn", "mlp", "mlp.gate", "mlp.experts", "mlp.shared_experts")
 _TOP_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 
 
@@ -51,7 +51,7 @@ def load_reference_model(directory: str | Path):
     return model.eval()
 
 
-def _primary(name: str, out) -> dict[str, torch.Tensor]:
+def primary(name: str, out) -> dict[str, torch.Tensor]:
     """The comparable tensor(s) of one module's output, batch dimension removed."""
     if name.endswith(".mlp.gate"):
         parts = out if isinstance(out, tuple) else (out,)
@@ -76,13 +76,13 @@ def reference_capture(model, sequences: Sequence[Sequence[int]]) -> dict[str, li
     wanted = set(_TOP_MODULES)
     for i in range(model.config.num_hidden_layers):
         wanted.add(f"model.layers.{i}")
-        wanted.update(f"model.layers.{i}.{m}" for m in _LAYER_MODULES)
+        wanted.update(f"model.layers.{i}.{m}" for m in LAYER_MODULES)
     current: dict[str, torch.Tensor] = {}
     handles = []
 
     def hook_for(name: str):
         def hook(module, args, out) -> None:
-            current.update(_primary(name, out))
+            current.update(primary(name, out))
 
         return hook
 
