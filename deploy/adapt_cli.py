@@ -4,8 +4,9 @@
                  [--target cuda|cpu] [--layouts ep2,tp2xpp2] [--against PREVIOUS.json] [--json]
     moectl convert MODEL_DIR OUT_DIR [--dtype bf16|fp8] [--reshard N]
 
-adapt exits 0 only when the verdict is `ready` (and, with --against, nothing regressed), 1 when
-it is `needs-work`, 2 on bad input. Without --topology the project's example clusters are tried
+adapt exits 0 when the verdict is `ready` (native layers) or `ready-generic` (transformers' own
+layers over the paged cache, `runtime_cost` saying what that costs), and with --against nothing
+regressed; 1 when it is `needs-work`, 2 on bad input. Without --topology the project's example clusters are tried
 smallest first (8 x H200, then 2 and 4 such nodes over InfiniBand) and the one used is printed.
 """
 
@@ -78,7 +79,7 @@ def adapt_command(
         print(json.dumps(s))
     else:
         _print(s, written)
-    if s["verdict"] != "ready" or regressed:
+    if s["verdict"] not in ("ready", "ready-generic") or regressed:
         raise typer.Exit(1)
 
 
@@ -87,8 +88,10 @@ def _print(s: dict, written: list[Path]) -> None:
     from rich.table import Table
 
     console = Console()
-    color = "green" if s["verdict"] == "ready" else "red"
+    color = "red" if s["verdict"] == "needs-work" else "green"
     console.print(f"[{color}]{s['verdict']}[/{color}]  {s['model']} ({s['model_type']})")
+    if s.get("runtime_cost"):
+        console.print(f"  {s['runtime_cost']}")
     for r in s["reasons"]:
         console.print(f"  - {r}")
     table = Table(title="operators")

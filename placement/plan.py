@@ -292,9 +292,13 @@ def build_plan(
     redundant: int = 0,
     exhaustive: bool = False,
     constants: Constants = DEFAULT_CONSTANTS,
+    whole_layers: bool = False,
 ) -> Plan:
-    """Search, then expand the winner into a Plan. routing: optional [MoE layers, E] token counts."""
-    result = search(costs, view, workload, exhaustive=exhaustive, constants=constants)
+    """Search, then expand the winner into a Plan. routing: optional [MoE layers, E] token counts.
+    whole_layers: pipeline stages only (`search`)."""
+    result = search(
+        costs, view, workload, exhaustive=exhaustive, constants=constants, whole_layers=whole_layers
+    )
     best = result.ranked[0]
     dims = ParallelDims(pp=best.pp, dp=best.dp, tp=best.tp, etp=best.etp)
     bounds = tuple(

@@ -161,9 +161,6 @@ class GenericStage(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        import transformers
-
-        _register()
         start, stop = layer_range
         if not 0 <= start <= stop <= arch.num_layers:
             raise InputError(
@@ -171,19 +168,9 @@ class GenericStage(nn.Module):
             )
         self.arch, self.layer_range, self.first, self.last = arch, (start, stop), first, last
         self.config = config
-        config._attn_implementation = ATTENTION
         text = config.get_text_config()
-        text._attn_implementation = ATTENTION
-        with torch.device("meta"):
-            full = transformers.AutoModelForCausalLM.from_config(config)
-        base = full.get_decoder()
-        layers = getattr(base, "layers", None)
-        if not isinstance(layers, nn.ModuleList) or len(layers) != arch.num_layers:
-            raise InputError(
-                f"{type(full).__name__}: no decoder `layers` list of {arch.num_layers} modules "
-                "(the generic path needs transformers' usual model.layers)"
-            )
-        refuse_unpaged(base, text, layer_range)
+        full, base = meta_model(config, layer_range)
+        layers = base.layers
         self.embed_tokens = full.get_input_embeddings() if first else None
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, stop)})
         self.norm = base.norm if last else None
@@ -361,6 +348,44 @@ class GenericStage(nn.Module):
 
     def reset_routing_counts(self) -> None:
         pass
+
+
+def meta_model(config: Any, layer_range: tuple[int, int] | None = None) -> tuple[Any, nn.Module]:
+    """transformers' causal LM of `config` on the meta device and its decoder, checked for the
+    generic path over `layer_range` (every layer when None): InputError naming what it cannot
+    run (`refuse_unpaged`)."""
+    import transformers
+
+    text = config.get_text_config()
+    config._attn_implementation = text._attn_implementation = ATTENTION
+    _register()
+    try:
+        with torch.device("meta"):
+            full = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers' own refusal of this config, in one line
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise InputError(
+            f"transformers cannot build {type(config).__name__}'s model: "
+            f"{type(exc).__name__} {first}"
+        ) from None
+    base = full.get_decoder()
+    layers = getattr(base, "layers", None)
+    n = int(text.num_hidden_layers)
+    if not isinstance(layers, nn.ModuleList) or len(layers) != n:
+        raise InputError(
+            f"{type(full).__name__}: no decoder `layers` list of {n} modules "
+            "(the generic path needs transformers' usual model.layers)"
+        )
+    refuse_unpaged(base, text, layer_range or (0, n))
+    return full, base
+
+
+def generic_check(cfg: dict[str, Any], source: str) -> ArchConfig:
+    """Whether the generic path runs the model of config dict `cfg` (every layer): its
+    ArchConfig, or InputError naming the module it cannot run. Nothing allocated."""
+    arch = generic_arch(cfg, source)
+    meta_model(hf_config(cfg, source))
+    return arch
 
 
 class _Holder:

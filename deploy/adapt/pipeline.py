@@ -28,6 +28,13 @@ from cluster.errors import InputError
 
 DEFAULT_TOPOLOGIES = ("hgx-h200-8gpu", "hgx-h200-2node-ib", "hgx-h200-4node-ib")
 DEFAULT_LAYOUTS = ("ep2", "tp2xpp2")
+GENERIC_LAYOUTS = ("single", "pp2")
+"""The default layouts of a family the generic path runs (whole layers: pipeline stages only)."""
+GENERIC_COST = (
+    "runs through the generic path: transformers' own decoder layers over the paged KV cache "
+    "(continuous batching, prefix cache, tiers, pipeline stages), without tensor or expert "
+    "parallelism and without the native fused kernels and CUDA graphs"
+)
 ALIGNMENT_SEQ_LENS = (40, 33, 21)
 
 
@@ -67,6 +74,8 @@ class AdaptResult:
     options: AdaptOptions
     inventory: list = field(default_factory=list)
     runtime_family: str | None = None
+    runtime_path: str | None = None
+    """"native" (our layers) or "generic" (transformers' layers, actors/model/generic.py)."""
     runtime_error: str | None = None
     checks: list = field(default_factory=list)
     alignment: list[dict] = field(default_factory=list)
@@ -83,7 +92,9 @@ class AdaptResult:
 
     @property
     def verdict(self) -> str:
-        return "needs-work" if self.reasons else "ready"
+        if self.reasons:
+            return "needs-work"
+        return "ready-generic" if self.runtime_path == "generic" else "ready"
 
 
 def text_config(config: dict) -> dict:
@@ -141,18 +152,26 @@ def _timed(result: AdaptResult, name: str, fn) -> None:
 
 
 def _parse(r: AdaptResult) -> None:
-    from actors.model.arch import ArchConfig
+    from actors.model.arch import ArchConfig, is_native
+    from actors.model.generic import generic_check
     from deploy.adapt.needs import needs
     from placement.operators import operator_inventory
 
     r.inventory = operator_inventory(r.spec, r.options.target, r.options.registry)
     text = text_config(r.config)
     try:
-        r.runtime_family = ArchConfig.from_hf(text, source=r.source).family
+        if is_native(text.get("model_type")):
+            r.runtime_family = ArchConfig.from_hf(text, source=r.source).family
+            r.runtime_path = "native"
+        else:  # transformers' own layers, where their attention suits the paged cache
+            r.runtime_family = generic_check(text, r.source).family
+            r.runtime_path = "generic"
     except InputError as exc:
         r.runtime_error = str(exc)
         r.reasons.append(Reason(kind="family", subject=str(text.get("model_type")),
                                 message=f"the runtime cannot build this model ({exc})"))  # fmt: skip
+    if r.runtime_path == "generic":
+        return  # every operator runs as transformers wrote it: none of ours to check
     for use in r.inventory:
         if not use.supported:
             r.reasons.append(Reason(
@@ -170,6 +189,8 @@ def _operator_checks(r: AdaptResult) -> None:
         run_checks,
     )  # fmt: skip
 
+    if r.runtime_path == "generic":
+        return
     text = text_config(r.config)
     ctx = CheckContext(spec=r.spec, config=text, arch=check_arch(r.spec, text),
                        budget=r.options.op_budget or DEFAULT_BUDGET, seed=r.options.seed)  # fmt: skip
@@ -210,11 +231,15 @@ def _alignment(r: AdaptResult) -> None:
         r.reasons.append(Reason(kind="alignment", subject="layouts",
                                 message="the small-scale alignment did not run (no layout given)"))  # fmt: skip
         return
+    generic = r.runtime_path == "generic"
+    layouts = r.options.layouts
+    if generic and layouts == DEFAULT_LAYOUTS:
+        layouts = GENERIC_LAYOUTS
     with tempfile.TemporaryDirectory(prefix="moectl-adapt-") as tmp:
         r.shrunk_config = build_shrunk_checkpoint(
-            text_config(r.config), Path(tmp), seed=r.options.seed
+            text_config(r.config), Path(tmp), seed=r.options.seed, generic=generic
         )
-        for layout in r.options.layouts:
+        for layout in layouts:
             try:
                 rep = validate(tmp, layout=layout, seq_lens=ALIGNMENT_SEQ_LENS, seed=r.options.seed)
             except (InputError, RankFailed) as exc:
@@ -241,6 +266,10 @@ def _alignment(r: AdaptResult) -> None:
 def _checkpoint(r: AdaptResult, path: Path) -> None:
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         return
+    if r.runtime_path == "generic":
+        r.checkpoint = {"checked": False, "note": "the generic path reads tensors through "
+                        "transformers' key conversions, which name a missing one at load"}  # fmt: skip
+        return
     from deploy.adapt.tensor_check import check_checkpoint
 
     r.checkpoint = check_checkpoint(path, runtime_ok=r.runtime_family is not None)
@@ -256,7 +285,7 @@ def _plan(r: AdaptResult, topologies: list) -> None:
     for name, topo, source in topologies:
         r.topology, r.topology_source = name, source
         try:
-            r.plan = plan(r.spec, topo, workload)
+            r.plan = plan(r.spec, topo, workload, whole_layers=r.runtime_path == "generic")
             r.plan_error = None
             return
         except InputError as exc:
@@ -316,6 +345,8 @@ def summary(r: AdaptResult) -> dict:
         "topology": {"name": r.topology, "source": r.topology_source},
         "context": r.context,
         "runtime_family": r.runtime_family,
+        "runtime_path": r.runtime_path,
+        "runtime_cost": GENERIC_COST if r.runtime_path == "generic" else None,
         "runtime_error": r.runtime_error,
         "model_facts": {
             "num_layers": spec.num_layers,

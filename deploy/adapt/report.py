@@ -38,10 +38,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def render_markdown(s: dict, *, svg_name: str | None = None) -> str:
     """The report of one summary dict (see pipeline.summary)."""
     f = s["model_facts"]
-    ready = s["verdict"] == "ready"
+    word = {"ready": "READY", "ready-generic": "READY (GENERIC PATH)"}.get(
+        s["verdict"], "NEEDS WORK"
+    )
     md = [f"# moectl adapt: {Path(s['model']).name}", ""]
-    md += [f"**Verdict: {'READY' if ready else 'NEEDS WORK'}** for target `{s['target']}` "
+    md += [f"**Verdict: {word}** for target `{s['target']}` "
            f"(`{s['model_type']}`, family `{s['family']}`).", ""]  # fmt: skip
+    if s.get("runtime_cost"):
+        md += [f"The model {s['runtime_cost']}.", ""]
     if s["reasons"]:
         md += ["Why it is not ready (each line names what must change):", ""]
         md += [f"- {r}" for r in s["reasons"]] + [""]

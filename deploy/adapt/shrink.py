@@ -32,6 +32,58 @@ def _div(value: int | None, by: int, floor: int, *, even: bool = False) -> int |
     return out + (out % 2) if even else out
 
 
+GENERIC_SIZES: dict[str, int] = {
+    "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "num_hidden_layers": 4, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "num_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 128,
+    "max_position_embeddings": 256, "n_group": 1, "topk_group": 1, "sliding_window": 8,
+}  # fmt: skip
+"""A family the native layers do not implement (the generic path) shrinks to these sizes,
+wherever its config has the field: 4 layers, 4 experts (top-2), GQA 4 over 2 heads of 16."""
+
+
+def shrink_generic(config: Any, **overrides: Any) -> Any:
+    """A transformers config object shrunk in place to GENERIC_SIZES (and `overrides`): its
+    integer size fields, its per-layer lists cut to the layer count, no special token ids.
+    Returns it."""
+    text = config.get_text_config()
+    for key, value in {**GENERIC_SIZES, **overrides}.items():
+        old = getattr(text, key, None)
+        if key in overrides or (isinstance(old, int) and not isinstance(old, bool)):
+            setattr(text, key, value)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if hasattr(text, key):
+            setattr(text, key, None)
+    n = text.num_hidden_layers
+    for key in ("layer_types", "mlp_layer_types"):
+        if getattr(text, key, None) is not None:
+            setattr(text, key, (list(getattr(text, key)) * n)[:n])
+    return config
+
+
+def random_model(config: Any, *, seed: int = 0):
+    """transformers' causal LM of `config`, float32, eval mode, random weights with its norms
+    (and router weights) randomised too."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and ("norm" in name or "layernorm" in name):
+                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".gate.weight"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    return model
+
+
 def shrunk_config(config: dict[str, Any]) -> dict[str, Any]:
     """The shrunk config dict of a runtime family's config (`RUNNABLE` model types)."""
     model_type = config.get("model_type")
@@ -100,14 +152,24 @@ def _deepseek(c: dict, config: dict, top_k: int) -> dict:
     return c
 
 
-def build_shrunk_checkpoint(config: dict[str, Any], directory: Path, *, seed: int = 0) -> dict:
+def build_shrunk_checkpoint(
+    config: dict[str, Any], directory: Path, *, seed: int = 0, generic: bool = False
+) -> dict:
     """Build the shrunk model with transformers' class, randomise it, `save_pretrained` it into
-    `directory`. Returns the shrunk config dict."""
+    `directory`. Returns the shrunk config dict. `generic`: a family of the generic path
+    (`shrink_generic`)."""
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    if generic:
+        from actors.model.generic import hf_config
+
+        small_config = shrink_generic(hf_config(config, "config.json"))
+        directory.mkdir(parents=True, exist_ok=True)
+        random_model(small_config, seed=seed).save_pretrained(directory, safe_serialization=True)
+        return small_config.to_dict()
     small = shrunk_config(config)
     fields = {k: v for k, v in small.items() if k != "model_type"}
     hf_config = transformers.AutoConfig.for_model(small["model_type"], **fields)

@@ -173,57 +173,26 @@ def sample_sequences(
     return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
 
 
-GENERIC_SIZES: dict[str, int] = {
-    "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "num_hidden_layers": 4, "num_experts": 4, "num_local_experts": 4,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "num_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 96,
-    "max_position_embeddings": 256, "n_group": 1, "topk_group": 1, "sliding_window": 8,
-}  # fmt: skip
-"""Sizes a default transformers config of any family is shrunk to (the fields it has)."""
-
-
 def generic_tiny_config(model_type: str, **overrides: Any):
-    """transformers' default config of `model_type`, shrunk to GENERIC_SIZES (plus `overrides`)
-    and its per-layer lists cut to the layer count; no special token ids."""
+    """transformers' default config of `model_type`, shrunk as `moectl adapt` shrinks a family
+    of the generic path (`deploy.adapt.shrink.shrink_generic`), vocabulary 96 (the test
+    tokenizer's)."""
     import transformers
 
+    from deploy.adapt.shrink import shrink_generic
+
     config = transformers.AutoConfig.for_model(model_type)
-    text = config.get_text_config()
-    for key, value in {**GENERIC_SIZES, **overrides}.items():
-        old = getattr(text, key, None)
-        if key in overrides or (isinstance(old, int) and not isinstance(old, bool)):
-            setattr(text, key, value)
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if hasattr(text, key):
-            setattr(text, key, None)
-    for key in ("layer_types", "mlp_layer_types"):
-        if getattr(text, key, None) is not None:
-            setattr(
-                text,
-                key,
-                (list(getattr(text, key)) * text.num_hidden_layers)[: text.num_hidden_layers],
-            )
-    return config
+    return shrink_generic(config, **{"vocab_size": 96, **overrides})
 
 
 def make_generic_checkpoint(model_type: str, path: Path, *, seed: int = 0, **overrides: Any):
     """A tiny random checkpoint of any transformers family (`generic_tiny_config`), made and
-    saved by transformers' own classes, its norms randomised as make_tiny_model does, with the
-    96-token test tokenizer. Returns (path, the float32 reference model in eval mode)."""
-    import transformers
-
+    saved by transformers' own classes (`deploy.adapt.shrink.random_model`), with the 96-token
+    test tokenizer. Returns (path, the float32 reference model in eval mode)."""
+    from deploy.adapt.shrink import random_model
     from tests.actors.tiny_tokenizer import install
 
-    config = generic_tiny_config(model_type, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1 and ("norm" in name or "layernorm" in name):
-                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=gen))
+    model = random_model(generic_tiny_config(model_type, **overrides), seed=seed)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -53,6 +53,6 @@ def test_a_perturbed_layer_is_named(checkpoints, moectl, tmp_path):
 
 
 def test_tp_is_refused_before_any_computation(checkpoints, moectl):
-    code, out, err = moectl("validate", checkpoints["olmoe"], "--layout", "tp2")
+    code, _, err = moectl("validate", checkpoints["olmoe"], "--layout", "tp2")
     assert code == 2
     assert "pipeline stages only" in err and "Traceback" not in err

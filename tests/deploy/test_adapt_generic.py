@@ -1,0 +1,42 @@
+"""`moectl adapt` on families the native layers do not implement: `ready-generic` when the
+generic path (transformers' own layers over the paged cache) runs them, its shrunk model aligned
+single and pp2 and its plan in pipeline stages only; `needs-work` naming the module otherwise.
+Configs are transformers' own defaults of each family (their real sizes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+
+def _config(model_type: str, tmp_path):
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    path = tmp_path / model_type / "config.json"
+    path.parent.mkdir(parents=True)
+    transformers.AutoConfig.for_model(model_type).to_json_file(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "minimax_m2", "ernie4_5_moe"])
+def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp_path):
+    code, out, err = moectl(
+        "adapt", _config(model_type, tmp_path), "--json", "--out", tmp_path / "report"
+    )
+    s = json.loads(out)
+    assert (code, s["verdict"]) == (0, "ready-generic"), (s["reasons"], err)
+    assert s["runtime_path"] == "generic" and "tensor or expert parallelism" in s["runtime_cost"]
+    ran = {a["layout"]: a["passed"] for a in s["alignment"]["layouts"]}
+    assert ran == {"single": True, "pp2": True}
+    assert (s["tp"], s["ep"], s["dp"]) == (1, 1, 1) and s["plan"]["fits"]
+    assert "READY (GENERIC PATH)" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_family_whose_attention_has_no_paged_path_needs_work_naming_it(moectl, tmp_path):
+    code, out, _ = moectl("adapt", _config("qwen3_next", tmp_path), "--json", "--out", tmp_path)
+    s = json.loads(out)
+    assert (code, s["verdict"]) == (1, "needs-work")
+    family = next(r for r in s["reasons"] if r.startswith("family qwen3_next"))
+    assert "model.layers.0.linear_attn: Qwen3NextGatedDeltaNet" in family
