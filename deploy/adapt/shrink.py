@@ -74,7 +74,7 @@ def random_model(config: Any, *, seed: int = 0):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 1 and ("norm" in name or "layernorm" in name):
+            if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".gate.weight"):
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen))
@@ -158,7 +158,6 @@ def build_shrunk_checkpoint(
     """Build the shrunk model with transformers' class, randomise it, `save_pretrained` it into
     `directory`. Returns the shrunk config dict. `generic`: a family of the generic path
     (`shrink_generic`)."""
-    import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -174,18 +173,7 @@ def build_shrunk_checkpoint(
     fields = {k: v for k, v in small.items() if k != "model_type"}
     hf_config = transformers.AutoConfig.for_model(small["model_type"], **fields)
     hf_config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.5 * torch.randn(param.shape, generator=gen))
-            elif name.endswith(".gate.weight"):
-                param.copy_(0.5 * torch.randn(param.shape, generator=gen))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    model = random_model(hf_config, seed=seed)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return small
