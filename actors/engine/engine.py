@@ -168,6 +168,8 @@ class Engine:
             "overlapped_steps": 0,
         }
         self._latency = {"last_s": 0.0, "total_s": 0.0}
+        self.warm_up_stats: dict[str, Any] = {}
+        """Set by `actors.engine.warm_up.warm_up` (a CUDA engine's start-up)."""
 
     # ------------------------------------------------------------------ requests
 
@@ -606,6 +608,7 @@ class Engine:
             "role": self.role,
             "step_latency_s": self._latency["last_s"],
             "mean_step_latency_s": self._latency["total_s"] / steps if steps else 0.0,
+            **self.warm_up_stats,
         }
         out.update(self.runner.timing_stats())  # a distributed runner: per stage and comm axis
         if self.tiers is not None:

@@ -14,7 +14,10 @@ Step 2: the engine's defaults from the checkpoint: the tokenizer (tokenizer.json
         absent), EOS (generation_config.json or config.json), the weights fingerprint of block
         keys, and the cache-key secret (MOE_CACHE_SECRET; a random one when no cache is
         attached and none is set, so keys never leave this process).
-Step 3: `recover=True` (a Replica only) wraps the engine in `RecoveringEngine`, whose
+Step 3: on a CUDA device, `actors.engine.warm_up.warm_up`: every decode shape the step paths
+        pad to (batch, table width, decode rows) captured and its kernels compiled before the
+        first request, not inside one.
+Step 4: `recover=True` (a Replica only) wraps the engine in `RecoveringEngine`, whose
         `ReplicaRebuilder` replaces dead actors and resumes the requests in flight.
 
 `dtype` (`float32`, `bfloat16`, `float16`; None: float32) is the compute dtype of the weights
@@ -91,7 +94,17 @@ def build_engine(
         if replica is not None:
             replica.shutdown()
         raise
-    # Step 3: recovery from worker faults.
+    # Step 3: on GPUs, every decode shape captured and compiled before the first request.
+    if device.startswith("cuda"):
+        from actors.engine.warm_up import warm_up
+
+        try:
+            warm_up(engine)
+        except BaseException:
+            if replica is not None:
+                replica.shutdown()
+            raise
+    # Step 4: recovery from worker faults.
     if recover and replica is not None:
         from actors.engine.recovery import RecoveringEngine, ReplicaRebuilder
 

@@ -23,16 +23,25 @@ import torch
 from actors.kernels import fused, mla_prologue, paged_decode
 
 TABLE_QUANTUM = 32
-"""Decode block tables are padded to a multiple of this many blocks (one graph each)."""
+"""Decode block tables are padded to this many blocks times a power of two (one graph each)."""
+
+
+def table_width(blocks: int, quantum: int = TABLE_QUANTUM) -> int:
+    """The padded width of a table of `blocks` blocks: quantum * 2^k, the smallest that holds
+    it. Doubling (not a multiple of the quantum) keeps the widths a request meets as it grows
+    to a long context few (1K -> 32K tokens at 16 a block: 6 widths, not 62), each costing a
+    graph per batch size; the attention's splits follow the padded width, so at most half
+    of a row's splits find no tokens."""
+    return quantum << max(0, -(-blocks // quantum) - 1).bit_length()
 
 
 def padded_tables(tables, quantum: int = TABLE_QUANTUM) -> torch.Tensor:
-    """Block tables [B][n_i] as one int32 tensor [B, NB], NB the longest padded up to a multiple
-    of `quantum` (one CUDA graph, or one Triton specialisation, per width; the padding is never
-    read: context_lens stop each row)."""
+    """Block tables [B][n_i] as one int32 tensor [B, NB], NB = `table_width` of the longest
+    (one CUDA graph, or one Triton specialisation, per width; the padding is never read:
+    context_lens stop each row)."""
     import numpy as np
 
-    width = -(-max(len(t) for t in tables) // quantum) * quantum
+    width = table_width(max(len(t) for t in tables), quantum)
     rows = np.zeros((len(tables), width), dtype=np.int32)  # one tensor, not one per row
     for i, table in enumerate(tables):
         rows[i, : len(table)] = table
@@ -215,7 +224,7 @@ CAPTURE_LOCK = threading.Lock()
 """Held while a graph is captured and while another thread moves KV blocks (the engine's
 write-down thread): a capture errors on work other threads put on the device meanwhile."""
 
-GRAPH_LIMIT = [64]
+GRAPH_LIMIT = [128]
 """Graphs a DecodeGraphs keeps (a one-element list: the device check sets 1 to exercise the
 eviction); past it every graph is dropped, with its pool."""
 

@@ -122,7 +122,8 @@ def test_a_cuda_rank_actor_replays_decode_graphs_with_the_in_process_tokens(fami
     ShardWorker Ray actor (its own process, the step channel) gives the greedy tokens of the
     in-process LocalRunner engine (bfloat16 as served; prompts that hit the prefix cache, whose
     short tails run as decode rows), and its seeded sampled tokens, and the rank replayed CUDA
-    graphs (none refused)."""
+    graphs (none refused), every one captured by the start-up warm-up: none while the requests
+    ran (`actors/engine/warm_up.py`)."""
     ray = pytest.importorskip("ray")
     from actors.engine.factory import build_engine
     from actors.engine.sampler import SamplingParams
@@ -141,6 +142,14 @@ def test_a_cuda_rank_actor_replays_decode_graphs_with_the_in_process_tokens(fami
         for layout in (None, "single"):
             ranks = {"layout": layout, "num_cpus": 1, "num_gpus": 1} if layout else {}
             engine = build_engine(path, **ranks, **kw)
+
+            def captures(engine=engine, layout=layout):
+                if layout:
+                    return engine.runner.health()[0]["graph_captures"]
+                return engine.stats()["graph_captures"]
+
+            warmed = captures()
+            assert warmed > 0 and engine.stats()["warm_up_steps"] > 0
             out: dict[str, list[int]] = {}
             for k, (rid, ids) in enumerate(prompts.items()):
                 engine.add_request(rid, ids, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -152,6 +161,7 @@ def test_a_cuda_rank_actor_replays_decode_graphs_with_the_in_process_tokens(fami
                 for o in engine.step():
                     out.setdefault(o.request_id, []).extend(o.new_token_ids)
             got[layout] = out
+            assert captures() == warmed, layout
             if layout:
                 health = engine.runner.health()
                 engine.runner.shutdown()
