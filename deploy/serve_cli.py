@@ -93,16 +93,25 @@ def serve_command(
 
 def _check_local_model(cfg, address: str | None) -> None:
     """With a local Ray the replicas load the checkpoint from this machine: a folder that is not
-    here is a one-line error before anything starts. (On a cluster the path is the nodes'.)"""
+    here, or a layout that cannot split its model, is a one-line error before anything starts.
+    (On a cluster the path is the nodes'.)"""
     from cluster.errors import InputError
     from deploy.config import DEMO_MODEL
     from deploy.model_server import resolve_model_path
 
-    if address is None and cfg.model.path != DEMO_MODEL and not resolve_model_path(cfg).is_dir():
+    if address is not None or cfg.model.path == DEMO_MODEL:
+        return
+    path = resolve_model_path(cfg)
+    if not path.is_dir():
         raise InputError(
             f"model.path={cfg.model.path!r}: no checkpoint folder there on this machine, where a "
             "local Ray would load it (give --address for a cluster whose nodes have it)"
         )
+    dims = cfg.plan.dims()
+    if dims is not None and (path / "config.json").is_file():
+        from deploy.demo import check_layout
+
+        check_layout(path, dims.shorthand)  # the layout against this model, before any actor
 
 
 def _start_cache(cfg):

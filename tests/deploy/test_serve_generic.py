@@ -61,3 +61,17 @@ def test_a_greedy_completion_equals_transformers_generate(server, checkpoint):
     )
     assert r.usage.completion_tokens == 8
     assert r.choices[0].text == tokenizer.decode(want.tolist())
+
+
+def test_a_tp_layout_of_a_generic_family_is_one_line_before_anything_starts(
+    checkpoint, moectl, tmp_path
+):
+    import yaml
+
+    path, _ = checkpoint
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": str(path)}, "plan": {"layout": "tp2"}}))
+    code, _, err = moectl("serve", "-c", cfg)
+    assert code == 2
+    assert "model_type='olmoe'" in err and "pipeline stages only" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
