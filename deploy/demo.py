@@ -129,10 +129,10 @@ def check_layout(model_dir: Path, layout: str) -> None:
         num_kv_heads=arch.num_kv_heads,
         num_experts=arch.num_experts,
     )
-    if arch.generic and (dims.tp > 1 or dims.ep > 1):
+    if arch.generic and dims.tp > 1:
         raise InputError(
             f"layout {layout}: model_type={arch.family!r} runs through transformers' own layers "
-            "(not natively), which split over pipeline stages only: no tp or ep"
+            "(not natively), which split over pipeline stages and experts only: no tp"
         )
     Layout.build(dims, num_layers=arch.num_layers, num_experts=arch.num_experts)
 

@@ -295,7 +295,7 @@ def build_plan(
     whole_layers: bool = False,
 ) -> Plan:
     """Search, then expand the winner into a Plan. routing: optional [MoE layers, E] token counts.
-    whole_layers: pipeline stages only (`search`)."""
+    whole_layers: no tensor parallelism (`search`)."""
     result = search(
         costs, view, workload, exhaustive=exhaustive, constants=constants, whole_layers=whole_layers
     )

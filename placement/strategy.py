@@ -352,8 +352,8 @@ def search(
     whole_layers: bool = False,
 ) -> SearchResult:
     """Every legal layout on `view`, best first; InputError with the numbers when none fits.
-    `whole_layers`: pipeline stages only (tp = dp = 1 within a replica; a model the generic path
-    runs, whose layers are transformers' own modules), replicas for the rest."""
+    `whole_layers`: no layer split by tensor parallelism (tp = etp = 1: pipeline stages and
+    expert parallelism; a model the generic path runs, whose layers are transformers' own)."""
     if workload.context > costs.max_context > 0:
         raise InputError(
             f"--context {workload.context} exceeds the model's maximum of {costs.max_context} tokens"
@@ -366,7 +366,7 @@ def search(
             max_dp = min(view.num_gpus // (tp * pp), workload.concurrency)
             for dp in _dp_options(costs, tp, max_dp, exhaustive):
                 for etp in _etp_options(costs, tp, dp * tp, exhaustive):
-                    if whole_layers and (tp, dp, etp) != (1, 1, 1):
+                    if whole_layers and (tp, etp) != (1, 1):
                         continue
                     cand = evaluate(
                         costs, view, workload, pp=pp, dp=dp, tp=tp, etp=etp, constants=constants,

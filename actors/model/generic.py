@@ -140,10 +140,35 @@ def paged_attention(
     return out[None], None
 
 
+EXPERTS = "moe_ep"
+"""The transformers experts implementation this module registers (expert parallelism)."""
+
+
+def ep_experts(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
+) -> torch.Tensor:
+    """transformers' experts interface under expert parallelism: hidden_states [T, H], top_k
+    index / weights [T, K] (global experts) -> [T, H]. The (token, k) rows go to the ranks
+    holding their experts (`ExpertParallel.dispatch`), run there through this rank's slices of
+    the module's fused weights (gate_up_proj [E_local, 2I, H], down_proj [E_local, H, I]) and
+    come back weighted and summed (`combine`)."""
+    ep, local = module._moe_ep, module._moe_local
+    recv_x, recv_ids, handle = ep.dispatch(hidden_states, top_k_index, top_k_weights)
+    y = torch.empty_like(recv_x)
+    slots = local.to(recv_ids.device)[recv_ids]
+    for e in torch.unique(slots).tolist():
+        rows = (slots == e).nonzero().squeeze(1)
+        h = module._apply_gate(nn.functional.linear(recv_x[rows], module.gate_up_proj[e]))
+        y[rows] = nn.functional.linear(h, module.down_proj[e]).to(y.dtype)
+    return ep.combine(y, handle)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     AttentionInterface.register(ATTENTION, paged_attention)
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS, ep_experts)
 
 
 class GenericStage(nn.Module):
@@ -233,6 +258,7 @@ class GenericStage(nn.Module):
         elif tied:
             self.lm_head.weight = self.embed_tokens.weight
         self.to(self.device_)
+        self.requires_grad_(False)  # the loader's parameters are new ones
         return sorted(state)
 
     @torch.no_grad()
@@ -338,6 +364,59 @@ class GenericStage(nn.Module):
                     continue
                 hooks.append(module.register_forward_hook(hook_for(name)))
         return hooks
+
+    def experts_modules(self) -> list[tuple[str, nn.Module]]:
+        """(path, module) of every transformers experts module of the stage (fused 3D weights
+        dispatched through its experts interface)."""
+        out = []
+        for i, layer in self.layers.items():
+            for name, m in layer.named_modules():
+                if hasattr(type(m).forward, "__wrapped__") and hasattr(m, "gate_up_proj"):
+                    out.append((f"model.layers.{i}.{name}", m))
+        return out
+
+    def shard_experts(self, local_experts: Sequence[int], ep: Any) -> None:
+        """Keep only `local_experts` of every experts module (their rows of the fused weights)
+        and route the rest through `ep`: transformers' experts interface `moe_ep`. A module of
+        another layout (biases, transposed or per-expert weights) is refused by path and class."""
+        keep = torch.tensor(sorted(local_experts), dtype=torch.int64)
+        found = self.experts_modules()
+        if not found:
+            raise InputError(
+                f"model_type={self.arch.family!r}: no transformers experts module with fused "
+                "gate_up_proj / down_proj to split over EP ranks"
+            )
+        for path, m in found:
+            e = m.gate_up_proj.shape[0]
+            if m.has_bias or m.is_transposed or not m.has_gate or m.down_proj.shape[0] != e:
+                raise InputError(
+                    f"{path}: {type(m).__name__} (biases, transposed or ungated experts) has "
+                    "no expert-parallel path here"
+                )
+            local = torch.full((e,), -1, dtype=torch.int64)
+            local[keep] = torch.arange(len(keep))
+            m.gate_up_proj = nn.Parameter(m.gate_up_proj.data[keep].clone(), requires_grad=False)
+            m.down_proj = nn.Parameter(m.down_proj.data[keep].clone(), requires_grad=False)
+            m._moe_local = local
+            m._moe_ep = ep.for_layer(int(path.split(".")[2]))
+            m.config._experts_implementation = EXPERTS
+        self.config._experts_implementation = EXPERTS
+        self.config.get_text_config()._experts_implementation = EXPERTS
+
+    @torch.no_grad()
+    def empty_pass(self, x: torch.Tensor) -> torch.Tensor:
+        """An idle DP rank's micro-batch of no tokens under EP: each layer's MoE block takes part
+        in its exchanges (other ranks' tokens may route to experts held here)."""
+        if not self.experts_modules() or self.config._experts_implementation != EXPERTS:
+            return x
+        for layer in self.layers.values():
+            mlp = getattr(layer, "mlp", None)
+            if mlp is not None and any(
+                getattr(m, "_moe_ep", None) is not None for m in mlp.modules()
+            ):
+                out = mlp(x[None])
+                x = (out[0] if isinstance(out, tuple) else out).reshape(0, x.shape[-1])
+        return x
 
     # StageModel's other calls, with nothing to do here.
     def column_major_weights(self) -> None:
@@ -477,9 +556,12 @@ def load_generic_stage(
     first: bool,
     last: bool,
     device: torch.device | str | None = None,
+    local_experts: Sequence[int] | None = None,
+    ep: Any = None,
 ) -> GenericStage:
     """`GenericStage` of the checkpoint at `directory`, its tensors read (`load_stage_model`
-    for a family the native layers do not implement)."""
+    for a family the native layers do not implement); with `local_experts` and `ep` (an
+    `actors.comm.ep.ExpertParallel`), only those experts kept, the others reached through it."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -494,4 +576,6 @@ def load_generic_stage(
     finally:
         torch.set_default_dtype(previous)
     stage.load(Path(directory), dtype)
+    if local_experts is not None and ep is not None:
+        stage.shard_experts(local_experts, ep)
     return stage

@@ -228,17 +228,18 @@ def load_stage_model(
 
 def _generic(index, arch, layer_range, tp_size, local_experts, rank, dtype, kw):
     """load_stage_model over transformers' own layers (`actors/model/generic.py`): whole
-    layers, so pipeline stages only (TP or EP refused, naming the model type)."""
+    layers over pipeline stages, experts over EP ranks (TP refused, naming the model type)."""
     from actors.model.generic import load_generic_stage
 
-    if tp_size > 1 or local_experts is not None:
+    if tp_size > 1:
         raise InputError(
             f"{index.directory}: model_type={arch.family!r} runs through transformers' own "
-            "layers (not natively), which split over pipeline stages only: no tp or ep"
+            "layers (not natively), which split over pipeline stages and experts only: no tp"
         )
     stage = load_generic_stage(
         index.directory, arch, index.config, layer_range=layer_range,
         dtype=compute_dtype(dtype), first=kw["first"], last=kw["last"], device=kw.get("device"),
+        local_experts=local_experts, ep=kw.get("ep"),
     )  # fmt: skip
     return stage, ReadLog(rank=rank)
 

@@ -28,12 +28,12 @@ from cluster.errors import InputError
 
 DEFAULT_TOPOLOGIES = ("hgx-h200-8gpu", "hgx-h200-2node-ib", "hgx-h200-4node-ib")
 DEFAULT_LAYOUTS = ("ep2", "tp2xpp2")
-GENERIC_LAYOUTS = ("single", "pp2")
-"""The default layouts of a family the generic path runs (whole layers: pipeline stages only)."""
+GENERIC_LAYOUTS = ("single", "pp2", "ep2")
+"""The default layouts of a family the generic path runs (whole layers: no tensor parallelism)."""
 GENERIC_COST = (
     "runs through the generic path: transformers' own decoder layers over the paged KV cache "
-    "(continuous batching, prefix cache, tiers, pipeline stages), without tensor or expert "
-    "parallelism and without the native fused kernels and CUDA graphs"
+    "(continuous batching, prefix cache, tiers, pipeline stages, expert parallelism), without "
+    "tensor parallelism and without the native fused kernels and CUDA graphs"
 )
 ALIGNMENT_SEQ_LENS = (40, 33, 21)
 

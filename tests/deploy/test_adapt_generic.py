@@ -1,6 +1,7 @@
 """`moectl adapt` on families the native layers do not implement: `ready-generic` when the
 generic path (transformers' own layers over the paged cache) runs them, its shrunk model aligned
-single and pp2 and its plan in pipeline stages only; `needs-work` naming the module otherwise.
+single, pp2 and ep2 and its plan without tensor parallelism; `needs-work` naming the module
+otherwise.
 Configs are transformers' own defaults of each family (their real sizes)."""
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp
     )
     s = json.loads(out)
     assert (code, s["verdict"]) == (0, "ready-generic"), (s["reasons"], err)
-    assert s["runtime_path"] == "generic" and "tensor or expert parallelism" in s["runtime_cost"]
+    assert s["runtime_path"] == "generic" and "without tensor parallelism" in s["runtime_cost"]
     ran = {a["layout"]: a["passed"] for a in s["alignment"]["layouts"]}
-    assert ran == {"single": True, "pp2": True}
-    assert (s["tp"], s["ep"], s["dp"]) == (1, 1, 1) and s["plan"]["fits"]
+    assert ran == {"single": True, "pp2": True, "ep2": True}
+    assert (s["tp"], s["etp"]) == (1, 1) and s["plan"]["fits"]
     assert "READY (GENERIC PATH)" in (tmp_path / "report" / "report.md").read_text()
 
 

@@ -73,5 +73,5 @@ def test_a_tp_layout_of_a_generic_family_is_one_line_before_anything_starts(
     cfg.write_text(yaml.safe_dump({"model": {"path": str(path)}, "plan": {"layout": "tp2"}}))
     code, _, err = moectl("serve", "-c", cfg)
     assert code == 2
-    assert "model_type='olmoe'" in err and "pipeline stages only" in err
+    assert "model_type='olmoe'" in err and "experts only: no tp" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -78,14 +78,18 @@ def test_a_generic_family_decodes_as_transformers_generate(model_type, tmp_path)
 
 
 @pytest.mark.ray
-def test_generic_pipeline_stages_over_rank_actors_equal_the_in_process_tokens(
-    ray_session, tmp_path
+@pytest.mark.parametrize(("model_type", "layout"), [("olmoe", "pp2"), ("qwen2_moe", "ep2"),
+                                                    ("olmoe", "ep2xpp2")])  # fmt: skip
+def test_generic_layouts_over_rank_actors_equal_transformers(
+    model_type, layout, ray_session, tmp_path
 ):
-    """pp2 over ShardWorker actors (hidden states between the stages through the step channel):
-    every stage builds and loads only its own layers, and the tokens are the in-process ones."""
-    path, ref = make_generic_checkpoint("olmoe", tmp_path / "olmoe")
+    """Over ShardWorker actors: pp (hidden states between the stages through the step channel,
+    each stage building and loading only its own layers) and ep (each rank keeps its experts'
+    rows of the fused weights; the (token, k) rows go to the rank holding their expert through
+    transformers' experts interface `moe_ep`, attention data-parallel): transformers' tokens."""
+    path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
     want = {rid: generate(ref, ids) for rid, ids in requests().items()}
-    engine = build_engine(path, layout="pp2", num_cpus=0.25, cache_key_secret=SECRET, **KW)
+    engine = build_engine(path, layout=layout, num_cpus=0.25, cache_key_secret=SECRET, **KW)
     try:
         assert run_engine(engine) == want
     finally:
@@ -103,10 +107,29 @@ def test_a_stage_holds_and_reads_only_its_layers(tmp_path):
     assert first.norm is None and first.lm_head is None and first.embed_tokens is not None
 
 
-def test_tp_and_ep_are_refused_naming_the_model_type(tmp_path):
+def test_tp_is_refused_naming_the_model_type(tmp_path):
     path, _ = make_generic_checkpoint("olmoe", tmp_path / "o")
-    with pytest.raises(InputError, match=r"model_type='olmoe'.*pipeline stages only"):
+    with pytest.raises(InputError, match=r"model_type='olmoe'.*experts only: no tp"):
         load_stage_model(path, layer_range=(0, 4), tp_size=2)
+
+
+def test_an_ep_rank_keeps_only_its_experts_rows(tmp_path):
+    from actors.model.generic import EXPERTS
+
+    path, ref = make_generic_checkpoint("olmoe", tmp_path / "o")
+
+    class Ep:  # what shard_experts reads of an ExpertParallel
+        def for_layer(self, layer):
+            return ("ep", layer)
+
+    stage, _ = load_stage_model(path, layer_range=(0, 4), local_experts=[2, 3], ep=Ep())
+    theirs = dict(ref.named_parameters())
+    for path_, m in stage.experts_modules():
+        full = theirs[f"{path_}.gate_up_proj"]
+        torch.testing.assert_close(m.gate_up_proj, full[2:4], rtol=0, atol=0)
+        assert (
+            m._moe_local.tolist() == [-1, -1, 0, 1] and m.config._experts_implementation == EXPERTS
+        )
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """`moectl validate` for families the native layers do not implement (the generic path:
-transformers' own decoder layers over the paged cache), single rank and two pipeline stages,
-against transformers on tiny random checkpoints; a perturbed attention projection is named."""
+transformers' own decoder layers over the paged cache), single rank, two pipeline stages and
+two expert-parallel ranks, against transformers on tiny random checkpoints; a perturbed attention projection is named."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def checkpoints(tmp_path_factory):
     return {t: make_generic_checkpoint(t, root / t)[0] for t in FAMILIES}
 
 
-@pytest.mark.parametrize("layout", ["single", "pp2"])
+@pytest.mark.parametrize("layout", ["single", "pp2", "ep2"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_generic_family_agrees_with_transformers_after_every_layer(
     model_type, layout, checkpoints, moectl
@@ -55,4 +55,4 @@ def test_a_perturbed_layer_is_named(checkpoints, moectl, tmp_path):
 def test_tp_is_refused_before_any_computation(checkpoints, moectl):
     code, _, err = moectl("validate", checkpoints["olmoe"], "--layout", "tp2")
     assert code == 2
-    assert "pipeline stages only" in err and "Traceback" not in err
+    assert "pipeline stages and experts only" in err and "Traceback" not in err
