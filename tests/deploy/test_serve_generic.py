@@ -1,6 +1,7 @@
-"""A family the native layers do not implement (OLMoE), served: pipeline stages of ShardWorker
-actors running transformers' own decoder layers over the paged cache (`actors/model/generic.py`)
-behind the OpenAI endpoint; a greedy completion equals transformers' `generate`."""
+"""Families the native layers do not implement, served: transformers' own decoder layers over the
+paged cache (`actors/model/generic.py`) behind the OpenAI endpoint, OLMoE over two pipeline stages
+of ShardWorker actors and five more families in replicas of their own (one Serve instance, an app
+each); every greedy completion equals transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -45,22 +46,68 @@ def server(ray_session, checkpoint):
     serve.shutdown()
 
 
-def test_a_greedy_completion_equals_transformers_generate(server, checkpoint):
+def _greedy_equals_generate(base: str, name: str, path, model) -> None:
     import openai
     import torch
     from transformers import AutoTokenizer
 
-    path, model = checkpoint
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = "experts live here"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
     r = client.completions.create(
-        model=MODEL, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        model=name, prompt=text, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     assert r.usage.completion_tokens == 8
-    assert r.choices[0].text == tokenizer.decode(want.tolist())
+    assert r.choices[0].text == tokenizer.decode(want.tolist()), name
+
+
+def test_a_greedy_completion_equals_transformers_generate(server, checkpoint):
+    path, model = checkpoint
+    _greedy_equals_generate(server, MODEL, path, model)
+
+
+MORE = ("qwen2_moe", "phimoe", "ernie4_5_moe", "minimax_m2", "glm4_moe")
+
+
+@pytest.fixture(scope="module")
+def more(server, tmp_path_factory):
+    """Five more families, an app each (one replica, in-process runner) beside `server`'s."""
+    from ray import serve
+
+    from deploy.app import build_app
+    from tests.actors.checkpoints import make_generic_checkpoint
+
+    apps = {}
+    for t in MORE:
+        path, model = make_generic_checkpoint(t, tmp_path_factory.mktemp("more") / t)
+        args = {
+            "app_name": f"generic-{t}",
+            "model": {"path": str(path), "name": t},
+            "engine": {"block_size": 16, "num_blocks": 64, "max_num_seqs": 4, "num_cpus": 0.1},
+            "autoscaling": {"min_replicas": 1, "max_replicas": 1},
+            "http": {"route_prefix": f"/g-{t}"},
+        }
+        serve.run(build_app(args), name=args["app_name"], route_prefix=f"/g-{t}", blocking=False)
+        apps[t] = (path, model)
+    yield apps
+    for t in MORE:
+        serve.delete(f"generic-{t}")
+
+
+@pytest.mark.parametrize("model_type", MORE)
+def test_more_families_serve_transformers_greedy_tokens(model_type, more, server):
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + 180
+    while serve.status().applications[f"generic-{model_type}"].status != "RUNNING":
+        assert time.monotonic() < deadline, serve.status().applications[f"generic-{model_type}"]
+        time.sleep(0.5)
+    base = server.rsplit(PREFIX, 1)[0] + f"/g-{model_type}"
+    _greedy_equals_generate(base, model_type, *more[model_type])
 
 
 def test_a_tp_layout_of_a_generic_family_is_one_line_before_anything_starts(
