@@ -15,11 +15,16 @@ Step 3: every attention module calls `paged_attention` (registered as transforme
         own path), so continuous batching, prefix caching and KV tiers work as for the native
         families. A decode step's `DecodeView` (CUDA fast decode) is served too.
 
+Step 4 (expert parallelism): every fused experts module runs through transformers' experts
+        interface as `moe_ep` (registered here): an EP rank keeps its experts' rows of
+        gate_up_proj / down_proj, and each (token, k) row goes to its expert's rank and back
+        through the native `ExpertParallel` dispatch and combine.
+
 What is refused, in one line naming the layer's module path and class: an attention kind other
 than full or sliding-window softmax attention (linear attention, a sparse indexer: they keep a
-state per sequence that the paged cache does not hold), and key and value heads of different
-sizes (MLA expanded to heads). MoE blocks run as transformers wrote them, every expert on every
-rank (no expert parallelism on this path; the native families have it).
+state per sequence that the paged cache does not hold), attention sinks, key and value heads of
+different sizes (MLA expanded to heads), and tensor parallelism (transformers' layers run whole).
+Routers, norms and shared experts run as transformers wrote them.
 """
 
 from __future__ import annotations
