@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stats: dict = engine.stats()
+        self._stats_at = time.monotonic()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._prefetching: dict[str, bool] = {}
@@ -203,6 +205,8 @@ class AsyncEngine:
             if not engine.has_unfinished():  # (prefetches in flight wake it with "ready")
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
+                if time.monotonic() - self._stats_at > STATS_CACHE_AGE_S:
+                    self._refresh_stats()  # an idle engine's figures stay current too
                 continue
             # Step 2: one engine step; its outputs to their streams.
             try:
@@ -216,8 +220,12 @@ class AsyncEngine:
                 engine.discard_outputs()
                 continue
             self._deliver_step(outputs)
-            with self._lock:
-                self._stats = engine.stats(cache_max_age_s=STATS_CACHE_AGE_S)
+            self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        stats = self.engine.stats(cache_max_age_s=STATS_CACHE_AGE_S)
+        with self._lock:
+            self._stats, self._stats_at = stats, time.monotonic()
 
 
 def _put_all(items) -> None:

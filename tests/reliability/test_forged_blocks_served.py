@@ -199,10 +199,16 @@ def test_forged_and_damaged_blocks_are_misses_counted_on_stats_and_metrics(servi
         again = _complete(b, text)
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    faults = json.loads(_call(f"{b}/admin/stats")[1])["cache_faults"]["redis"]
     # The forged blocks fail their tag and are counted; a damaged block is a miss too, counted
     # `corrupt` where the tier tells damage from forgery (tests/cache_service/test_block_mac.py
-    # checks that apart), here possibly as `unauthenticated`: both prompts' reads counted.
+    # checks that apart), here possibly as `unauthenticated`: both prompts' reads counted. The
+    # replica's figures reuse the cache's own for up to 1 s (STATS_CACHE_AGE_S), idle or not.
+    deadline = time.monotonic() + 15
+    while True:
+        faults = json.loads(_call(f"{b}/admin/stats")[1])["cache_faults"]["redis"]
+        if faults["unauthenticated"] >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert faults["unauthenticated"] >= 1
     assert faults["unauthenticated"] + faults["corrupt"] >= 2
     assert faults["breaker_open"] == 0
