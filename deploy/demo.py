@@ -117,8 +117,8 @@ PREFIX_PROMPTS = {
 def check_layout(model_dir: Path, layout: str) -> None:
     """InputError (one line) when `layout` cannot split the model at `model_dir`, before
     anything starts."""
+    from actors.model.generic import refuse_tp
     from actors.model.weights import CheckpointIndex
-    from cluster.errors import InputError
     from placement.parallel_dims import Layout, parse_layout
 
     arch = CheckpointIndex.open(model_dir).arch()
@@ -129,11 +129,7 @@ def check_layout(model_dir: Path, layout: str) -> None:
         num_kv_heads=arch.num_kv_heads,
         num_experts=arch.num_experts,
     )
-    if arch.generic and dims.tp > 1:
-        raise InputError(
-            f"layout {layout}: model_type={arch.family!r} runs through transformers' own layers "
-            "(not natively), which split over pipeline stages and experts only: no tp"
-        )
+    refuse_tp(arch, dims.tp, f"layout {layout}")
     Layout.build(dims, num_layers=arch.num_layers, num_experts=arch.num_experts)
 
 

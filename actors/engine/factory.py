@@ -87,23 +87,18 @@ def build_engine(
         runner = LocalRunner.from_checkpoint(
             root, device=device, num_threads=torch_threads, dtype=dtype
         )
-    # Step 2: the engine's defaults from the checkpoint.
+    # Step 2: the engine's defaults from the checkpoint; Step 3: on GPUs, every decode shape
+    # captured and compiled before the first request.
     try:
         engine = Engine(runner, **checkpoint_defaults(root, cache_key_secret, engine_kw))
+        if device.startswith("cuda"):
+            from actors.engine.warm_up import warm_up
+
+            warm_up(engine)
     except BaseException:
         if replica is not None:
             replica.shutdown()
         raise
-    # Step 3: on GPUs, every decode shape captured and compiled before the first request.
-    if device.startswith("cuda"):
-        from actors.engine.warm_up import warm_up
-
-        try:
-            warm_up(engine)
-        except BaseException:
-            if replica is not None:
-                replica.shutdown()
-            raise
     # Step 4: recovery from worker faults.
     if recover and replica is not None:
         from actors.engine.recovery import RecoveringEngine, ReplicaRebuilder

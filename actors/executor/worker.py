@@ -39,6 +39,7 @@ from actors.kernels.decode_step import DecodeGraphs, run_decode
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, to_device
 from actors.kv.tiers import KVTiers
+from actors.model.generic import is_experts
 from actors.model.layers.moe import MoE
 from actors.model.microbatch import (
     empty_microbatch,
@@ -288,12 +289,12 @@ class ShardWorker:
         CPU, 64 calls per decode step of 8 sequences over 4 layers in per-sequence mode)."""
         for layer in self.model.layers.values():
             mlp = getattr(layer, "mlp", None)  # transformers' layers (generic path) may name
-            for module, region in (  # theirs otherwise: untimed
+            moe = isinstance(mlp, MoE) or (  # theirs otherwise: untimed
+                mlp is not None and any(is_experts(m) for m in mlp.modules())
+            )
+            for module, region in (
                 (getattr(layer, "self_attn", None), "attention"),
-                (
-                    mlp,
-                    "moe" if isinstance(mlp, MoE) or self.model.arch.num_experts else "dense_mlp",
-                ),
+                (mlp, "moe" if moe else "dense_mlp"),
             ):
                 if module is not None:
                     module.forward = self._timed(module.forward, region)

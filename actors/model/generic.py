@@ -129,10 +129,9 @@ def paged_attention(
     view = paged.layer(module.layer_idx)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if isinstance(view, DecodeView):
-        view.write(k, v)
-        return view.gqa(q.contiguous(), scale)[None], None
     view.write(k, v)
+    if isinstance(view, DecodeView):
+        return view.gqa(q.contiguous(), scale)[None], None
     rep = q.shape[1] // k.shape[1]
 
     def expand(ck, cv):
@@ -166,6 +165,22 @@ def ep_experts(
         h = module._apply_gate(nn.functional.linear(recv_x[rows], module.gate_up_proj[e]))
         y[rows] = nn.functional.linear(h, module.down_proj[e]).to(y.dtype)
     return ep.combine(y, handle)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers experts module with fused 3D weights, dispatched through its experts
+    interface (`use_experts_implementation`)."""
+    return hasattr(type(module).forward, "__wrapped__") and hasattr(module, "gate_up_proj")
+
+
+def refuse_tp(arch: ArchConfig, tp: int, where: str) -> None:
+    """InputError (naming `where` and the model type) for tensor parallelism of a model the
+    generic path runs: its layers are transformers' own, whole."""
+    if arch.generic and tp > 1:
+        raise InputError(
+            f"{where}: model_type={arch.family!r} runs through transformers' own layers (not "
+            "natively), which split over pipeline stages and experts only: no tp"
+        )
 
 
 def _register() -> None:
@@ -205,13 +220,26 @@ class GenericStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, stop)})
         self.norm = base.norm if last else None
         self.lm_head = full.get_output_embeddings() if last else None
-        self.rotary_class = type(base.rotary_emb)
+        rotary = type(base.rotary_emb)
+        # What transformers' loader walks (it finds conversions by the model's classes and
+        # parameters by full names): the same model, pruned to this stage's modules.
+        for i in range(arch.num_layers):
+            if str(i) not in self.layers:
+                layers[i] = nn.Module()
+        if not first:
+            full.set_input_embeddings(nn.Module())
+        base.norm = self.norm if last else nn.Module()
+        full.set_output_embeddings(self.lm_head if last else nn.Module())
+        base.rotary_emb = nn.Module()
+        self._loader_view = [full]  # (a list: not a submodule of the stage)
+        self._ep_blocks: list[nn.Module] = []
+        """The MoE blocks whose experts `shard_experts` split (an idle rank's `empty_pass`)."""
         self.embedding_multiplier = float(getattr(text, "embedding_multiplier", 1.0) or 1.0)
         self.logits_scaling = float(getattr(text, "logits_scaling", 1.0) or 1.0)
         self.device_ = torch.device(device) if device is not None else torch.device("cpu")
         self.to_empty(device=self.device_)
         with torch.device(self.device_):
-            self.rotary_emb = self.rotary_class(config=text)  # its buffers computed, not empty
+            self.rotary_emb = rotary(config=text)  # its buffers computed, not empty
         self.requires_grad_(False)
         self.eval()
 
@@ -235,7 +263,7 @@ class GenericStage(nn.Module):
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        holder = _Holder(self)
+        [model] = self._loader_view
         files = sorted(Path(directory).glob("*.safetensors"))
         with ExitStack() as stack:
             handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
@@ -245,9 +273,9 @@ class GenericStage(nn.Module):
                     state[name] = h.get_tensor(name)
             tied = self.last and self.arch.tie_word_embeddings
             config = LoadStateDictConfig(
-                dtype=dtype, weight_mapping=get_model_conversion_mapping(holder.model)
+                dtype=dtype, weight_mapping=get_model_conversion_mapping(model)
             )
-            info, _ = convert_and_load_state_dict_in_model(holder.model, state, config)
+            info, _ = convert_and_load_state_dict_in_model(model, state, config)
         missing = [k for k in info.missing_keys if not (tied and k.endswith("lm_head.weight"))]
         if missing or info.mismatched_keys or info.conversion_errors:
             raise InputError(
@@ -350,35 +378,27 @@ class GenericStage(nn.Module):
     def _capture_hooks(self, capture: dict) -> list:
         """Forward hooks filling `capture` with the outputs transformers' reference capture
         takes of the same modules, under the same names (`actors.validate.reference`)."""
-        from actors.validate.reference import LAYER_MODULES, primary
+        from actors.validate.reference import LAYER_MODULES, capture_hooks
 
-        hooks = []
-
-        def hook_for(name: str):
-            def hook(module, args, out) -> None:
-                capture.update(primary(name, out))
-
-            return hook
-
+        modules = {}
         for i, layer in self.layers.items():
             for path in ("", *LAYER_MODULES):
-                name = f"model.layers.{i}" + (f".{path}" if path else "")
                 try:
                     module = layer.get_submodule(path) if path else layer
                 except AttributeError:
                     continue
-                hooks.append(module.register_forward_hook(hook_for(name)))
-        return hooks
+                modules[f"model.layers.{i}" + (f".{path}" if path else "")] = module
+        return capture_hooks(modules, capture)
 
     def experts_modules(self) -> list[tuple[str, nn.Module]]:
         """(path, module) of every transformers experts module of the stage (fused 3D weights
         dispatched through its experts interface)."""
-        out = []
-        for i, layer in self.layers.items():
-            for name, m in layer.named_modules():
-                if hasattr(type(m).forward, "__wrapped__") and hasattr(m, "gate_up_proj"):
-                    out.append((f"model.layers.{i}.{name}", m))
-        return out
+        return [
+            (f"model.layers.{i}.{name}", m)
+            for i, layer in self.layers.items()
+            for name, m in layer.named_modules()
+            if is_experts(m)
+        ]
 
     def shard_experts(self, local_experts: Sequence[int], ep: Any) -> None:
         """Keep only `local_experts` of every experts module (their rows of the fused weights)
@@ -405,22 +425,19 @@ class GenericStage(nn.Module):
             m._moe_local = local
             m._moe_ep = ep.for_layer(int(path.split(".")[2]))
             m.config._experts_implementation = EXPERTS
-        self.config._experts_implementation = EXPERTS
-        self.config.get_text_config()._experts_implementation = EXPERTS
+        self._ep_blocks = [
+            layer.mlp
+            for layer in self.layers.values()
+            if any(is_experts(m) for m in getattr(layer, "mlp", nn.Module()).modules())
+        ]
 
     @torch.no_grad()
     def empty_pass(self, x: torch.Tensor) -> torch.Tensor:
         """An idle DP rank's micro-batch of no tokens under EP: each layer's MoE block takes part
         in its exchanges (other ranks' tokens may route to experts held here)."""
-        if not self.experts_modules() or self.config._experts_implementation != EXPERTS:
-            return x
-        for layer in self.layers.values():
-            mlp = getattr(layer, "mlp", None)
-            if mlp is not None and any(
-                getattr(m, "_moe_ep", None) is not None for m in mlp.modules()
-            ):
-                out = mlp(x[None])
-                x = (out[0] if isinstance(out, tuple) else out).reshape(0, x.shape[-1])
+        for mlp in self._ep_blocks:
+            out = mlp(x[None])
+            x = (out[0] if isinstance(out, tuple) else out).reshape(0, x.shape[-1])
         return x
 
     # StageModel's other calls, with nothing to do here.
@@ -470,25 +487,6 @@ def generic_check(cfg: dict[str, Any], source: str) -> ArchConfig:
     arch = generic_arch(cfg, source)
     meta_model(hf_config(cfg, source))
     return arch
-
-
-class _Holder:
-    """A transformers model object whose modules are the stage's (for transformers' loader,
-    which finds the conversions by the model's classes and the parameters by full names)."""
-
-    def __init__(self, stage: GenericStage) -> None:
-        import transformers
-
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(stage.config)
-        base = model.get_decoder()
-        for i in range(stage.arch.num_layers):
-            base.layers[i] = stage.layers[str(i)] if str(i) in stage.layers else nn.Module()
-        base.embed_tokens = stage.embed_tokens
-        base.norm = stage.norm if stage.norm is not None else nn.Module()
-        model.lm_head = stage.lm_head if stage.lm_head is not None else nn.Module()
-        base.rotary_emb = nn.Module()
-        self.model = model
 
 
 ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
@@ -565,21 +563,17 @@ def load_generic_stage(
     ep: Any = None,
 ) -> GenericStage:
     """`GenericStage` of the checkpoint at `directory`, its tensors read (`load_stage_model`
-    for a family the native layers do not implement); with `local_experts` and `ep` (an
-    `actors.comm.ep.ExpertParallel`), only those experts kept, the others reached through it."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        stage = GenericStage(
-            arch,
-            hf_config(config, str(Path(directory) / "config.json")),
-            layer_range=layer_range,
-            first=first,
-            last=last,
-            device=device,
-        )
-    finally:
-        torch.set_default_dtype(previous)
+    for a family the native layers do not implement, under its default dtype); with
+    `local_experts` and `ep` (an `actors.comm.ep.ExpertParallel`), only those experts kept, the
+    others reached through it."""
+    stage = GenericStage(
+        arch,
+        hf_config(config, str(Path(directory) / "config.json")),
+        layer_range=layer_range,
+        first=first,
+        last=last,
+        device=device,
+    )
     stage.load(Path(directory), dtype)
     if local_experts is not None and ep is not None:
         stage.shard_experts(local_experts, ep)

@@ -48,7 +48,7 @@ def empty_microbatch(model, *, expert_parallel: bool, dtype: torch.dtype, device
     x = torch.empty(0, model.arch.hidden_size, dtype=dtype, device=device)
     if not expert_parallel:
         return x
-    if getattr(model.arch, "generic", False):  # transformers' layers (actors/model/generic.py)
+    if model.arch.generic:  # transformers' layers (actors/model/generic.py)
         return model.empty_pass(x)
     for layer in model.layers.values():
         if isinstance(layer.mlp, MoE):

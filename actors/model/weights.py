@@ -208,11 +208,13 @@ def load_stage_model(
     arch = index.arch()
     model_kwargs.setdefault("first", layer_range[0] == 0)
     model_kwargs.setdefault("last", layer_range[1] == arch.num_layers)
-    if arch.generic:
-        return _generic(index, arch, layer_range, tp_size, local_experts, rank, dtype, model_kwargs)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(compute_dtype(dtype))
     try:
+        if arch.generic:
+            return _generic(
+                index, arch, layer_range, tp_size, local_experts, rank, dtype, model_kwargs
+            )
         model = StageModel(
             arch,
             layer_range=layer_range,
@@ -229,13 +231,9 @@ def load_stage_model(
 def _generic(index, arch, layer_range, tp_size, local_experts, rank, dtype, kw):
     """load_stage_model over transformers' own layers (`actors/model/generic.py`): whole
     layers over pipeline stages, experts over EP ranks (TP refused, naming the model type)."""
-    from actors.model.generic import load_generic_stage
+    from actors.model.generic import load_generic_stage, refuse_tp
 
-    if tp_size > 1:
-        raise InputError(
-            f"{index.directory}: model_type={arch.family!r} runs through transformers' own "
-            "layers (not natively), which split over pipeline stages and experts only: no tp"
-        )
+    refuse_tp(arch, tp_size, str(index.directory))
     stage = load_generic_stage(
         index.directory, arch, index.config, layer_range=layer_range,
         dtype=compute_dtype(dtype), first=kw["first"], last=kw["last"], device=kw.get("device"),

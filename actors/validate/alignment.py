@@ -217,11 +217,9 @@ def preflight(
     if dims.etp != 1:
         raise InputError(f"etp={dims.etp}: expert tensor parallelism is not implemented yet")
     if arch.generic:  # transformers' own layers: their loader names a missing tensor
-        if dims.tp > 1:
-            raise InputError(
-                f"{model_dir}: model_type={arch.family!r} runs through transformers' own "
-                f"layers (not natively), which split over pipeline stages and experts only: no tp"
-            )
+        from actors.model.generic import refuse_tp
+
+        refuse_tp(arch, dims.tp, str(model_dir))
         return Preflight(layout=lay, arch=arch, planned_memory=planned)
     # Every rank's boxes against the checkpoint, on the meta device (nothing allocated or read).
     for rank in range(dims.world):

@@ -71,6 +71,19 @@ def primary(name: str, out) -> dict[str, torch.Tensor]:
     return {name: t.reshape(-1, t.shape[-1])}
 
 
+def capture_hooks(modules: dict[str, torch.nn.Module], sink: dict) -> list:
+    """Forward hooks putting each module's `primary` output into `sink` under its name;
+    returns the handles (remove them when done)."""
+
+    def hook_for(name: str):
+        def hook(module, args, out) -> None:
+            sink.update(primary(name, out))
+
+        return hook
+
+    return [m.register_forward_hook(hook_for(name)) for name, m in modules.items()]
+
+
 def reference_capture(model, sequences: Sequence[Sequence[int]]) -> dict[str, list[torch.Tensor]]:
     """One forward per sequence; HF module name -> [num_sequences] tensors [L_i, ...] (float32)."""
     wanted = set(_TOP_MODULES)
@@ -78,17 +91,9 @@ def reference_capture(model, sequences: Sequence[Sequence[int]]) -> dict[str, li
         wanted.add(f"model.layers.{i}")
         wanted.update(f"model.layers.{i}.{m}" for m in LAYER_MODULES)
     current: dict[str, torch.Tensor] = {}
-    handles = []
-
-    def hook_for(name: str):
-        def hook(module, args, out) -> None:
-            current.update(primary(name, out))
-
-        return hook
-
-    for name, module in model.named_modules():
-        if name in wanted:
-            handles.append(module.register_forward_hook(hook_for(name)))
+    handles = capture_hooks(
+        {name: m for name, m in model.named_modules() if name in wanted}, current
+    )
     out: dict[str, list[torch.Tensor]] = {}
     try:
         with torch.no_grad():
