@@ -71,6 +71,9 @@ SERVED_NAME = "bench"
 SERVE_VARIANTS = {
     # what moectl serve sets: Ray Serve's throughput mode, the HTTP proxy kept; device pool only
     "default": {"sweep": True, "prefix": "device"},
+    # one ingress replica behind the proxy (the default on CUDA is GPU_INGRESS_REPLICAS): every
+    # token of every stream passes through it
+    "ingress1": {"sweep": True, "http": {"ingress_replicas": 1}},
     # Ray Serve's own defaults (measured 2026-12-01: slower at every level but c32 greedy)
     "serve_defaults": {"sweep": True, "env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}},
     # a host tier behind the cache server: prefixes evicted from a smaller device pool come
@@ -298,7 +301,7 @@ def serve_yaml(ckpt: Path, opts, device: str, port: int, variant: dict) -> str:
                    "max_num_batched_tokens": kw["max_num_batched_tokens"],
                    "batch_invariant": False, "num_cpus": 1, "max_ongoing_requests": 64},
         "autoscaling": {"min_replicas": 1, "max_replicas": 1},
-        "http": {"host": "127.0.0.1", "port": port},
+        "http": {"host": "127.0.0.1", "port": port, **variant.get("http", {})},
     })  # fmt: skip
 
 

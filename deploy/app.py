@@ -453,6 +453,16 @@ class OpenAIIngress:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
+def _cluster_gpus(cfg) -> float:
+    """The Ray cluster's GPUs, read only where engine.device is auto and the ingress replica
+    count is left to it."""
+    if cfg.engine.device != "auto" or cfg.http.ingress_replicas is not None:
+        return 0.0
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+
+
 def build_app(
     args: dict[str, Any],
     *,
@@ -468,7 +478,7 @@ def build_app(
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,
-        num_replicas=1,
+        num_replicas=cfg.http.replicas(cfg.engine.device, _cluster_gpus(cfg)),
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         ray_actor_options={"num_cpus": 0.1},

@@ -219,3 +219,27 @@ def test_every_deployment_checks_often_for_running_requests_when_stopped(section
     assert len(bound) == len(deployments)
     for d in bound:
         assert d._deployment_config.graceful_shutdown_wait_loop_s == SHUTDOWN_POLL_S, d.name
+
+
+@pytest.mark.parametrize(
+    ("device", "given", "gpus", "expected"),
+    [("cpu", None, 8, 1), ("cuda", None, 0, 4), ("auto", None, 0, 1), ("auto", None, 1, 4),
+     ("cuda", 2, 8, 2), ("auto", 3, 0, 3)],
+)  # fmt: skip
+def test_ingress_replicas_follow_the_engine_device(device, given, gpus, expected):
+    from deploy.config import INGRESS_DEPLOYMENT
+
+    http = {"ingress_replicas": given} if given is not None else {}
+    cfg = parse_serve_config(_base(engine={"device": device}, http=http))
+    assert cfg.http.replicas(cfg.engine.device, gpus) == expected
+    [ingress] = [
+        d
+        for d in to_serve_config(cfg)["applications"][0]["deployments"]
+        if d["name"] == INGRESS_DEPLOYMENT
+    ]
+    if device == "auto" and given is None:  # left to build_app, which counts the GPUs
+        assert "num_replicas" not in ingress
+    else:
+        assert ingress["num_replicas"] == cfg.http.replicas(device, 0)
+    with pytest.raises(InputError, match="ingress_replicas"):
+        parse_serve_config(_base(http={"ingress_replicas": 0}))
