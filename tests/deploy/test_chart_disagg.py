@@ -165,6 +165,8 @@ def test_each_pool_lands_only_on_its_role_groups(example_docs):
                 "engine": {"max_ongoing_requests": 32},
             }
         },
+        {"serve": {"engine": {"device": "cuda"}}},
+        {"serve": {"http": {"ingress_replicas": 3}}},
     ],
     ids=[
         "default",
@@ -173,6 +175,8 @@ def test_each_pool_lands_only_on_its_role_groups(example_docs):
         "round_robin",
         "serve_autoscaling",
         "disagg_no_roles",
+        "cuda_ingress",
+        "ingress_replicas",
     ],
 )
 def test_serve_config_v2_is_to_serve_config(override):

@@ -29,7 +29,15 @@ ModelServer.
 {{- $maxOngoing := default 64 $engine.max_ongoing_requests -}}
 {{- /* deploy/config.py SHUTDOWN_POLL_S: a stopped replica checks for running requests this often */ -}}
 {{- $poll := 0.5 -}}
-{{- $ingress := dict "name" "OpenAIIngress" "num_replicas" 1 "max_ongoing_requests" 1024 "graceful_shutdown_wait_loop_s" $poll -}}
+{{- $ingress := dict "name" "OpenAIIngress" "max_ongoing_requests" 1024 "graceful_shutdown_wait_loop_s" $poll -}}
+{{- /* deploy/config.py HttpSection.replicas: with engine.device auto and no http.ingress_replicas,
+build_app counts the cluster's GPUs (GPU_INGRESS_REPLICAS in front of CUDA, one on the CPU) */ -}}
+{{- $device := default "auto" $engine.device -}}
+{{- if $http.ingress_replicas -}}
+{{- $_ := set $ingress "num_replicas" $http.ingress_replicas -}}
+{{- else if ne $device "auto" -}}
+{{- $_ := set $ingress "num_replicas" (eq $device "cuda" | ternary 4 1) -}}
+{{- end -}}
 {{- $deployments := list $ingress -}}
 {{- $router := include "moe.requestRouter" . | fromYaml -}}
 {{- $dis := default (dict) $s.disaggregation -}}
