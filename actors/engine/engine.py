@@ -115,6 +115,9 @@ class Engine:
         self._inflight: InFlight | None = None
         layout = runner.allocate_kv(num_blocks, block_size)
         self.block_size, self.kv_dtype = block_size, layout.dtype
+        self.stateful = bool(getattr(getattr(runner, "arch", None), "linear_layers", ()))
+        """The model keeps a state per sequence (linear attention): each step carries the
+        sequences' state slots, and no prefix is matched (the blocks hold no state)."""
         self.block_bytes = math.prod(layout.block_shape) * layout.dtype.itemsize
         """Bytes of one whole-model block (every layer, every KV head)."""
         self.keyer = BlockKeyer(
@@ -314,6 +317,7 @@ class Engine:
             sample_seqs=tuple(sample_seqs),
             sampling=tuple(sampling),
             per_sequence=self.batch_invariant,
+            state_slots=tuple(seq.state_slot for seq, _ in batch) if self.stateful else (),
         )
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -397,6 +401,10 @@ class Engine:
         At most (tokens - 1) // block_size blocks: the last token is always computed (its logits
         are sampled) and never lands in a shared block. A copied tail leaves >= 2 tokens to
         compute (a one-row step takes the CPU decode path: equal within rounding, not bitwise)."""
+        if self.stateful:  # no state is kept with a block: every sequence computes its prefix
+            seq.block_table, seq.registered, seq.num_computed = [], 0, 0
+            seq.cached_tokens = 0 if seq.cached_tokens is None else seq.cached_tokens
+            return
         cap = (seq.num_tokens - 1) // self.block_size
         self.keyer.extend(seq.block_keys, seq.tokens, cap)
         keys = seq.block_keys[:cap]

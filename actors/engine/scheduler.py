@@ -48,6 +48,8 @@ class Sequence:
     cached_tokens: int | None = None
     """Prompt tokens found in the cache at the first admission."""
     status: str = "waiting"
+    state_slot: int = -1
+    """Its row of the linear-attention state pools while running (-1: none)."""
     preemptions: int = 0
     prefetched: object = None
     """Prefix blocks read from the tiers before admission (Engine.prefetch), used once."""
@@ -114,6 +116,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        """State slots no running sequence holds (one a running sequence: max_num_seqs)."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -173,6 +177,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._grow(seq, need)
+            seq.state_slot = self.free_slots.pop()
             seq.status = "running"
             self.running.append(seq)
             out.append((seq, n))
@@ -200,6 +205,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _drop_blocks(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:  # a later run of it starts its state afresh
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
         self.blocks.release(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0

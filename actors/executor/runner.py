@@ -63,6 +63,7 @@ def short_rows(step: StepInput, lens: Sequence[int], arch: ArchConfig) -> bool:
     return (
         not step.per_sequence
         and arch.sliding_window is None
+        and not arch.linear_layers  # a row per token would split a sequence's state
         and max(lens) <= SHORT_QUERY
         and sum(lens) <= SHORT_ROWS
     )
@@ -230,6 +231,7 @@ class LocalRunner:
             context_lens=step.context_lens,
             block_tables=step.block_tables,
             slot_mapping=step.slot_mapping.to(self.device),
+            state_slots=step.state_slots,
         )
         mirror = self.mirror if self.device.type == "cpu" else None
         if mirror is not None and mirror.begin(step):
@@ -259,6 +261,7 @@ class LocalRunner:
             and len(step.sample_seqs) == len(step.query_lens)
             and (not step.per_sequence or len(step.query_lens) == 1)
             and self.arch.sliding_window is None
+            and not self.arch.linear_layers
         )
 
     def _short_rows(self, step: StepInput) -> bool:

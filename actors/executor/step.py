@@ -42,6 +42,9 @@ class StepInput:
     per_sequence: bool = False
     """Batch-invariant mode: run the model over one sequence at a time, so no matrix product mixes
     rows of different sequences (CPU/GPU GEMMs give row results that depend on the row count)."""
+    state_slots: tuple[int, ...] = ()
+    """[S]: each sequence's state slot (the scheduler's), for models with linear-attention layers;
+    () for the others."""
 
     def __post_init__(self) -> None:
         t, s = int(self.token_ids.shape[0]), len(self.query_lens)
@@ -51,6 +54,8 @@ class StepInput:
             raise InputError(f"step: slot_mapping {tuple(self.slot_mapping.shape)} for {t} tokens")
         if len(self.context_lens) != s or len(self.block_tables) != s:
             raise InputError(f"step: context_lens/block_tables must have one entry per {s} seqs")
+        if self.state_slots and len(self.state_slots) != s:
+            raise InputError(f"step: {len(self.state_slots)} state slots for {s} seqs")
         if len(self.sampling) != len(self.sample_seqs):
             raise InputError(
                 f"step: {len(self.sampling)} sampling rows for {len(self.sample_seqs)} sampled seqs"
@@ -70,6 +75,7 @@ class StepInput:
             slot_mapping=self.slot_mapping[start:stop],
             sample_seqs=(0,) if rows else (),
             sampling=tuple(self.sampling[r] for r in rows),
+            state_slots=(self.state_slots[seq],) if self.state_slots else (),
         )
 
 

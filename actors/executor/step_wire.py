@@ -10,10 +10,12 @@ graph's shared-memory channel) moves one buffer without looking inside. Nothing 
 Step layout (int64 words; S sequences, T new tokens, R sampled rows, N block-table entries,
 C block copies):
 
-    header [8]       MAGIC_STEP, S, T, R, N, C, flags (bit 0: per_sequence), P
+    header [8]       MAGIC_STEP, S, T, R, N, C, flags (bit 0: per_sequence, bit 1: state
+                     slots), P
     token_ids [T]    positions [T]    slot_mapping [T]
     query_lens [S]   context_lens [S] owners [S]       table_lens [S]
     tables [N]       every sequence's block table, one after another
+    state_slots [S]  (flag bit 1 only) each sequence's linear-attention state slot
     sample_seqs [R]  top_k [R]  seed [R]  step [R]  logprobs [R] (-1: None)
     output_lens [R]  prompt_lens [R]  (the penalty tokens each row carries)
     temperature [R]  top_p [R]  min_p [R]  presence [R]  frequency [R]  repetition [R]
@@ -79,8 +81,10 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
     n, c = sum(table_lens), len(copies)
     rows = step.sampling
     p = sum(len(row.output_ids) + len(row.prompt_ids) for row in rows)
-    words = np.empty(HEADER + 3 * t + 4 * s + n + ROW_WORDS * r + p + 3 * c, dtype=np.int64)
-    words[:HEADER] = (MAGIC_STEP, s, t, r, n, c, int(step.per_sequence), p)
+    st = s if step.state_slots else 0
+    words = np.empty(HEADER + 3 * t + 4 * s + n + st + ROW_WORDS * r + p + 3 * c, dtype=np.int64)
+    flags = int(step.per_sequence) | (2 if st else 0)
+    words[:HEADER] = (MAGIC_STEP, s, t, r, n, c, flags, p)
     at = HEADER
     for tensor in (step.token_ids, step.positions, step.slot_mapping):
         words[at : at + t] = tensor.numpy()
@@ -90,6 +94,9 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
         at += s
     words[at : at + n] = np.fromiter(chain.from_iterable(step.block_tables), np.int64, n)
     at += n
+    if st:
+        words[at : at + s] = step.state_slots
+        at += s
     words[at : at + r] = step.sample_seqs
     words[at + r : at + 2 * r] = [row.top_k for row in rows]
     words[at + 2 * r : at + 3 * r] = [_int64(row.seed) for row in rows]
@@ -136,6 +143,10 @@ def unpack_step(blob: bytes) -> tuple[StepInput, tuple[int, ...], tuple[tuple[in
     for length in table_lens:
         tables.append(tuple(flat[start : start + length]))
         start += length
+    state_slots: tuple[int, ...] = ()
+    if flags & 2:
+        state_slots = tuple(words[at : at + s].tolist())
+        at += s
     sample_seqs = words[at : at + r].tolist()
     top_k, seed, index, logprobs, output_lens, prompt_lens = (
         words[at + k * r : at + (k + 1) * r].tolist() for k in range(1, 7)
@@ -174,6 +185,7 @@ def unpack_step(blob: bytes) -> tuple[StepInput, tuple[int, ...], tuple[tuple[in
         sample_seqs=tuple(sample_seqs),
         sampling=sampling,
         per_sequence=bool(flags & 1),
+        state_slots=state_slots,
     )
     copies = tuple(tuple(flat_copies[i : i + 3]) for i in range(0, 3 * c, 3))
     return step, tuple(owners), copies

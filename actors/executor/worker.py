@@ -607,6 +607,9 @@ class ShardWorker:
                     context_lens=tuple(step.context_lens[i] for i in seqs),
                     block_tables=tuple(step.block_tables[i] for i in seqs),
                     slot_mapping=slots[on_device],
+                    state_slots=tuple(step.state_slots[i] for i in seqs)
+                    if step.state_slots
+                    else (),
                 )
                 out = self.model(x, positions[on_device], lens, paged=ctx, logits_rows=logits_rows)
             self._timings["stage_forward"] += time.perf_counter() - t0
@@ -643,6 +646,7 @@ class ShardWorker:
             and all(step.query_lens[i] == 1 and i in sampled for i in seqs)
             and (not step.per_sequence or len(seqs) == 1)
             and self.model.arch.sliding_window is None
+            and not self.model.arch.linear_layers
         )
 
     def _short_rows(self, step: StepInput, seqs: list[int]) -> bool:

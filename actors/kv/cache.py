@@ -286,6 +286,9 @@ class PagedContext:
     context_lens: tuple[int, ...]
     block_tables: tuple[tuple[int, ...], ...]
     slot_mapping: torch.Tensor
+    state_slots: tuple[int, ...] = ()
+    """[S]: each sequence's row of the linear-attention state pools (actors/model/linear_state.py);
+    () for a model that keeps no state per sequence."""
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
         self.cache.write(layer, self.slot_mapping, k, v)

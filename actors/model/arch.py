@@ -82,6 +82,9 @@ class ArchConfig:
     dense_layers: tuple[int, ...] = ()
     """Layer indices with a dense MLP instead of a MoE block."""
     tie_word_embeddings: bool = False
+    linear_layers: tuple[int, ...] = ()
+    """Layers with a per-sequence state in place of KV (linear attention: gated DeltaNet, KDA):
+    the engine gives each sequence a state slot and caches no prefix for such a model."""
     generic: bool = False
     """Layers run as transformers' own modules (`actors/model/generic.py`): `family` is then the
     config's model_type, and the fields past the sizes the runners read are informative."""

@@ -21,10 +21,17 @@ Step 4 (expert parallelism): every fused experts module runs through transformer
         through the native `ExpertParallel` dispatch and combine.
 
 What is refused, in one line naming the layer's module path and class: an attention kind other
-than full or sliding-window softmax attention (linear attention, a sparse indexer: they keep a
-state per sequence that the paged cache does not hold), attention sinks, key and value heads of
+than full or sliding-window softmax attention and linear attention that keeps its state through
+transformers' cache interface (a sparse indexer, a per-layer rotary), attention sinks, key and value heads of
 different sizes (MLA expanded to heads), and tensor parallelism (transformers' layers run whole).
 Routers, norms and shared experts run as transformers wrote them.
+
+Step 5 (linear attention, hybrids such as qwen3_next): a `linear_attention` layer keeps a
+        state per sequence, not KV blocks. The scheduler gives each running sequence a state
+        slot; the layer runs transformers' own recurrence (flash-linear-attention's kernels where
+        installed) over a cache view of its sequences' conv and recurrent rows
+        (actors/model/linear_state.py), decodes batched and each prompt chunk on its own. A
+        state covers a whole sequence, so these models are served without prefix caching.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ ATTENTION = "moe_paged"
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries the paged cache serves."""
+LINEAR_LAYER_TYPE = "linear_attention"
+"""The `config.layer_types` entry of a layer with a state per sequence (actors/model/linear_state.py)."""
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -92,6 +101,7 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
         num_experts=experts,
         top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR_LAYER_TYPE),
     )
 
 
@@ -234,6 +244,12 @@ class GenericStage(nn.Module):
         self._loader_view = [full]  # (a list: not a submodule of the stage)
         self._ep_blocks: list[nn.Module] = []
         """The MoE blocks whose experts `shard_experts` split (an idle rank's `empty_pass`)."""
+        from actors.model.linear_state import StatePool, attach
+
+        self.states = StatePool()
+        """The linear-attention layers' states, one row per engine state slot."""
+        linear = {i: linear_module(layers[i]) for i in arch.linear_layers if start <= i < stop}
+        attach({i: m for i, m in linear.items() if m is not None}, self.states)
         self.embedding_multiplier = float(getattr(text, "embedding_multiplier", 1.0) or 1.0)
         self.logits_scaling = float(getattr(text, "logits_scaling", 1.0) or 1.0)
         self.device_ = torch.device(device) if device is not None else torch.device("cpu")
@@ -369,6 +385,7 @@ class GenericStage(nn.Module):
             context_lens=tuple(seq_lens),
             block_tables=tuple(tables),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            state_slots=tuple(range(len(seq_lens))) if self.arch.linear_layers else (),
         )
 
     @property
@@ -511,6 +528,14 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
     for i in range(*layer_range):
         layer = base.layers[i]
         kind = types[i] if i < len(types) else "full_attention"
+        if kind == LINEAR_LAYER_TYPE:
+            if linear_module(layer) is None:
+                raise InputError(
+                    f"model.layers.{i}: {type(layer).__name__} ({kind}) has no module keeping "
+                    "its state through transformers' cache interface (get_conv_state, "
+                    "get_recurrent_state)"
+                )
+            continue
         name = next(
             (n for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None
         )
@@ -535,6 +560,14 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
                 f"{path} (latent attention, value heads of {v_dim} against keys of {head_dim}) "
                 "has no paged path here"
             )
+
+
+def linear_module(layer: nn.Module) -> nn.Module | None:
+    """The layer's linear-attention module that keeps its state through transformers' cache
+    interface (`linear_state.keeps_cache_state`), None when it has none."""
+    from actors.model.linear_state import keeps_cache_state
+
+    return next((m for m in layer.children() if keeps_cache_state(m)), None)
 
 
 def _dispatches(attn: nn.Module) -> bool:

@@ -171,7 +171,7 @@ def capture_rank(
 
         memory = dict(result.memory_bytes)
         stage = layout.layer_range(worker.coord.pp)
-        first_attn = model.layers[str(stage.start)].self_attn
+        first_attn = getattr(model.layers[str(stage.start)], "self_attn", None)  # linear: none
         kv_range = (
             (first_attn.kv0, first_attn.kv0 + first_attn.kv_heads)
             if hasattr(first_attn, "kv0")

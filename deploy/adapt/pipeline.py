@@ -35,6 +35,11 @@ GENERIC_COST = (
     "(continuous batching, prefix cache, tiers, pipeline stages, expert parallelism), without "
     "tensor parallelism and without the native fused kernels and CUDA graphs"
 )
+HYBRID_COST = (
+    "; its {n} linear-attention layers keep a state per sequence (actors/model/linear_state.py), "
+    "so no prefix is cached and no KV goes to the tiers for it, and they run transformers' "
+    "reference recurrences (flash-linear-attention's kernels where installed)"
+)
 ALIGNMENT_SEQ_LENS = (40, 33, 21)
 
 
@@ -75,6 +80,8 @@ class AdaptResult:
     inventory: list = field(default_factory=list)
     runtime_family: str | None = None
     runtime_path: str | None = None
+    linear_layers: int = 0
+    """Layers keeping a state per sequence (linear attention), on the generic path."""
     """"native" (our layers) or "generic" (transformers' layers, actors/model/generic.py)."""
     runtime_error: str | None = None
     checks: list = field(default_factory=list)
@@ -164,8 +171,9 @@ def _parse(r: AdaptResult) -> None:
             r.runtime_family = ArchConfig.from_hf(text, source=r.source).family
             r.runtime_path = "native"
         else:  # transformers' own layers, where their attention suits the paged cache
-            r.runtime_family = generic_check(text, r.source).family
-            r.runtime_path = "generic"
+            arch = generic_check(text, r.source)
+            r.runtime_family, r.runtime_path = arch.family, "generic"
+            r.linear_layers = len(arch.linear_layers)
     except InputError as exc:
         r.runtime_error = str(exc)
         r.reasons.append(Reason(kind="family", subject=str(text.get("model_type")),
@@ -346,7 +354,11 @@ def summary(r: AdaptResult) -> dict:
         "context": r.context,
         "runtime_family": r.runtime_family,
         "runtime_path": r.runtime_path,
-        "runtime_cost": GENERIC_COST if r.runtime_path == "generic" else None,
+        "runtime_cost": (
+            GENERIC_COST + (HYBRID_COST.format(n=r.linear_layers) if r.linear_layers else "")
+            if r.runtime_path == "generic"
+            else None
+        ),
         "runtime_error": r.runtime_error,
         "model_facts": {
             "num_layers": spec.num_layers,

@@ -21,7 +21,7 @@ def _config(model_type: str, tmp_path):
     return path
 
 
-@pytest.mark.parametrize("model_type", ["olmoe", "minimax_m2", "ernie4_5_moe"])
+@pytest.mark.parametrize("model_type", ["olmoe", "minimax_m2", "ernie4_5_moe", "qwen3_next"])
 def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp_path):
     code, out, err = moectl(
         "adapt", _config(model_type, tmp_path), "--json", "--out", tmp_path / "report"
@@ -33,11 +33,13 @@ def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp
     assert ran == {"single": True, "pp2": True, "ep2": True}
     assert (s["tp"], s["etp"]) == (1, 1) and s["plan"]["fits"]
     assert "READY (GENERIC PATH)" in (tmp_path / "report" / "report.md").read_text()
+    hybrid = "linear-attention layers keep a state per sequence" in s["runtime_cost"]
+    assert hybrid == (model_type == "qwen3_next")
 
 
 def test_a_family_whose_attention_has_no_paged_path_needs_work_naming_it(moectl, tmp_path):
-    code, out, _ = moectl("adapt", _config("qwen3_next", tmp_path), "--json", "--out", tmp_path)
+    code, out, _ = moectl("adapt", _config("deepseek_v32", tmp_path), "--json", "--out", tmp_path)
     s = json.loads(out)
     assert (code, s["verdict"]) == (1, "needs-work")
-    family = next(r for r in s["reasons"] if r.startswith("family qwen3_next"))
-    assert "model.layers.0.linear_attn: Qwen3NextGatedDeltaNet" in family
+    family = next(r for r in s["reasons"] if r.startswith("family deepseek_v32"))
+    assert "model.layers.0.self_attn: DeepseekV32Attention (indexed_attention)" in family

@@ -91,6 +91,24 @@ def test_the_newest_running_sequence_is_preempted_and_requeued_first():
     assert bm.free_count == 4 - len(a.block_table)
 
 
+def test_running_sequences_hold_distinct_state_slots_freed_when_they_stop():
+    """A slot (its row of the linear-attention states) per running sequence, never two at once;
+    a finished or preempted sequence gives it back and is given one afresh when it runs again."""
+    s, _, preempted = _sched(100, seqs=2, blocks=4)
+    a, b, c = _seq("a", 8), _seq("b", 8), _seq("c", 3)
+    for q in (a, b, c):
+        s.add(q)
+    _advance(s.schedule())  # a and b admitted (max_num_seqs 2), c waits
+    assert {a.state_slot, b.state_slot} == {0, 1} and c.state_slot == -1
+    s.schedule()  # a's decode needs a third block: b is preempted, its slot freed
+    assert preempted == [b] and b.state_slot == -1 and s.free_slots == [b_slot := 1 - a.state_slot]
+    s.remove(a)
+    assert a.state_slot == -1 and sorted(s.free_slots) == [0, 1]
+    batch = s.schedule()
+    slots = [q.state_slot for q, _ in batch]
+    assert [q.request_id for q, _ in batch] == ["b", "c"] and sorted(slots) == [0, 1], b_slot
+
+
 def test_bad_config():
     with pytest.raises(InputError):
         SchedulerConfig(max_num_batched_tokens=0, max_num_seqs=1)

@@ -10,7 +10,7 @@ from actors.executor.step import StepInput
 from actors.executor.step_wire import pack_output, pack_step, unpack_output, unpack_step
 
 
-def make_step(per_sequence: bool = False) -> StepInput:
+def make_step(per_sequence: bool = False, state_slots: tuple[int, ...] = ()) -> StepInput:
     """Three sequences: a prefill chunk of 5, two decodes; two sampled rows with every kind of
     sampling field (greedy, temperature/top-k/top-p, a seed past 2**63, logprobs, min-p and
     penalties with the tokens they read)."""
@@ -42,12 +42,15 @@ def make_step(per_sequence: bool = False) -> StepInput:
             ),
         ),
         per_sequence=per_sequence,
+        state_slots=state_slots,
     )
 
 
-@pytest.mark.parametrize("per_sequence", [False, True])
-def test_step_round_trip_is_exact(per_sequence):
-    step = make_step(per_sequence)
+@pytest.mark.parametrize(
+    ("per_sequence", "state_slots"), [(False, ()), (True, ()), (False, (3, 0, 7))]
+)
+def test_step_round_trip_is_exact(per_sequence, state_slots):
+    step = make_step(per_sequence, state_slots)
     owners, copies = (1, 0, 1), ((4, 0, 1), (9, 0, 1))
     blob = pack_step(step, owners, copies)
     assert isinstance(blob, bytes)
@@ -56,7 +59,8 @@ def test_step_round_trip_is_exact(per_sequence):
     for name in ("token_ids", "positions", "slot_mapping"):
         assert getattr(got, name).dtype == torch.int64
         assert torch.equal(getattr(got, name), getattr(step, name)), name
-    for name in ("query_lens", "context_lens", "block_tables", "sample_seqs", "per_sequence"):
+    for name in ("query_lens", "context_lens", "block_tables", "sample_seqs", "per_sequence",
+                 "state_slots"):  # fmt: skip
         assert getattr(got, name) == getattr(step, name), name
     assert got.sampling == step.sampling  # seeds below 2**64 keep their value
     # The tensors are writable (a copy of the buffer, not a view of the immutable bytes).

@@ -29,6 +29,9 @@ GENERIC = tuple(
 )  # fmt: skip
 """MoE families not implemented natively that the generic path serves (those the installed
 transformers ships)."""
+HYBRID = tuple(t for t in ("qwen3_next", "qwen3_5_moe") if t in transformers.CONFIG_MAPPING)
+"""Linear-attention hybrids (gated DeltaNet beside gated softmax attention): a state per
+sequence (actors/model/linear_state.py) beside the paged KV of the attention layers."""
 
 SECRET = b"k" * 32
 KW = dict(num_blocks=64, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
@@ -77,9 +80,47 @@ def test_a_generic_family_decodes_as_transformers_generate(model_type, tmp_path)
         assert got[rid] == generate(ref, ids), (model_type, rid)
 
 
+@pytest.mark.parametrize("model_type", HYBRID)
+def test_a_linear_attention_hybrid_decodes_as_transformers_generate(model_type, tmp_path):
+    """Chunked prefill carrying each sequence's state across chunks, decodes batched over
+    their state slots, a request joining later: transformers' tokens; no prefix is matched
+    (the blocks hold no state), so c recomputes a's."""
+    path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
+    arch = CheckpointIndex.open(path).arch()
+    assert arch.linear_layers and set(arch.linear_layers) < set(range(arch.num_layers))
+    engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False,
+                          **{**KW, "max_num_batched_tokens": 8})  # fmt: skip
+    got = run_engine(engine)  # a's 17 prompt tokens in chunks beside b's and the decodes
+    assert engine.stats()["prefix_hits"] == 0
+    for rid, ids in requests().items():
+        assert got[rid] == generate(ref, ids), (model_type, rid)
+    stage = engine.runner.model
+    assert sorted(stage.states.recurrent) == list(arch.linear_layers)
+    assert stage.states.recurrent[arch.linear_layers[0]].shape[0] <= KW["max_num_seqs"]
+
+
+@pytest.mark.skipif(not HYBRID, reason="no linear-attention hybrid in this transformers")
+def test_a_preempted_hybrid_sequence_restarts_its_state(tmp_path):
+    """Blocks for one and a half sequences: the newer one is preempted (its state slot freed,
+    another sequence's state written there meanwhile) and recomputed from its first token."""
+    path, ref = make_generic_checkpoint(HYBRID[0], tmp_path / "h")
+    engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False,
+                          **{**KW, "num_blocks": 7})  # fmt: skip
+    reqs, out = requests(), {}
+    for rid in ("a", "b"):
+        engine.add_request(rid, reqs[rid], GREEDY)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert engine.stats()["preemptions"] >= 1
+    for rid in ("a", "b"):
+        assert out[rid] == generate(ref, reqs[rid]), rid
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize(("model_type", "layout"), [("olmoe", "pp2"), ("qwen2_moe", "ep2"),
-                                                    ("olmoe", "ep2xpp2")])  # fmt: skip
+                                                    ("olmoe", "ep2xpp2"),
+                                                    ("qwen3_next", "pp2")])  # fmt: skip
 def test_generic_layouts_over_rank_actors_equal_transformers(
     model_type, layout, ray_session, tmp_path
 ):
@@ -135,7 +176,7 @@ def test_an_ep_rank_keeps_only_its_experts_rows(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "named"),
     [
-        ("qwen3_next", r"model\.layers\.0\.linear_attn: Qwen3NextGatedDeltaNet"),
+        ("kimi_linear", r"KimiLinearModel: no single rotary_emb"),
         ("gpt_oss", r"model\.layers\.0\.self_attn: GptOssAttention has attention sinks"),
         ("deepseek_v32", r"model\.layers\.0\.self_attn: DeepseekV32Attention \(indexed"),
         ("deepseek_v2", r"model\.layers\.0\.self_attn: DeepseekV2Attention \(latent"),

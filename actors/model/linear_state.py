@@ -1,0 +1,185 @@
+"""Per-sequence state of linear-attention layers (gated DeltaNet, KDA) beside the paged KV cache.
+
+A linear-attention layer keeps no KV: each sequence carries a short-convolution window and a
+recurrent state of fixed size. transformers' own modules (Qwen3NextGatedDeltaNet and its kin)
+read and write both through the cache interface of `transformers.cache_utils`
+(`get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`); this
+gives them that interface over a pool with one row per engine state slot:
+
+Step 1: the engine gives every running sequence a state slot (`StepInput.state_slots`, from the
+        scheduler; freed when the sequence finishes or is preempted) and turns prefix caching
+        off for the model (a cached prefix would restore KV but not the state).
+Step 2: a step's tokens come as one row [1, T, H]. `mixed_forward` splits them by sequence: the
+        sequences that continue by one token (decodes) run together as a batch [S, 1, H] (the
+        module's recurrent form), every other sequence alone (its chunked form: a fresh prompt,
+        or a later chunk of a chunked prefill continuing from its state).
+Step 3: each group's states are gathered from the pool by slot, handed to the module through a
+        `SlotStates` view, and written back after it ran.
+
+The pool grows to the highest slot seen (at most max_num_seqs rows a layer); a slot's state is
+whatever its last sequence left, and a fresh sequence (context length = its new tokens) starts
+from none. What is not done here: state snapshots at block boundaries (prefix caching and KV
+tiers for hybrids), CUDA graphs and Triton kernels for these layers (issue 38).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+CACHE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state")
+"""What a module's forward must call to keep its state through transformers' cache interface."""
+
+
+def keeps_cache_state(module: nn.Module) -> bool:
+    """Whether the module's forward keeps its per-sequence state through the cache interface."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return all(m in source for m in CACHE_METHODS) and isinstance(
+        getattr(module, "layer_idx", None), int
+    )
+
+
+class StatePool:
+    """One row per state slot for every linear-attention layer of a stage: the convolution
+    window and the recurrent state, each allocated at its first write (shape and dtype as the
+    module gives them) and grown to the highest slot asked for."""
+
+    def __init__(self) -> None:
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+
+    def put(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value):
+        rows = int(slots.max()) + 1
+        have = table.get(layer)
+        if have is None or have.shape[0] < rows or have.shape[1:] != value.shape[1:]:
+            grown = value.new_zeros((max(rows, 2 * (have.shape[0] if have is not None else 0)),
+                                     *value.shape[1:]))  # fmt: skip
+            if have is not None and have.shape[1:] == value.shape[1:]:
+                grown[: have.shape[0]] = have
+            table[layer] = have = grown
+        have[slots] = value.to(have.dtype)
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.conv, self.recurrent)
+                   for t in d.values())  # fmt: skip
+
+
+class SlotStates:
+    """transformers' linear-attention cache interface for one group of sequences of one step:
+    the states of `slots` (None where the group is fresh), taken back by `store` afterwards."""
+
+    def __init__(self, pool: StatePool, layer: int, slots: torch.Tensor, fresh: bool) -> None:
+        self.pool, self.layer, self.slots, self.fresh = pool, layer, slots, fresh
+        self.conv: torch.Tensor | None = None
+        self.recurrent: torch.Tensor | None = None
+        if not fresh:
+            self.conv = pool.conv[layer][slots]  # a copy: decode updates it in place
+            self.recurrent = pool.recurrent[layer][slots]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """The window the causal convolution reads (the kept state, then the new inputs, as
+        transformers' LinearAttentionLayer returns it); its last kernel-size columns are kept."""
+        k = conv_kernel_size or (self.conv.shape[-1] if self.conv is not None else None)
+        if k is None:
+            raise ValueError("update_conv_state needs conv_kernel_size for a fresh sequence")
+        if self.conv is None:
+            full = F.pad(conv_states, (max(0, k - conv_states.shape[-1]), 0))
+        else:
+            full = torch.cat([self.conv.to(conv_states.dtype), conv_states], dim=-1)
+        self.conv = full[..., -k:]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        self.recurrent = recurrent_states
+        return recurrent_states
+
+    def store(self) -> None:
+        if self.conv is not None:
+            self.pool.put(self.pool.conv, self.layer, self.slots, self.conv)
+        if self.recurrent is not None:
+            self.pool.put(self.pool.recurrent, self.layer, self.slots, self.recurrent)
+
+
+def groups(query_lens: Sequence[int], context_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(decodes, alone): the sequences that continue by one token, run as one batch, and the
+    others (fresh prompts, later prefill chunks), each run by itself."""
+    decodes, alone = [], []
+    for i, (q, c) in enumerate(zip(query_lens, context_lens, strict=True)):
+        (decodes if q == 1 and c > 1 else alone).append(i)
+    return decodes, alone
+
+
+def mixed_forward(module: nn.Module, forward, pool: StatePool):
+    """A forward for `module` (its own `forward`, bound) that, inside a stage step (a `paged`
+    keyword with query/context lengths and state slots), runs each group of sequences over its
+    states; outside one it is the module's own forward."""
+
+    def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        paged = kwargs.pop("paged", None)
+        if paged is None:
+            return forward(hidden_states, *args, **kwargs)
+        kwargs.pop("cache", None)
+        kwargs.pop("attention_mask", None)
+        slots_of = paged.state_slots
+        q, c = paged.query_lens, paged.context_lens
+        if len(slots_of) != len(q):
+            raise RuntimeError(
+                f"{type(module).__name__} (layer {module.layer_idx}) keeps a state per sequence; "
+                f"the step gave {len(slots_of)} state slots for {len(q)} sequences"
+            )
+        x = hidden_states[0]
+        starts = [0]
+        for n in q:
+            starts.append(starts[-1] + n)
+        out = torch.empty_like(x)
+        decodes, alone = groups(q, c)
+        dev = x.device
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], device=dev)
+            slots = torch.tensor([slots_of[i] for i in decodes], device=dev)
+            view = SlotStates(pool, module.layer_idx, slots, fresh=False)
+            y = forward(x[rows][:, None], cache=view, **kwargs)
+            view.store()
+            out[rows] = y[:, 0].to(out.dtype)
+        for i in alone:
+            slots = torch.tensor([slots_of[i]], device=dev)
+            view = SlotStates(pool, module.layer_idx, slots, fresh=c[i] == q[i])
+            y = forward(x[starts[i] : starts[i + 1]][None], cache=view, **kwargs)
+            view.store()
+            out[starts[i] : starts[i + 1]] = y[0].to(out.dtype)
+        return out[None]
+
+    return run
+
+
+def attach(layers: dict[int, nn.Module], pool: StatePool) -> None:
+    """Route each linear-attention module (by layer index) through `mixed_forward`; the module
+    keeps its parameters and names (its forward is replaced on the instance)."""
+    for module in layers.values():
+        module.forward = mixed_forward(module, module.forward, pool)
