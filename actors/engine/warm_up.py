@@ -54,12 +54,13 @@ def warm_shapes(
 
 def warm_step(
     kind: str, rows: int, width: int, *, block_size: int, num_blocks: int, short_query: int,
-    per_sequence: bool,
+    per_sequence: bool, stateful: bool = False,
 ) -> StepInput:  # fmt: skip
     """One warm-up step: `rows` new tokens, each sequence's first ones (nothing cached: a
     replica's ranks check that what a step reads was written), over one shared table of blocks
     0.. as wide as `width` (at most the pool): the width sets the graph and the attention's
-    split plan, the context lengths only how far each row reads."""
+    split plan, the context lengths only how far each row reads. A `stateful` engine (linear
+    attention) gives each sequence a state slot; every warm-up sequence starts a fresh state."""
     table = tuple(range(min(width, num_blocks)))
     q = 1 if kind == "decode" else min(short_query, rows, len(table) * block_size)
     seqs = max(1, rows // q)
@@ -77,6 +78,7 @@ def warm_step(
         sample_seqs=tuple(range(seqs)),
         sampling=sampling,
         per_sequence=per_sequence,
+        state_slots=tuple(range(seqs)) if stateful else (),
     )
 
 
@@ -98,8 +100,9 @@ def warm_up(engine: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     for kind, rows, width in shapes:
         step = warm_step(
-            kind, rows, width, **kw, short_query=SHORT_QUERY, per_sequence=engine.batch_invariant
-        )
+            kind, rows, width, **kw, short_query=SHORT_QUERY, per_sequence=engine.batch_invariant,
+            stateful=engine.stateful,
+        )  # fmt: skip
         engine.runner.execute(step)
     engine.warm_up_stats = {
         "warm_up_steps": len(shapes),

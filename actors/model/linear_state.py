@@ -25,6 +25,7 @@ tiers for hybrids), CUDA graphs and Triton kernels for these layers (issue 38).
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,9 +38,20 @@ CACHE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state")
 
 
 def keeps_cache_state(module: nn.Module) -> bool:
-    """Whether the module's forward keeps its per-sequence state through the cache interface."""
+    """Whether the module's forward keeps its per-sequence state through the cache interface
+    (itself or through the functions of its modeling file it calls, as the short convolution)."""
+    forward = inspect.unwrap(type(module).forward)
+    home = sys.modules.get(forward.__module__)
+    reached = [forward]
+    for name in forward.__code__.co_names:
+        found = getattr(home, name, None)
+        # a function the `kernels` hub may swap for a kernel is an nn.Module calling it
+        inner = (inspect.getclosurevars(type(found).forward).nonlocals.values()
+                 if isinstance(found, nn.Module) else (found,))  # fmt: skip
+        reached += [f for f in inner
+                    if inspect.isfunction(f) and f.__module__ == forward.__module__]  # fmt: skip
     try:
-        source = inspect.getsource(type(module).forward)
+        source = "".join(inspect.getsource(f) for f in reached)
     except (OSError, TypeError):
         return False
     return all(m in source for m in CACHE_METHODS) and isinstance(
@@ -92,6 +104,12 @@ class SlotStates:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers counts a cache's tokens here; positions come from the step instead."""
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0  # only the last state of a chunk is kept (no snapshots within a step)
 
     def update_conv_state(
         self,

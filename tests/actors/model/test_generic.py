@@ -102,10 +102,14 @@ def test_a_linear_attention_hybrid_decodes_as_transformers_generate(model_type, 
 @pytest.mark.skipif(not HYBRID, reason="no linear-attention hybrid in this transformers")
 def test_a_preempted_hybrid_sequence_restarts_its_state(tmp_path):
     """Blocks for one and a half sequences: the newer one is preempted (its state slot freed,
-    another sequence's state written there meanwhile) and recomputed from its first token."""
+    another sequence's state written there meanwhile) and recomputed from its first token.
+    The start-up warm-up ran first (as on CUDA): it gives its sequences state slots too."""
+    from actors.engine.warm_up import warm_up
+
     path, ref = make_generic_checkpoint(HYBRID[0], tmp_path / "h")
     engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False,
                           **{**KW, "num_blocks": 7})  # fmt: skip
+    assert warm_up(engine)["warm_up_steps"] > 0
     reqs, out = requests(), {}
     for rid in ("a", "b"):
         engine.add_request(rid, reqs[rid], GREEDY)
