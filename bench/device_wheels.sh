@@ -3,7 +3,8 @@
 # and Triton but no Ray, Serve or their dependencies, and no package index: downloaded here into
 # .whl/ (git-ignored through .git/info/exclude), Ray's trimmed of ray/jars (its 34 MB Java jar,
 # never loaded by Python serving), the dashboard's web client and RLlib; xxhash, prometheus-client
-# and redis for the cache server of a tiered deployment. About 57 MB.
+# and redis for the cache server of a tiered deployment; pytest for the GPU tests
+# (`python3 -m pytest -m gpu`). About 58 MB.
 #
 #   bash bench/device_wheels.sh            # then, there:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -23,7 +24,8 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
   truststore==0.10.5 jsonschema==4.26.0 jsonschema-specifications referencing==0.37.0 rpds-py \
   protobuf==7.36.2 grpcio==1.85.3 grpcio-reflection==1.85.1 aiohttp-cors==0.8.1 colorful==0.5.8 \
   watchfiles==1.3.0 typer==0.29.2 rich==15.0.0 click==8.5.1 \
-  xxhash==4.1.0 prometheus-client==0.26.0 redis==8.1.0
+  xxhash==4.1.0 prometheus-client==0.26.0 redis==8.1.0 \
+  pytest==8.4.2 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0
 ray_whl=$(ls "$OUT"/ray-*.whl)
 work=$(mktemp -d)
 unzip -q "$ray_whl" -d "$work"

@@ -347,7 +347,9 @@ class GenericStage(nn.Module):
             x = inputs
         x = x[None]  # [1, T, H]: the step's tokens as one row, attention splits them per sequence
         pos = positions[None]
-        rotary = self.rotary_emb(x, pos)
+        # a multimodal rotary (mrope: temporal, height, width sections) over text: three equal rows
+        mrope = getattr(self.rotary_emb, "mrope_section", None) is not None
+        rotary = self.rotary_emb(x, pos.expand(3, *pos.shape) if mrope else pos)
         for layer in self.layers.values():
             out = layer(
                 x, attention_mask=None, position_ids=pos, position_embeddings=rotary, paged=paged
@@ -532,8 +534,8 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
             if linear_module(layer) is None:
                 raise InputError(
                     f"model.layers.{i}: {type(layer).__name__} ({kind}) has no module keeping "
-                    "its state through transformers' cache interface (get_conv_state, "
-                    "get_recurrent_state)"
+                    "its state through transformers' cache interface (update_conv_state, "
+                    "update_recurrent_state)"
                 )
             continue
         name = next(

@@ -3,8 +3,9 @@
 A linear-attention layer keeps no KV: each sequence carries a short-convolution window and a
 recurrent state of fixed size. transformers' own modules (Qwen3NextGatedDeltaNet and its kin)
 read and write both through the cache interface of `transformers.cache_utils`
-(`get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`); this
-gives them that interface over a pool with one row per engine state slot:
+(`update_conv_state`, `update_recurrent_state`, and to read: `get_conv_state` /
+`get_recurrent_state` in transformers 5.2x, `has_previous_state` and `layers[i].conv_states` in
+5.1x); this gives them that interface over a pool with one row per engine state slot:
 
 Step 1: the engine gives every running sequence a state slot (`StepInput.state_slots`, from the
         scheduler; freed when the sequence finishes or is preempted) and turns prefix caching
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-CACHE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state")
+CACHE_METHODS = ("update_conv_state", "update_recurrent_state")
 """What a module's forward must call to keep its state through transformers' cache interface."""
 
 
@@ -96,6 +97,17 @@ class SlotStates:
             self.conv = pool.conv[layer][slots]  # a copy: decode updates it in place
             self.recurrent = pool.recurrent[layer][slots]
 
+    # transformers 5.1x reads the states as cache.layers[i].conv_states[0] after asking
+    # has_previous_state(i); 5.2x through get_conv_state / get_recurrent_state.
+    @property
+    def layers(self) -> dict[int, _LayerView]:
+        return {self.layer: _LayerView(self)}
+
+    def has_previous_state(
+        self, layer_idx: int | None = None, state_idx: int | None = None
+    ) -> bool:
+        return not self.fresh
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.conv
 
@@ -144,6 +156,22 @@ class SlotStates:
             self.pool.put(self.pool.recurrent, self.layer, self.slots, self.recurrent)
 
 
+class _LayerView:
+    """One layer of a SlotStates as transformers 5.1x reads it (`layers[i]`)."""
+
+    record_past = False
+
+    def __init__(self, states: SlotStates) -> None:
+        self.conv_states = [states.conv]
+        self.recurrent_states = [states.recurrent]
+
+
+def cache_keyword(forward) -> str:
+    """The name the module's forward takes its cache by (`cache` in 5.2x, `cache_params` before)."""
+    params = inspect.signature(inspect.unwrap(forward)).parameters
+    return "cache" if "cache" in params else "cache_params"
+
+
 def groups(query_lens: Sequence[int], context_lens: Sequence[int]) -> tuple[list[int], list[int]]:
     """(decodes, alone): the sequences that continue by one token, run as one batch, and the
     others (fresh prompts, later prefill chunks), each run by itself."""
@@ -157,12 +185,14 @@ def mixed_forward(module: nn.Module, forward, pool: StatePool):
     """A forward for `module` (its own `forward`, bound) that, inside a stage step (a `paged`
     keyword with query/context lengths and state slots), runs each group of sequences over its
     states; outside one it is the module's own forward."""
+    key = cache_keyword(forward)
 
     def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         paged = kwargs.pop("paged", None)
         if paged is None:
             return forward(hidden_states, *args, **kwargs)
         kwargs.pop("cache", None)
+        kwargs.pop("cache_params", None)
         kwargs.pop("attention_mask", None)
         slots_of = paged.state_slots
         q, c = paged.query_lens, paged.context_lens
@@ -182,13 +212,13 @@ def mixed_forward(module: nn.Module, forward, pool: StatePool):
             rows = torch.tensor([starts[i] for i in decodes], device=dev)
             slots = torch.tensor([slots_of[i] for i in decodes], device=dev)
             view = SlotStates(pool, module.layer_idx, slots, fresh=False)
-            y = forward(x[rows][:, None], cache=view, **kwargs)
+            y = forward(x[rows][:, None], **{key: view}, **kwargs)
             view.store()
             out[rows] = y[:, 0].to(out.dtype)
         for i in alone:
             slots = torch.tensor([slots_of[i]], device=dev)
             view = SlotStates(pool, module.layer_idx, slots, fresh=c[i] == q[i])
-            y = forward(x[starts[i] : starts[i + 1]][None], cache=view, **kwargs)
+            y = forward(x[starts[i] : starts[i + 1]][None], **{key: view}, **kwargs)
             view.store()
             out[starts[i] : starts[i + 1]] = y[0].to(out.dtype)
         return out[None]
