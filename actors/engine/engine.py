@@ -543,12 +543,10 @@ class Engine:
         if self._inflight is not None:  # let it finish before its graph and cache are dropped
             self.runner.collect(self._inflight.launched)
             self._inflight = None
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
         self.seqs.clear()
         self.detok.clear()
         self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
-        self.scheduler.blocks = self.blocks
+        self.scheduler.clear(self.blocks)
         self.runner.allocate_kv(self.blocks.num_blocks, self.block_size)
         return dropped
 

@@ -134,6 +134,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def clear(self, blocks: BlockManager) -> None:
+        """Forget every sequence (their blocks went with the pool) over a new pool `blocks`:
+        every state slot is free again."""
+        self.waiting.clear()
+        self.running.clear()
+        self.blocks = blocks
+        self.free_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """This step's (sequence, new tokens) pairs; their blocks cover the new tokens."""
         budget = self.config.max_num_batched_tokens

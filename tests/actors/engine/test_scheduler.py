@@ -107,6 +107,11 @@ def test_running_sequences_hold_distinct_state_slots_freed_when_they_stop():
     batch = s.schedule()
     slots = [q.state_slot for q, _ in batch]
     assert [q.request_id for q, _ in batch] == ["b", "c"] and sorted(slots) == [0, 1], b_slot
+    s.clear(BlockManager(4, 4))  # the engine's reset after a worker fault: slots free again
+    assert not s.has_work() and sorted(s.free_slots) == [0, 1]
+    for q in (_seq("d", 3), _seq("e", 3)):
+        s.add(q)
+    assert sorted(q.state_slot for q, _ in s.schedule()) == [0, 1]
 
 
 def test_bad_config():
