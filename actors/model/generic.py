@@ -13,7 +13,10 @@ Step 3: every attention module calls `paged_attention` (registered as transforme
         implementation `moe_paged`): the step's new K/V go into the paged cache at their slots
         and each sequence attends over its cached context (`paged_attend`, the native layers'
         own path), so continuous batching, prefix caching and KV tiers work as for the native
-        families. A decode step's `DecodeView` (CUDA fast decode) is served too.
+        families. A decode step's `DecodeView` (CUDA fast decode) is served too. Keys and
+        values of different sizes (MLA expanded per head by transformers, deepseek_v2 and its
+        kin) are cached zero-padded to the larger (`kv_head_dim`): scores and outputs unchanged,
+        the cache larger than the latent (moectl adapt states by how much).
 
 Step 4 (expert parallelism): every fused experts module runs through transformers' experts
         interface as `moe_ep` (registered here): an EP rank keeps its experts' rows of
@@ -22,9 +25,9 @@ Step 4 (expert parallelism): every fused experts module runs through transformer
 
 What is refused, in one line naming the layer's module path and class: an attention kind other
 than full or sliding-window softmax attention and linear attention that keeps its state through
-transformers' cache interface (a sparse indexer, a per-layer rotary), attention sinks, key and value heads of
-different sizes (MLA expanded to heads), and tensor parallelism (transformers' layers run whole).
-Routers, norms and shared experts run as transformers wrote them.
+transformers' cache interface (a sparse indexer, a per-layer rotary), attention sinks, and
+tensor parallelism (transformers' layers run whole). Routers, norms and shared experts run as
+transformers wrote them.
 
 Step 5 (linear attention, hybrids such as qwen3_next): a `linear_attention` layer keeps a
         state per sequence, not KV blocks. The scheduler gives each running sequence a state
@@ -75,7 +78,8 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
     text = config.get_text_config()
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    if getattr(text, "kv_lora_rank", None):  # MLA: the latent expands to keys and values per head
+        kv_heads = heads
     types = tuple(getattr(text, "layer_types", None) or ())
     windows = {getattr(text, "sliding_window", None) for t in types if t == "sliding_attention"}
     experts = int(
@@ -92,9 +96,9 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
         num_layers=int(text.num_hidden_layers),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        head_dim=kv_head_dim(text),
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
-        rope=RopeConfig(dim=head_dim, theta=10000.0, kind="default"),
+        rope=RopeConfig(dim=kv_head_dim(text), theta=10000.0, kind="default"),
         sliding_window=next(iter(windows)) if len(windows) == 1 and None not in windows else None,
         intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
         moe_intermediate_size=int(getattr(text, "moe_intermediate_size", 0) or 0),
@@ -103,6 +107,21 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR_LAYER_TYPE),
     )
+
+
+def head_dims(text: Any) -> tuple[int, int]:
+    """(key, value) head sizes of a text config: MLA's qk_nope + qk_rope against v_head_dim,
+    else head_dim (or hidden / heads) for both unless v_head_dim says otherwise."""
+    heads = int(text.num_attention_heads)
+    plain = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    nope, rope = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+    key = int(nope) + int(rope) if nope is not None and rope is not None else plain
+    return key, int(getattr(text, "v_head_dim", None) or key)
+
+
+def kv_head_dim(text: Any) -> int:
+    """The head size the paged cache holds keys and values at: the larger of the two."""
+    return max(head_dims(text))
 
 
 def hf_config(cfg: dict[str, Any], source: str) -> Any:
@@ -139,9 +158,13 @@ def paged_attention(
     view = paged.layer(module.layer_idx)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    dv = v.shape[-1]
+    if q.shape[-1] != dv:  # keys and values of different sizes (MLA expanded to heads): the
+        d = max(q.shape[-1], dv)  # cache holds both zero-padded to the larger (kv_head_dim)
+        q, k, v = (nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
     view.write(k, v)
     if isinstance(view, DecodeView):
-        return view.gqa(q.contiguous(), scale)[None], None
+        return view.gqa(q.contiguous(), scale)[None, ..., :dv], None
     rep = q.shape[1] // k.shape[1]
 
     def expand(ck, cv):
@@ -151,7 +174,7 @@ def paged_attention(
         q.contiguous(), view, expand, scale=scale, window=kwargs.get("sliding_window"),
         written=(k, v), grouped=True,
     )  # fmt: skip
-    return out[None], None
+    return out[None, ..., :dv], None
 
 
 EXPERTS = "moe_ep"
@@ -515,18 +538,15 @@ ATTENTION_NAMES = ("self_attn", "self_attention", "attention", "attn")
 def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> None:
     """InputError naming the first layer of the range whose attention the paged cache cannot
     serve, by module path and class: a layer type other than full or sliding softmax attention
-    (linear attention, state-space mixers), an attention module that does not dispatch through
-    transformers' attention interface, one with attention sinks, or latent attention (value
-    heads unlike the keys); also a base model whose rotary embedding differs per layer."""
+    (linear attention without the cache interface, state-space mixers, sparse indexers), an
+    attention module that does not dispatch through transformers' attention interface, one with
+    attention sinks; also a base model whose rotary embedding differs per layer."""
     if not isinstance(getattr(base, "rotary_emb", None), nn.Module) or hasattr(base, "rotary_embs"):
         raise InputError(
             f"{type(base).__name__}: no single rotary_emb (rotary settings per layer) has no "
             "generic path"
         )
     types = list(getattr(text, "layer_types", None) or ())
-    heads = int(text.num_attention_heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    v_dim = int(getattr(text, "v_head_dim", None) or head_dim)
     for i in range(*layer_range):
         layer = base.layers[i]
         kind = types[i] if i < len(types) else "full_attention"
@@ -557,11 +577,6 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
             raise InputError(f"{path} does not call transformers' attention interface")
         if "sinks" in dict(attn.named_parameters(recurse=False)):
             raise InputError(f"{path} has attention sinks, which the paged path does not add")
-        if v_dim != head_dim or getattr(text, "kv_lora_rank", None):
-            raise InputError(
-                f"{path} (latent attention, value heads of {v_dim} against keys of {head_dim}) "
-                "has no paged path here"
-            )
 
 
 def linear_module(layer: nn.Module) -> nn.Module | None:

@@ -40,6 +40,10 @@ HYBRID_COST = (
     "so no prefix is cached and no KV goes to the tiers for it, and they run transformers' "
     "reference recurrences (flash-linear-attention's kernels where installed)"
 )
+MLA_COST = (
+    "; its latent attention (MLA) is cached expanded to keys and values per head, both at the "
+    "larger head size: {x:.1f}x the latent's bytes a token"
+)
 ALIGNMENT_SEQ_LENS = (40, 33, 21)
 
 
@@ -81,6 +85,8 @@ class AdaptResult:
     runtime_family: str | None = None
     runtime_path: str | None = None
     linear_layers: int = 0
+    mla_expansion: float = 0.0
+    """KV bytes a token the generic path keeps for an MLA model over the latent's (0: no MLA)."""
     """Layers keeping a state per sequence (linear attention), on the generic path."""
     """"native" (our layers) or "generic" (transformers' layers, actors/model/generic.py)."""
     runtime_error: str | None = None
@@ -174,6 +180,9 @@ def _parse(r: AdaptResult) -> None:
             arch = generic_check(text, r.source)
             r.runtime_family, r.runtime_path = arch.family, "generic"
             r.linear_layers = len(arch.linear_layers)
+            if text.get("kv_lora_rank"):
+                latent = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
+                r.mla_expansion = 2 * arch.num_kv_heads * arch.head_dim / latent
     except InputError as exc:
         r.runtime_error = str(exc)
         r.reasons.append(Reason(kind="family", subject=str(text.get("model_type")),
@@ -355,7 +364,9 @@ def summary(r: AdaptResult) -> dict:
         "runtime_family": r.runtime_family,
         "runtime_path": r.runtime_path,
         "runtime_cost": (
-            GENERIC_COST + (HYBRID_COST.format(n=r.linear_layers) if r.linear_layers else "")
+            GENERIC_COST
+            + (HYBRID_COST.format(n=r.linear_layers) if r.linear_layers else "")
+            + (MLA_COST.format(x=r.mla_expansion) if r.mla_expansion else "")
             if r.runtime_path == "generic"
             else None
         ),

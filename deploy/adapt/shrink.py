@@ -39,9 +39,12 @@ GENERIC_SIZES: dict[str, int] = {
     "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "num_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 128,
     "max_position_embeddings": 256, "n_group": 1, "topk_group": 1, "sliding_window": 8,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 24, "kv_lora_rank": 32,
+    "q_lora_rank": 48,
 }  # fmt: skip
 """A family the native layers do not implement (the generic path) shrinks to these sizes,
-wherever its config has the field: 4 layers, 4 experts (top-2), GQA 4 over 2 heads of 16."""
+wherever its config has the field: 4 layers, 4 experts (top-2), GQA 4 over 2 heads of 16; MLA
+with keys of 16 + 16 (no-rope + rope) against values of 24 over latents of 32 (queries 48)."""
 
 
 def shrink_generic(config: Any, **overrides: Any) -> Any:
@@ -51,11 +54,17 @@ def shrink_generic(config: Any, **overrides: Any) -> Any:
     text = config.get_text_config()
     for key, value in {**GENERIC_SIZES, **overrides}.items():
         old = getattr(text, key, None)
-        if key in overrides or (isinstance(old, int) and not isinstance(old, bool)):
+        if (
+            key in overrides
+            or (isinstance(old, int) and not isinstance(old, bool))
+            or (key == "num_experts_per_tok" and old is None and hasattr(text, key))
+        ):  # a default config may leave top-k unset (deepseek_v2)
             setattr(text, key, value)
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if hasattr(text, key):
             setattr(text, key, None)
+    if getattr(text, "kv_lora_rank", None) and hasattr(text, "num_key_value_heads"):
+        text.num_key_value_heads = text.num_attention_heads  # MLA expands its latent per head
     n = text.num_hidden_layers
     for key in ("layer_types", "mlp_layer_types"):
         if getattr(text, key, None) is not None:

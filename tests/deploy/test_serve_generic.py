@@ -1,8 +1,8 @@
 """Families the native layers do not implement, served: transformers' own decoder layers over the
 paged cache (`actors/model/generic.py`) behind the OpenAI endpoint, OLMoE over two pipeline stages
-of ShardWorker actors and six more families (a linear-attention hybrid among them) in replicas of
-their own (one Serve instance, an app each); every greedy completion equals transformers'
-`generate`."""
+of ShardWorker actors and five more families (a linear-attention hybrid and an MLA family among
+them) in replicas of their own (one Serve instance, an app each); every greedy completion equals
+transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -70,13 +70,14 @@ def test_a_greedy_completion_equals_transformers_generate(server, checkpoint):
     _greedy_equals_generate(server, MODEL, path, model)
 
 
-MORE = ("qwen2_moe", "phimoe", "ernie4_5_moe", "minimax_m2", "glm4_moe", "qwen3_next")
-"""qwen3_next: a linear-attention hybrid (gated DeltaNet layers keep a state per sequence)."""
+MORE = ("qwen2_moe", "ernie4_5_moe", "minimax_m2", "qwen3_next", "deepseek_v2")
+"""qwen3_next: a linear-attention hybrid (gated DeltaNet layers keep a state per sequence);
+deepseek_v2: latent attention expanded per head, keys and values of different sizes."""
 
 
 @pytest.fixture(scope="module")
 def more(server, tmp_path_factory):
-    """Six more families, an app each (one replica, in-process runner) beside `server`'s."""
+    """More families, an app each (one replica, in-process runner) beside `server`'s."""
     from ray import serve
 
     from deploy.app import build_app
