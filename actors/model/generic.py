@@ -253,7 +253,7 @@ class GenericStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, stop)})
         self.norm = base.norm if last else None
         self.lm_head = full.get_output_embeddings() if last else None
-        rotary = type(base.rotary_emb)
+        rotary = type(base.rotary_emb) if hasattr(base, "rotary_emb") else None  # None: NoPE
         # What transformers' loader walks (it finds conversions by the model's classes and
         # parameters by full names): the same model, pruned to this stage's modules.
         for i in range(arch.num_layers):
@@ -263,7 +263,8 @@ class GenericStage(nn.Module):
             full.set_input_embeddings(nn.Module())
         base.norm = self.norm if last else nn.Module()
         full.set_output_embeddings(self.lm_head if last else nn.Module())
-        base.rotary_emb = nn.Module()
+        if rotary is not None:
+            base.rotary_emb = nn.Module()
         self._loader_view = [full]  # (a list: not a submodule of the stage)
         self._ep_blocks: list[nn.Module] = []
         """The MoE blocks whose experts `shard_experts` split (an idle rank's `empty_pass`)."""
@@ -277,8 +278,10 @@ class GenericStage(nn.Module):
         self.logits_scaling = float(getattr(text, "logits_scaling", 1.0) or 1.0)
         self.device_ = torch.device(device) if device is not None else torch.device("cpu")
         self.to_empty(device=self.device_)
-        with torch.device(self.device_):
-            self.rotary_emb = rotary(config=text)  # its buffers computed, not empty
+        self.rotary_emb = None
+        if rotary is not None:
+            with torch.device(self.device_):
+                self.rotary_emb = rotary(config=text)  # its buffers computed, not empty
         self.requires_grad_(False)
         self.eval()
 
@@ -372,7 +375,11 @@ class GenericStage(nn.Module):
         pos = positions[None]
         # a multimodal rotary (mrope: temporal, height, width sections) over text: three equal rows
         mrope = getattr(self.rotary_emb, "mrope_section", None) is not None
-        rotary = self.rotary_emb(x, pos.expand(3, *pos.shape) if mrope else pos)
+        rotary = (
+            self.rotary_emb(x, pos.expand(3, *pos.shape) if mrope else pos)
+            if self.rotary_emb is not None
+            else None  # no positions in any attention (NoPE: kimi_linear's MLA)
+        )
         for layer in self.layers.values():
             out = layer(
                 x, attention_mask=None, position_ids=pos, position_embeddings=rotary, paged=paged
@@ -540,8 +547,12 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
     serve, by module path and class: a layer type other than full or sliding softmax attention
     (linear attention without the cache interface, state-space mixers, sparse indexers), an
     attention module that does not dispatch through transformers' attention interface, one with
-    attention sinks; also a base model whose rotary embedding differs per layer."""
-    if not isinstance(getattr(base, "rotary_emb", None), nn.Module) or hasattr(base, "rotary_embs"):
+    attention sinks; also a base model whose rotary embedding differs per layer (one without
+    any rotary module is NoPE and runs)."""
+    nope = not any("rotary" in type(m).__name__.lower() for m in base.modules())
+    if not nope and (
+        not isinstance(getattr(base, "rotary_emb", None), nn.Module) or hasattr(base, "rotary_embs")
+    ):
         raise InputError(
             f"{type(base).__name__}: no single rotary_emb (rotary settings per layer) has no "
             "generic path"

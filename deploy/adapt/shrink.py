@@ -40,7 +40,7 @@ GENERIC_SIZES: dict[str, int] = {
     "num_shared_experts": 1, "first_k_dense_replace": 1, "vocab_size": 128,
     "max_position_embeddings": 256, "n_group": 1, "topk_group": 1, "sliding_window": 8,
     "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 24, "kv_lora_rank": 32,
-    "q_lora_rank": 48,
+    "q_lora_rank": 48, "linear_head_dim": 16, "linear_num_heads": 4,
 }  # fmt: skip
 """A family the native layers do not implement (the generic path) shrinks to these sizes,
 wherever its config has the field: 4 layers, 4 experts (top-2), GQA 4 over 2 heads of 16; MLA
@@ -65,11 +65,22 @@ def shrink_generic(config: Any, **overrides: Any) -> Any:
             setattr(text, key, None)
     if getattr(text, "kv_lora_rank", None) and hasattr(text, "num_key_value_heads"):
         text.num_key_value_heads = text.num_attention_heads  # MLA expands its latent per head
+    nope, rope = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+    if isinstance(getattr(text, "qk_head_dim", None), int) and nope and rope:
+        text.qk_head_dim = nope + rope  # derived once from the defaults, not a property
     n = text.num_hidden_layers
     for key in ("layer_types", "mlp_layer_types"):
         if getattr(text, key, None) is not None:
-            setattr(text, key, (list(getattr(text, key)) * n)[:n])
+            setattr(text, key, _cut(list(getattr(text, key)), n))
     return config
+
+
+def _cut(kinds: list, n: int) -> list:
+    """The first `n` of a per-layer list, its last entries swapped for the kinds the cut would
+    lose (a hybrid keeps one layer of each kind: kimi_linear's full attention comes late)."""
+    out = (kinds * n)[:n]
+    missing = [k for k in dict.fromkeys(kinds) if k not in out]
+    return (out[: n - len(missing)] + missing)[:n] if missing else out
 
 
 def random_model(config: Any, *, seed: int = 0):

@@ -22,7 +22,8 @@ def _config(model_type: str, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["olmoe", "minimax_m2", "ernie4_5_moe", "qwen3_next", "glm4_moe_lite"]
+    "model_type",
+    ["olmoe", "minimax_m2", "ernie4_5_moe", "qwen3_next", "glm4_moe_lite", "kimi_linear"],
 )
 def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp_path):
     code, out, err = moectl(
@@ -36,9 +37,9 @@ def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp
     assert (s["tp"], s["etp"]) == (1, 1) and s["plan"]["fits"]
     assert "READY (GENERIC PATH)" in (tmp_path / "report" / "report.md").read_text()
     hybrid = "linear-attention layers keep a state per sequence" in s["runtime_cost"]
-    assert hybrid == (model_type == "qwen3_next")
+    assert hybrid == (model_type in ("qwen3_next", "kimi_linear"))
     mla = "latent attention (MLA) is cached expanded" in s["runtime_cost"]
-    assert mla == (model_type == "glm4_moe_lite")
+    assert mla == (model_type in ("glm4_moe_lite", "kimi_linear"))
 
 
 def test_a_family_whose_attention_has_no_paged_path_needs_work_naming_it(moectl, tmp_path):

@@ -30,9 +30,12 @@ GENERIC = tuple(
 )  # fmt: skip
 """MoE families not implemented natively that the generic path serves (those the installed
 transformers ships)."""
-HYBRID = tuple(t for t in ("qwen3_next", "qwen3_5_moe") if t in transformers.CONFIG_MAPPING)
-"""Linear-attention hybrids (gated DeltaNet beside gated softmax attention): a state per
-sequence (actors/model/linear_state.py) beside the paged KV of the attention layers."""
+HYBRID = tuple(
+    t for t in ("qwen3_next", "qwen3_5_moe", "kimi_linear") if t in transformers.CONFIG_MAPPING
+)
+"""Linear-attention hybrids (gated DeltaNet beside gated softmax attention; KDA beside NoPE
+MLA): a state per sequence (actors/model/linear_state.py) beside the paged KV of the attention
+layers."""
 
 SECRET = b"k" * 32
 KW = dict(num_blocks=64, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
@@ -181,7 +184,7 @@ def test_an_ep_rank_keeps_only_its_experts_rows(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "named"),
     [
-        ("kimi_linear", r"KimiLinearModel: no single rotary_emb"),
+        ("granitemoe_swa", r"GraniteMoeSWAModel: no single rotary_emb"),
         ("gpt_oss", r"model\.layers\.0\.self_attn: GptOssAttention has attention sinks"),
         ("deepseek_v32", r"model\.layers\.0\.self_attn: DeepseekV32Attention \("),
     ],
