@@ -116,8 +116,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.free_slots: list[int] = []
         """State slots no running sequence holds (one a running sequence: max_num_seqs)."""
+        self.clear(blocks)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

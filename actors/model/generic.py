@@ -80,6 +80,7 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     if getattr(text, "kv_lora_rank", None):  # MLA: the latent expands to keys and values per head
         kv_heads = heads
+    head_dim = kv_head_dim(text)
     types = tuple(getattr(text, "layer_types", None) or ())
     windows = {getattr(text, "sliding_window", None) for t in types if t == "sliding_attention"}
     experts = int(
@@ -96,9 +97,9 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
         num_layers=int(text.num_hidden_layers),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=kv_head_dim(text),
+        head_dim=head_dim,
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6) or 1e-6),
-        rope=RopeConfig(dim=kv_head_dim(text), theta=10000.0, kind="default"),
+        rope=RopeConfig(dim=head_dim, theta=10000.0, kind="default"),
         sliding_window=next(iter(windows)) if len(windows) == 1 and None not in windows else None,
         intermediate_size=int(getattr(text, "intermediate_size", 0) or 0),
         moe_intermediate_size=int(getattr(text, "moe_intermediate_size", 0) or 0),

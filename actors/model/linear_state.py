@@ -25,6 +25,7 @@ tiers for hybrids), CUDA graphs and Triton kernels for these layers (issue 38).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Sequence
@@ -41,7 +42,15 @@ CACHE_METHODS = ("update_conv_state", "update_recurrent_state")
 def keeps_cache_state(module: nn.Module) -> bool:
     """Whether the module's forward keeps its per-sequence state through the cache interface
     (itself or through the functions of its modeling file it calls, as the short convolution)."""
-    forward = inspect.unwrap(type(module).forward)
+    return _forward_keeps_state(type(module)) and isinstance(
+        getattr(module, "layer_idx", None), int
+    )
+
+
+@functools.cache
+def _forward_keeps_state(cls: type) -> bool:
+    """The source test of `keeps_cache_state`, once per module class (every layer asks)."""
+    forward = inspect.unwrap(cls.forward)
     home = sys.modules.get(forward.__module__)
     reached = [forward]
     for name in forward.__code__.co_names:
@@ -55,9 +64,7 @@ def keeps_cache_state(module: nn.Module) -> bool:
         source = "".join(inspect.getsource(f) for f in reached)
     except (OSError, TypeError):
         return False
-    return all(m in source for m in CACHE_METHODS) and isinstance(
-        getattr(module, "layer_idx", None), int
-    )
+    return all(m in source for m in CACHE_METHODS)
 
 
 class StatePool:

@@ -84,11 +84,11 @@ class AdaptResult:
     inventory: list = field(default_factory=list)
     runtime_family: str | None = None
     runtime_path: str | None = None
+    """"native" (our layers) or "generic" (transformers' layers, actors/model/generic.py)."""
     linear_layers: int = 0
+    """Layers keeping a state per sequence (linear attention), on the generic path."""
     mla_expansion: float = 0.0
     """KV bytes a token the generic path keeps for an MLA model over the latent's (0: no MLA)."""
-    """Layers keeping a state per sequence (linear attention), on the generic path."""
-    """"native" (our layers) or "generic" (transformers' layers, actors/model/generic.py)."""
     runtime_error: str | None = None
     checks: list = field(default_factory=list)
     alignment: list[dict] = field(default_factory=list)
