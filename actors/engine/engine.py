@@ -56,16 +56,21 @@ from actors.engine.outputs import Handoff, RequestOutput
 from actors.engine.overlap import InFlight, launches, next_decode
 from actors.engine.sampler import RowSampling, SamplingParams, TokenLogprob
 from actors.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from actors.engine.snapshots import SnapshotRows
 from actors.executor.step import StepInput
 from actors.kernels.decode_step import CAPTURE_LOCK
 from actors.kv.cache import slots_for
 from actors.kv.tier_io import BlockCache
 from actors.kv.tiers import KVTiers
+from cache_service.block_key import BlockKey, state_key
 from cluster.errors import InputError
 
 log = logging.getLogger(__name__)
 
 ROLES = ("mixed", "prefill", "decode")
+STATE_TIER_TRIES = 4
+"""A hybrid's prefix match reads at most this many state snapshots from the tiers (the longest
+matched prefixes first): each try that misses is a round trip."""
 
 
 class Engine:
@@ -89,9 +94,13 @@ class Engine:
         cache_compression: str | None = None,
         role: str = "mixed",
         async_scheduling: bool | None = None,
+        state_snapshot_rows: int | None = None,
     ) -> None:
         """async_scheduling: launch each decode step before the last one's tokens are read
-        (actors/engine/overlap.py) where the runner can; None: on for a CUDA runner."""
+        (actors/engine/overlap.py) where the runner can; None: on for a CUDA runner.
+        state_snapshot_rows: a hybrid model's state snapshots kept on the runner for prefix
+        caching (`actors/engine/snapshots.py`); None: 4 x max_num_seqs, 0: no prefix caching
+        for hybrids."""
         if role not in ROLES:
             raise InputError(f"engine role {role!r}: expected one of {', '.join(ROLES)}")
         if role == "prefill" and cache is None:
@@ -102,11 +111,6 @@ class Engine:
                 f"max_num_batched_tokens={max_num_batched_tokens} must be >= "
                 f"max_num_seqs={max_num_seqs} (room for one decode token per sequence)"
             )
-        config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            chunk_size=max_num_batched_tokens - max_num_seqs + 1 if batch_invariant else None,
-        )
         self.runner, self.tokenizer, self.eos_token_id = runner, tokenizer, eos_token_id
         self.batch_invariant = batch_invariant
         if async_scheduling is None:
@@ -117,7 +121,29 @@ class Engine:
         self.block_size, self.kv_dtype = block_size, layout.dtype
         self.stateful = bool(getattr(getattr(runner, "arch", None), "linear_layers", ()))
         """The model keeps a state per sequence (linear attention): each step carries the
-        sequences' state slots, and no prefix is matched (the blocks hold no state)."""
+        sequences' state slots; a prefix is matched only up to a block with a state snapshot."""
+        rows = 4 * max_num_seqs if state_snapshot_rows is None else state_snapshot_rows
+        if rows and rows < 2 * max_num_seqs:
+            raise InputError(
+                f"state_snapshot_rows={rows}: expected 0 or at least 2 x max_num_seqs = "
+                f"{2 * max_num_seqs} (a step may restore and save one row per sequence)"
+            )
+        self.snapshots = (
+            SnapshotRows(rows)
+            if self.stateful and rows and getattr(runner, "state_snapshots", False)
+            else None
+        )
+        """A hybrid's snapshot rows (None: no prefix of it is matched; a runner without
+        snapshots, the Ray replica's today, or none asked for)."""
+        self._saves: dict[int, tuple[Sequence, int]] = {}
+        """Snapshot rows a step in flight saves into: row -> (sequence, its block index)."""
+        self.cache_key_secret = cache_key_secret
+        config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            chunk_size=max_num_batched_tokens - max_num_seqs + 1 if batch_invariant else None,
+            align=block_size if self.snapshots is not None else None,
+        )
         self.block_bytes = math.prod(layout.block_shape) * layout.dtype.itemsize
         """Bytes of one whole-model block (every layer, every KV head)."""
         self.keyer = BlockKeyer(
@@ -169,6 +195,10 @@ class Engine:
             "handoff_blocks": 0,
             "handoff_bytes": 0,
             "overlapped_steps": 0,
+            "state_saves": 0,
+            "state_restores": 0,
+            "state_tier_loads": 0,
+            "state_stored": 0,
         }
         self._latency = {"last_s": 0.0, "total_s": 0.0}
         self.warm_up_stats: dict[str, Any] = {}
@@ -249,6 +279,7 @@ class Engine:
             if seq.status != "finished":  # else it ended (or was aborted) with its row in flight
                 seq.num_computed += n
                 self._register(seq)
+        self._bind_saves(step)
         for row, index in enumerate(step.sample_seqs):
             seq = batch[index][0]
             if seq.status != "finished":
@@ -284,9 +315,18 @@ class Engine:
         after one still in flight (actors/engine/overlap.py), whose token is not appended yet:
         positions one further, the ids zeros (the device's sampled tokens stand in for them)."""
         tokens, positions, slots, sample_seqs, sampling = [], [], [], [], []
+        restores, saves = [], []
         bs = self.block_size  # a decode token (n == 1, most rows) gets its slot without a list
         for i, (seq, n) in enumerate(batch):
             start, stop = seq.num_computed + ahead, seq.num_computed + ahead + n
+            if self.snapshots is not None:
+                if seq.restore_row >= 0:
+                    restores.append((seq.restore_row, seq.state_slot))
+                    seq.restore_row = -1
+                if stop % bs == 0:  # the chunk ends on a block boundary: keep the state there
+                    row = self.snapshots.take()
+                    self._saves[row] = (seq, stop // bs - 1)
+                    saves.append((seq.state_slot, row))
             tokens += seq.token_slice(start, stop) if not ahead else [0] * n
             positions += range(start, stop)
             if n == 1:
@@ -318,6 +358,8 @@ class Engine:
             sampling=tuple(sampling),
             per_sequence=self.batch_invariant,
             state_slots=tuple(seq.state_slot for seq, _ in batch) if self.stateful else (),
+            state_restores=tuple(restores),
+            state_saves=tuple(saves),
         )
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
@@ -401,7 +443,7 @@ class Engine:
         At most (tokens - 1) // block_size blocks: the last token is always computed (its logits
         are sampled) and never lands in a shared block. A copied tail leaves >= 2 tokens to
         compute (a one-row step takes the CPU decode path: equal within rounding, not bitwise)."""
-        if self.stateful:  # no state is kept with a block: every sequence computes its prefix
+        if self.stateful and self.snapshots is None:  # no state kept: compute every prefix
             seq.block_table, seq.registered, seq.num_computed = [], 0, 0
             seq.cached_tokens = 0 if seq.cached_tokens is None else seq.cached_tokens
             return
@@ -412,8 +454,33 @@ class Engine:
         for block in table:
             self.blocks.acquire(block)
         self.counts["prefix_queries"] += cap
-        self.counts["prefix_hits"] += len(table)
+        on_device = len(table)
+        self._tier_blocks(seq, table, keys)
+        if self.snapshots is not None:
+            self._match_state(seq, table, keys)
+            self.counts["prefix_hits"] += min(on_device, len(table))
+            return
+        self.counts["prefix_hits"] += on_device
+        i, bs, tail = len(table), self.block_size, 0
+        if self.blocks.children and seq.num_tokens - 2 > i * bs:
+            copy = self.runner.copy_block
+            tokens, room = seq.token_slice(i * bs, (i + 1) * bs), seq.num_tokens - 2 - i * bs
+            parent = seq.block_keys[i - 1] if i else None
+            block, tail = self.blocks.take_tail(parent, tokens, room, copy)
+            if tail:
+                table.append(block)
+                self.counts["prefix_tail_tokens"] += tail
+        seq.block_table = table
+        seq.registered = i
+        seq.num_computed = i * bs + tail
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_token_ids))
+
+    def _tier_blocks(self, seq: Sequence, table: list[int], keys: list[BlockKey]) -> None:
+        """Extend `table` (the device hits) with the blocks of `keys` the tiers hold, loaded
+        into free device blocks and registered."""
         held, seq.prefetched = seq.prefetched, None
+        cap = len(keys)
         if self.tiers is not None and len(table) < cap:
             rest = keys[len(table) :]
             with self._tier_lock:
@@ -430,20 +497,65 @@ class Engine:
                 self.blocks.stored[block] = True
                 table.append(block)
                 self.counts["tier_hits"] += 1
-        i, bs, tail = len(table), self.block_size, 0
-        if self.blocks.children and seq.num_tokens - 2 > i * bs:
-            copy = self.runner.copy_block
-            tokens, room = seq.token_slice(i * bs, (i + 1) * bs), seq.num_tokens - 2 - i * bs
-            parent = seq.block_keys[i - 1] if i else None
-            block, tail = self.blocks.take_tail(parent, tokens, room, copy)
-            if tail:
-                table.append(block)
-                self.counts["prefix_tail_tokens"] += tail
-        seq.block_table = table
-        seq.registered = i
-        seq.num_computed = i * bs + tail
+
+    def _match_state(self, seq: Sequence, table: list[int], keys: list[BlockKey]) -> None:
+        """A hybrid's prefix: the matched blocks up to the last one whose state snapshot is in
+        a row (`SnapshotRows.find`) or, above that, in the tiers (at most STATE_TIER_TRIES
+        tried, from the longest); the blocks past it are released (still cached). The first
+        step restores the row into the sequence's state slot; no partial block is copied (no
+        state is kept inside a block)."""
+        j = len(table)
+        while j and self.snapshots.find(table[j - 1], keys[j - 1]) is None:
+            j -= 1
+        row = self.snapshots.find(table[j - 1], keys[j - 1]) if j else None
+        if self.tiers is not None:
+            for top in range(len(table), j, -1)[:STATE_TIER_TRIES]:
+                loaded = self._load_state(table[top - 1], keys[top - 1])
+                if loaded is not None:
+                    j, row = top, loaded
+                    break
+        self.blocks.release(table[j:])
+        del table[j:]
+        seq.block_table, seq.registered, seq.num_computed = table, j, j * self.block_size
+        seq.restore_row = row if j else -1
+        self.counts["state_restores"] += bool(j)
         if seq.cached_tokens is None:
             seq.cached_tokens = min(seq.num_computed, len(seq.prompt_token_ids))
+
+    def _load_state(self, block: int, key: BlockKey) -> int | None:
+        """The tiers' snapshot after `block` (key `key`) in a row taken for it; None."""
+        row = self.snapshots.take()
+        with self._tier_lock:
+            found = self.runner.load_state(state_key(key, secret=self.cache_key_secret), row)
+        if not found:
+            return None
+        self.snapshots.bind(row, block, key, stored=True)
+        self.counts["state_tier_loads"] += 1
+        return row
+
+    def _bind_saves(self, step: StepInput) -> None:
+        """The snapshot rows the step saved into, tied to their blocks (now registered)."""
+        for _, row in step.state_saves:
+            seq, index = self._saves.pop(row)
+            if seq.status != "finished" and index < seq.registered:
+                self.snapshots.bind(row, self._holder(seq, index), seq.block_keys[index])
+                self.counts["state_saves"] += 1
+
+    def _holder(self, seq: Sequence, index: int) -> int:
+        """The device block registered under the sequence's block `index` key: its own, or
+        an equal one that held the key first (a prefix recomputed past its last snapshot)."""
+        return self.blocks.by_key.get(seq.block_keys[index], seq.block_table[index])
+
+    def _write_states(self, seq: Sequence) -> None:
+        """The state snapshots of the sequence's registered blocks still in rows, down the
+        tiers under their `state_key`s (each row once)."""
+        for i in range(seq.registered):
+            row = self.snapshots.find(self._holder(seq, i), seq.block_keys[i])
+            if row is not None and not self.snapshots.stored[row]:
+                key = state_key(seq.block_keys[i], secret=self.cache_key_secret)
+                with self._tier_lock:
+                    self.snapshots.stored[row] = self.runner.store_state(row, key)
+                self.counts["state_stored"] += self.snapshots.stored[row]
 
     def _register(self, seq: Sequence) -> None:
         """Register the sequence's newly full, fully computed blocks under their keys."""
@@ -469,6 +581,8 @@ class Engine:
         marked stored until it returns them (`_reap_writes`); returns 0."""
         if self.tiers is None:
             return 0
+        if self.snapshots is not None:
+            self._write_states(seq)
         todo = [
             (seq.block_table[i], seq.block_keys[i])
             for i in range(seq.registered)
@@ -545,6 +659,9 @@ class Engine:
             self._inflight = None
         self.seqs.clear()
         self.detok.clear()
+        if self.snapshots is not None:  # the runner's states go with its rebuilt pool
+            self.snapshots.clear()
+            self._saves.clear()
         self.blocks = BlockManager(self.blocks.num_blocks, self.block_size)
         self.scheduler.clear(self.blocks)
         self.runner.allocate_kv(self.blocks.num_blocks, self.block_size)

@@ -50,6 +50,8 @@ class Sequence:
     status: str = "waiting"
     state_slot: int = -1
     """Its row of the linear-attention state pools while running (-1: none)."""
+    restore_row: int = -1
+    """The state snapshot row its first step restores (a hybrid's cached prefix; -1: none)."""
     preemptions: int = 0
     prefetched: object = None
     """Prefix blocks read from the tiers before admission (Engine.prefetch), used once."""
@@ -81,6 +83,10 @@ class SchedulerConfig:
     """Running sequences at most."""
     chunk_size: int | None = None
     """Batch-invariant mode: the fixed prefill chunk (None: take whatever budget is left)."""
+    align: int | None = None
+    """A hybrid model's block size: a prefill chunk that would cross a block boundary ends on
+    the last one it reaches (and a prompt's last chunk on the last boundary before its last
+    token), so the state there can be snapshot for prefix caching (actors/engine/snapshots.py)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -196,9 +202,18 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed
         if self.config.chunk_size is None:
-            return min(remaining, budget)
-        n = min(remaining, self.config.chunk_size)
+            return self._aligned(seq, min(remaining, budget))
+        n = self._aligned(seq, min(remaining, self.config.chunk_size))
         return n if n <= budget else 0
+
+    def _aligned(self, seq: Sequence, n: int) -> int:
+        """`n` new tokens cut at a block boundary (`SchedulerConfig.align`)."""
+        align, start = self.config.align, seq.num_computed
+        if align is None or n < 2:
+            return n
+        end = start + n if start + n < seq.num_tokens else seq.num_tokens - 1
+        cut = end - end % align
+        return cut - start if cut > start else n
 
     def _grow(self, seq: Sequence, need: int) -> None:
         seq.block_table.extend(self.blocks.allocate() for _ in range(need))
@@ -214,6 +229,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _drop_blocks(self, seq: Sequence) -> None:
+        seq.restore_row = -1
         if seq.state_slot >= 0:  # a later run of it starts its state afresh
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1

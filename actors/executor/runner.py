@@ -196,10 +196,15 @@ class LocalRunner:
         same values). The tensors it keeps (the decode mirror, the stacked q/k/v weights) are then
         inference tensors, only ever changed in place inside a step."""
         with torch.inference_mode(self.plain_cpu):
+            for row, slot in step.state_restores:
+                self.model.states.restore(row, slot)
             if self.tuner is None or all_rows or not self.tuner.start(step):
-                return self._step_logits(step, all_rows=all_rows, tokens=tokens)
-            logits = self._step_logits(step, tokens=tokens)  # on the CPU: done when it returns
-            self.tuner.stop(len(step.query_lens))
+                logits = self._step_logits(step, all_rows=all_rows, tokens=tokens)
+            else:
+                logits = self._step_logits(step, tokens=tokens)  # on the CPU: done when it returns
+                self.tuner.stop(len(step.query_lens))
+            for slot, row in step.state_saves:
+                self.model.states.save(slot, row)
             return logits
 
     def _step_logits(
@@ -352,6 +357,32 @@ class LocalRunner:
     def load_kv(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> int:
         """Blocks read from the tiers straight into the paged cache (`actors.kv.paged`)."""
         return paged.load_into(self._tiers(), self._kv(), list(blocks), list(keys))
+
+    @property
+    def state_snapshots(self) -> bool:
+        """Whether the model keeps linear-attention states this runner can snapshot (a hybrid:
+        the engine then caches its prefixes with a state snapshot per block boundary)."""
+        states = getattr(self.model, "states", None)
+        return states is not None and bool(states.layers)
+
+    def store_state(self, row: int, key: BlockKey) -> bool:
+        """Snapshot row `row` into the tiers under `key` (a `state_key`)."""
+        return self._tiers().store_state(key, self.model.states.export(row))
+
+    def load_state(self, key: BlockKey, row: int) -> bool:
+        """Snapshot row `row` := the tiers' snapshot under `key`; False when they have none, or
+        one that is corrupt or not this model's (counted `corrupt`)."""
+        tiers = self._tiers()
+        flat = tiers.load_state(key)
+        if flat is None:
+            return False
+        try:
+            with torch.inference_mode(self.plain_cpu):
+                self.model.states.load(row, flat, self.device)
+        except (ValueError, IndexError, RuntimeError):
+            tiers.counts["corrupt"] += 1
+            return False
+        return True
 
     def _tiers(self) -> KVTiers:
         if self.tiers is None:

@@ -45,6 +45,12 @@ class StepInput:
     state_slots: tuple[int, ...] = ()
     """[S]: each sequence's state slot (the scheduler's), for models with linear-attention layers;
     () for the others."""
+    state_restores: tuple[tuple[int, int], ...] = ()
+    """(snapshot row, state slot) pairs: before the step, each slot takes its row's states (a
+    sequence starting from a cached prefix of a hybrid model; `StatePool.restore`)."""
+    state_saves: tuple[tuple[int, int], ...] = ()
+    """(state slot, snapshot row) pairs: after the step, each row takes its slot's states (a
+    sequence whose chunk ended on a block boundary; `StatePool.save`)."""
 
     def __post_init__(self) -> None:
         t, s = int(self.token_ids.shape[0]), len(self.query_lens)

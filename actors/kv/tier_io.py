@@ -63,6 +63,8 @@ class TierIO:
             "corrupt": 0,
             "busy": 0,
             "faults": 0,
+            "states_stored": 0,
+            "state_misses": 0,
         }
         self.tier_hits: dict[str, int] = {}
         """Blocks loaded, per tier that served them (see the module docstring)."""

@@ -137,6 +137,37 @@ class KVTiers(TierIO):
                 return torch.empty((0, *shape), dtype=dtype, device=device)
             return kv_offload.load_many(self, keys, dtype=dtype, device=device)
 
+    def store_state(self, key: BlockKey, state: torch.Tensor) -> bool:
+        """Put a linear-attention state snapshot (`StatePool.export`) under its `state_key`:
+        the block codec's layout and checksum, the raw codec always (a state is carried into
+        every later token: a quantised one would move them), the tiers' compression. False when
+        the tier already had it or the cache faulted."""
+        data = encode_block(state, key=key, codec="raw", compression=self.compression)
+        try:
+            stored = bool(self.cache.put(key, data))
+        except Exception:  # the cache boundary: a fault is a counted miss
+            self.counts["faults"] += 1
+            return False
+        self.counts["states_stored"] += int(stored)
+        return stored
+
+    def load_state(self, key: BlockKey) -> torch.Tensor | None:
+        """The state snapshot under `key`, verified (key and checksum); None when missing,
+        corrupt or the cache faulted (each counted)."""
+        try:
+            data = self.cache.get(key)
+        except Exception:  # the cache boundary: a fault is a counted miss
+            self.counts["faults"] += 1
+            return None
+        if data is None:
+            self.counts["state_misses"] += 1
+            return None
+        try:
+            return decode_block(data, expected_key=key)
+        except CacheError:
+            self.counts["corrupt"] += 1
+            return None
+
     def stats(self) -> dict:
         out: dict = dict(self.counts)
         out["tier_hits"] = dict(self.tier_hits)

@@ -8,8 +8,10 @@ read and write both through the cache interface of `transformers.cache_utils`
 5.1x); this gives them that interface over a pool with one row per engine state slot:
 
 Step 1: the engine gives every running sequence a state slot (`StepInput.state_slots`, from the
-        scheduler; freed when the sequence finishes or is preempted) and turns prefix caching
-        off for the model (a cached prefix would restore KV but not the state).
+        scheduler; freed when the sequence finishes or is preempted). A sequence starting from
+        a cached prefix has its slot filled from a snapshot row first (`StepInput.
+        state_restores`); a chunk ending on a block boundary leaves its slot's states in a
+        snapshot row (`state_saves`; actors/engine/snapshots.py keeps which row is whose).
 Step 2: a step's tokens come as one row [1, T, H]. `mixed_forward` splits them by sequence: the
         sequences that continue by one token (decodes) run together as a batch [S, 1, H] (the
         module's recurrent form), every other sequence alone (its chunked form: a fresh prompt,
@@ -19,14 +21,15 @@ Step 3: each group's states are gathered from the pool by slot, handed to the mo
 
 The pool grows to the highest slot seen (at most max_num_seqs rows a layer); a slot's state is
 whatever its last sequence left, and a fresh sequence (context length = its new tokens) starts
-from none. What is not done here: state snapshots at block boundaries (prefix caching and KV
-tiers for hybrids), CUDA graphs and Triton kernels for these layers (issue 38).
+from none. What is not done here: snapshots inside a chunk (only where a chunk ends), snapshots
+over the Ray replica's ranks, CUDA graphs and Triton kernels for these layers (issue 38).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -67,14 +70,82 @@ def _forward_keeps_state(cls: type) -> bool:
     return all(m in source for m in CACHE_METHODS)
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes a state snapshot may hold, by their code in its header."""
+
+
 class StatePool:
     """One row per state slot for every linear-attention layer of a stage: the convolution
     window and the recurrent state, each allocated at its first write (shape and dtype as the
-    module gives them) and grown to the highest slot asked for."""
+    module gives them) and grown to the highest slot asked for.
+
+    Snapshots (prefix caching for hybrids): `save` copies a slot's states of every layer into a
+    snapshot row (the engine's, kept with the KV block whose last token they follow), `restore`
+    copies a row back into a slot, `export` / `load` turn a row into one flat float32 tensor
+    for the tiers and back."""
 
     def __init__(self) -> None:
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
+        self.snap_conv: dict[int, torch.Tensor] = {}
+        self.snap_recurrent: dict[int, torch.Tensor] = {}
+        self.layers: tuple[int, ...] = ()
+        """The stage's linear-attention layers (set by `attach`): what a snapshot must hold."""
+
+    def _pairs(self):
+        return ((self.conv, self.snap_conv), (self.recurrent, self.snap_recurrent))
+
+    def save(self, slot: int, row: int) -> None:
+        """Snapshot row `row` := the states of state slot `slot` (every layer)."""
+        at = torch.tensor([row])
+        for live, snap in self._pairs():
+            for layer, table in live.items():
+                self.put(snap, layer, at.to(table.device), table[slot : slot + 1])
+
+    def restore(self, row: int, slot: int) -> None:
+        """State slot `slot` := snapshot row `row` (every layer)."""
+        at = torch.tensor([slot])
+        for live, snap in self._pairs():
+            for layer, table in snap.items():
+                self.put(live, layer, at.to(table.device), table[row : row + 1])
+
+    def export(self, row: int) -> torch.Tensor:
+        """Snapshot row `row` as one flat float32 tensor: a header (entries; then per entry its
+        kind (0 conv, 1 recurrent), layer, dtype code, rank and sizes), then the values."""
+        head: list[float] = []
+        values: list[torch.Tensor] = []
+        entries = [(kind, layer, snap[layer][row])
+                   for kind, (_, snap) in enumerate(self._pairs()) for layer in sorted(snap)]  # fmt: skip
+        head.append(len(entries))
+        for kind, layer, t in entries:
+            head += [kind, layer, _DTYPES.index(t.dtype), t.dim(), *t.shape]
+            values.append(t.reshape(-1).float().cpu())
+        return torch.cat([torch.tensor(head, dtype=torch.float32), *values])
+
+    def load(self, row: int, flat: torch.Tensor, device: torch.device) -> None:
+        """Snapshot row `row` := an `export`ed tensor; ValueError when it is not one of this
+        stage's (its layers, or its length, differ)."""
+        flat = flat.reshape(-1).float()
+        head = flat.tolist()
+        at, entries = 1, []
+        for _ in range(int(head[0]) if head else 0):
+            kind, layer, code, rank = (int(v) for v in head[at : at + 4])
+            shape = tuple(int(v) for v in head[at + 4 : at + 4 + rank])
+            entries.append((kind, layer, _DTYPES[code], shape))
+            at += 4 + rank
+        for kind in (0, 1):
+            if sorted(e[1] for e in entries if e[0] == kind) != sorted(self.layers):
+                raise ValueError(f"a state snapshot for other layers than {self.layers}")
+        at_row = torch.tensor([row], device=device)
+        for kind, layer, dtype, shape in entries:
+            n = math.prod(shape)
+            if at + n > flat.numel():
+                raise ValueError("a state snapshot shorter than its header says")
+            value = flat[at : at + n].reshape(1, *shape).to(device, dtype)
+            self.put(self._pairs()[kind][1], layer, at_row, value)
+            at += n
+        if at != flat.numel():
+            raise ValueError("a state snapshot longer than its header says")
 
     def put(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value):
         rows = int(slots.max()) + 1
@@ -88,7 +159,7 @@ class StatePool:
         have[slots] = value.to(have.dtype)
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.conv, self.recurrent)
+        return sum(t.numel() * t.element_size() for pair in self._pairs() for d in pair
                    for t in d.values())  # fmt: skip
 
 
@@ -236,5 +307,6 @@ def mixed_forward(module: nn.Module, forward, pool: StatePool):
 def attach(layers: dict[int, nn.Module], pool: StatePool) -> None:
     """Route each linear-attention module (by layer index) through `mixed_forward`; the module
     keeps its parameters and names (its forward is replaced on the instance)."""
+    pool.layers = tuple(sorted(layers))
     for module in layers.values():
         module.forward = mixed_forward(module, module.forward, pool)

@@ -86,16 +86,17 @@ def test_a_generic_family_decodes_as_transformers_generate(model_type, tmp_path)
 
 @pytest.mark.parametrize("model_type", HYBRID)
 def test_a_linear_attention_hybrid_decodes_as_transformers_generate(model_type, tmp_path):
-    """Chunked prefill carrying each sequence's state across chunks, decodes batched over
-    their state slots, a request joining later: transformers' tokens; no prefix is matched
-    (the blocks hold no state), so c recomputes a's."""
+    """Chunked prefill carrying each sequence's state across chunks (cut at block
+    boundaries), decodes batched over their state slots, a request joining later that starts
+    from a's cached blocks and the state snapshot after them: transformers' tokens."""
     path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
     arch = CheckpointIndex.open(path).arch()
     assert arch.linear_layers and set(arch.linear_layers) < set(range(arch.num_layers))
     engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False,
                           **{**KW, "max_num_batched_tokens": 8})  # fmt: skip
     got = run_engine(engine)  # a's 17 prompt tokens in chunks beside b's and the decodes
-    assert engine.stats()["prefix_hits"] == 0
+    stats = engine.stats()
+    assert stats["prefix_hits"] >= 2 and stats["state_restores"] >= 1  # c reused a's
     for rid, ids in requests().items():
         assert got[rid] == generate(ref, ids), (model_type, rid)
     stage = engine.runner.model
