@@ -27,6 +27,7 @@ over the Ray replica's ranks, CUDA graphs and Triton kernels for these layers (i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -37,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from actors.kernels.delta_rule import KERNELS
 
 CACHE_METHODS = ("update_conv_state", "update_recurrent_state")
 """What a module's forward must call to keep its state through transformers' cache interface."""
@@ -244,6 +247,22 @@ class _LayerView:
         self.recurrent_states = [states.recurrent]
 
 
+@contextlib.contextmanager
+def native_kernels(module: nn.Module):
+    """Within: the module's modeling file calls our gated delta rule (`actors.kernels.
+    delta_rule`: torch on the CPU, Triton on CUDA) where it would call its own (the names of
+    `KERNELS` it has). Its short convolution, gates, norms and projections stay transformers'."""
+    home = sys.modules.get(type(module).__module__)
+    theirs = {n: getattr(home, n) for n in KERNELS if home is not None and hasattr(home, n)}
+    for name in theirs:
+        setattr(home, name, KERNELS[name])
+    try:
+        yield
+    finally:
+        for name, function in theirs.items():
+            setattr(home, name, function)
+
+
 def cache_keyword(forward) -> str:
     """The name the module's forward takes its cache by (`cache` in 5.2x, `cache_params` before)."""
     params = inspect.signature(inspect.unwrap(forward)).parameters
@@ -284,24 +303,30 @@ def mixed_forward(module: nn.Module, forward, pool: StatePool):
         for n in q:
             starts.append(starts[-1] + n)
         out = torch.empty_like(x)
-        decodes, alone = groups(q, c)
-        dev = x.device
-        if decodes:
-            rows = torch.tensor([starts[i] for i in decodes], device=dev)
-            slots = torch.tensor([slots_of[i] for i in decodes], device=dev)
-            view = SlotStates(pool, module.layer_idx, slots, fresh=False)
-            y = forward(x[rows][:, None], **{key: view}, **kwargs)
-            view.store()
-            out[rows] = y[:, 0].to(out.dtype)
-        for i in alone:
-            slots = torch.tensor([slots_of[i]], device=dev)
-            view = SlotStates(pool, module.layer_idx, slots, fresh=c[i] == q[i])
-            y = forward(x[starts[i] : starts[i + 1]][None], **{key: view}, **kwargs)
-            view.store()
-            out[starts[i] : starts[i + 1]] = y[0].to(out.dtype)
+        with native_kernels(module):
+            _run_groups(module, forward, pool, key, x, out, starts, slots_of, q, c, kwargs)
         return out[None]
 
     return run
+
+
+def _run_groups(module, forward, pool, key, x, out, starts, slots_of, q, c, kwargs) -> None:
+    """`mixed_forward`'s step: the decodes as one batch, then every other sequence alone."""
+    decodes, alone = groups(q, c)
+    dev = x.device
+    if decodes:
+        rows = torch.tensor([starts[i] for i in decodes], device=dev)
+        slots = torch.tensor([slots_of[i] for i in decodes], device=dev)
+        view = SlotStates(pool, module.layer_idx, slots, fresh=False)
+        y = forward(x[rows][:, None], **{key: view}, **kwargs)
+        view.store()
+        out[rows] = y[:, 0].to(out.dtype)
+    for i in alone:
+        slots = torch.tensor([slots_of[i]], device=dev)
+        view = SlotStates(pool, module.layer_idx, slots, fresh=c[i] == q[i])
+        y = forward(x[starts[i] : starts[i + 1]][None], **{key: view}, **kwargs)
+        view.store()
+        out[starts[i] : starts[i + 1]] = y[0].to(out.dtype)
 
 
 def attach(layers: dict[int, nn.Module], pool: StatePool) -> None:

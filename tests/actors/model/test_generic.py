@@ -85,10 +85,27 @@ def test_a_generic_family_decodes_as_transformers_generate(model_type, tmp_path)
 
 
 @pytest.mark.parametrize("model_type", HYBRID)
-def test_a_linear_attention_hybrid_decodes_as_transformers_generate(model_type, tmp_path):
+def test_a_linear_attention_hybrid_decodes_as_transformers_generate(
+    model_type, tmp_path, monkeypatch
+):
     """Chunked prefill carrying each sequence's state across chunks (cut at block
     boundaries), decodes batched over their state slots, a request joining later that starts
-    from a's cached blocks and the state snapshot after them: transformers' tokens."""
+    from a's cached blocks and the state snapshot after them: transformers' tokens. The
+    stage's delta rule is ours (actors/kernels/delta_rule.py), chunked and recurrent, in
+    place of the modeling file's."""
+    from actors.kernels import delta_rule
+
+    calls = {}
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return run
+
+    for name, fn in delta_rule.KERNELS.items():
+        monkeypatch.setitem(delta_rule.KERNELS, name, counted(fn.__name__, fn))
     path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
     arch = CheckpointIndex.open(path).arch()
     assert arch.linear_layers and set(arch.linear_layers) < set(range(arch.num_layers))
@@ -99,6 +116,7 @@ def test_a_linear_attention_hybrid_decodes_as_transformers_generate(model_type, 
     assert stats["prefix_hits"] >= 2 and stats["state_restores"] >= 1  # c reused a's
     for rid, ids in requests().items():
         assert got[rid] == generate(ref, ids), (model_type, rid)
+    assert calls.get("chunk_delta_rule", 0) > 0 and calls.get("recurrent_delta_rule", 0) > 0
     stage = engine.runner.model
     assert sorted(stage.states.recurrent) == list(arch.linear_layers)
     assert stage.states.recurrent[arch.linear_layers[0]].shape[0] <= KW["max_num_seqs"]

@@ -1,7 +1,8 @@
 """On a CUDA GPU: the generic path (transformers' decoder layers over the paged KV cache) in the
 engine `moectl serve` builds on CUDA, start-up warm-up included: a softmax-attention family and a
-linear-attention hybrid (a state slot per sequence) give transformers' greedy tokens. Skips
-without CUDA."""
+linear-attention hybrid (a state slot per sequence, our Triton delta rule) give transformers'
+greedy tokens, and a repeated request hits its prefix (a hybrid's state snapshot restored).
+Skips without CUDA."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def test_a_generic_family_on_cuda_decodes_as_transformers_generate(model_type, t
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     for rid, ids in reqs.items():
         assert out[rid] == generate(ref, ids), (model_type, rid)
+    # c again once the others are done: a prefix hit (for a hybrid, its state snapshot too)
+    engine.add_request("again", reqs["c"], GREEDY)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert out["again"] == out["c"]
+    stats = engine.stats()
+    assert stats["prefix_hits"] >= 1
+    if model_type in HYBRID:
+        assert stats["state_restores"] >= 1
