@@ -40,6 +40,7 @@ WIRE_BYTES = 2 * DIGEST_BYTES + 4 + DIGEST_BYTES
 _PERSON = b"moe-kv-block-v1"
 _PART_PERSON = b"moe-kv-part-v1"
 _STATE_PERSON = b"moe-kv-state-v1"
+_INDEX_PERSON = b"moe-kv-index-v1"
 _WIRE = struct.Struct(f"<{DIGEST_BYTES}si{DIGEST_BYTES}s{DIGEST_BYTES}s")
 _MAX_HEADER_BYTES = 100 * 2**20
 _TENSOR_SAMPLE_BYTES = 64
@@ -232,12 +233,22 @@ def part_key(
 
 def state_key(block: BlockKey, *, secret: bytes) -> BlockKey:
     """The key of the linear-attention state after the tokens of `block` (and every block before
-    it): a hybrid model's snapshot stored with its block. Derived from the block's digest under
-    the secret; position, run and root are the block's, so a snapshot lands in its block's Redis
-    slot and an eviction policy sees it where it sees the block."""
+    it): a hybrid model's snapshot stored with its block (`_companion`)."""
+    return _companion(block, secret, _STATE_PERSON)
+
+
+def index_key(block: BlockKey, *, secret: bytes) -> BlockKey:
+    """The key of a DSA model's indexer keys of the tokens of `block` (`_companion`)."""
+    return _companion(block, secret, _INDEX_PERSON)
+
+
+def _companion(block: BlockKey, secret: bytes, person: bytes) -> BlockKey:
+    """A key stored beside `block`: derived from the block's digest under the secret; position,
+    run and root are the block's, so the value lands in its block's Redis slot and an eviction
+    policy sees it where it sees the block."""
     if not isinstance(secret, bytes) or not secret:
         raise CacheConfigError("the KV cache secret must be non-empty bytes")
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=_mac_key(secret), person=_STATE_PERSON)
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=_mac_key(secret), person=person)
     h.update(block.digest)
     return BlockKey(
         digest=h.digest(), position=block.position, run=block.run_tag, root=block.root_tag

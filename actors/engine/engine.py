@@ -156,6 +156,19 @@ class Engine:
             block_size=block_size,
         )
         self.blocks = BlockManager(num_blocks, block_size)
+        arch = getattr(runner, "arch", None)
+        if (
+            cache is not None
+            and getattr(arch, "indexed_layers", ())
+            and not getattr(runner, "index_keys_in_tiers", False)
+        ):
+            if role == "prefill":
+                raise InputError(
+                    "engine role 'prefill': a DSA model over this runner keeps its index keys "
+                    "on the device (not in the tiers), so it cannot hand requests over"
+                )
+            log.warning("a DSA model over this runner keeps its prefixes on the device: no tiers")
+            cache = None
         self.tiers = (
             KVTiers(
                 cache,

@@ -44,7 +44,7 @@ from actors.kv.cache import KVCache, KVLayout, PagedContext
 from actors.kv.tiers import KVTiers
 from actors.model.arch import ArchConfig
 from actors.model.stage import StageModel
-from cache_service.block_key import BlockKey
+from cache_service.block_key import BlockKey, index_key
 from cluster.errors import InputError
 
 SHORT_QUERY = 16
@@ -64,6 +64,7 @@ def short_rows(step: StepInput, lens: Sequence[int], arch: ArchConfig) -> bool:
         not step.per_sequence
         and arch.sliding_window is None
         and not arch.linear_layers  # a row per token would split a sequence's state
+        and not arch.indexed_layers  # the indexer scores a sequence's new tokens together
         and max(lens) <= SHORT_QUERY
         and sum(lens) <= SHORT_ROWS
     )
@@ -267,6 +268,7 @@ class LocalRunner:
             and (not step.per_sequence or len(step.query_lens) == 1)
             and self.arch.sliding_window is None
             and not self.arch.linear_layers
+            and not self.arch.indexed_layers
         )
 
     def _short_rows(self, step: StepInput) -> bool:
@@ -344,19 +346,50 @@ class LocalRunner:
             self.mirror.drop()
 
     def attach_tiers(self, tiers: KVTiers, *, key_secret: bytes) -> None:
-        """One rank holds whole blocks: they go under the engine's keys as they are."""
-        self.tiers = tiers
+        """One rank holds whole blocks: they go under the engine's keys as they are (a DSA
+        model's index keys beside them, under keys derived with the secret)."""
+        self.tiers, self.key_secret = tiers, key_secret
+
+    index_keys_in_tiers = True
+    """A DSA model's blocks go down the tiers with their index keys (`store_kv`)."""
 
     def available_kv(self, keys: Sequence[BlockKey]) -> int:
         return self._tiers().available(keys)
 
     def store_kv(self, blocks: Sequence[int], keys: Sequence[BlockKey]) -> list[bool]:
-        """Blocks staged straight from the paged cache to the tiers (`actors.kv.paged`)."""
-        return paged.store_from(self._tiers(), self._kv(), list(blocks), list(keys))
+        """Blocks staged straight from the paged cache to the tiers (`actors.kv.paged`); a DSA
+        model's index keys of each block beside it (`index_key`)."""
+        flags = paged.store_from(self._tiers(), self._kv(), list(blocks), list(keys))
+        index = self._index_keys()
+        if index is not None and blocks:
+            data = index.blocks(self._kv(), list(blocks))
+            for j, key in enumerate(keys):
+                self.tiers.store_aux(index_key(key, secret=self.key_secret), data[j])
+        return flags
 
     def load_kv(self, keys: Sequence[BlockKey], blocks: Sequence[int]) -> int:
-        """Blocks read from the tiers straight into the paged cache (`actors.kv.paged`)."""
-        return paged.load_into(self._tiers(), self._kv(), list(blocks), list(keys))
+        """Blocks read from the tiers straight into the paged cache (`actors.kv.paged`); a DSA
+        model's only as far as their index keys come back too."""
+        landed = paged.load_into(self._tiers(), self._kv(), list(blocks), list(keys))
+        index = self._index_keys()
+        if index is None:
+            return landed
+        kv = self._kv()
+        want = (len(index.layers), kv.layout.block_size, index.dim)
+        for j in range(landed):
+            got = self.tiers.load_aux(index_key(keys[j], secret=self.key_secret))
+            if got is None or tuple(got.shape) != want:
+                if got is not None:
+                    self.tiers.counts["corrupt"] += 1
+                return j
+            with torch.inference_mode(self.plain_cpu):
+                index.put_blocks(kv, [int(blocks[j])], got[None])
+        return landed
+
+    def _index_keys(self):
+        """The model's DSA index keys (None for a model without an indexer)."""
+        index = getattr(self.model, "index_keys", None)
+        return index if index is not None and index.layers else None
 
     @property
     def state_snapshots(self) -> bool:
@@ -367,13 +400,13 @@ class LocalRunner:
 
     def store_state(self, row: int, key: BlockKey) -> bool:
         """Snapshot row `row` into the tiers under `key` (a `state_key`)."""
-        return self._tiers().store_state(key, self.model.states.export(row))
+        return self._tiers().store_aux(key, self.model.states.export(row))
 
     def load_state(self, key: BlockKey, row: int) -> bool:
         """Snapshot row `row` := the tiers' snapshot under `key`; False when they have none, or
         one that is corrupt or not this model's (counted `corrupt`)."""
         tiers = self._tiers()
-        flat = tiers.load_state(key)
+        flat = tiers.load_aux(key)
         if flat is None:
             return False
         try:

@@ -63,8 +63,8 @@ class TierIO:
             "corrupt": 0,
             "busy": 0,
             "faults": 0,
-            "states_stored": 0,
-            "state_misses": 0,
+            "aux_stored": 0,
+            "aux_misses": 0,
         }
         self.tier_hits: dict[str, int] = {}
         """Blocks loaded, per tier that served them (see the module docstring)."""

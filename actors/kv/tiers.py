@@ -137,22 +137,23 @@ class KVTiers(TierIO):
                 return torch.empty((0, *shape), dtype=dtype, device=device)
             return kv_offload.load_many(self, keys, dtype=dtype, device=device)
 
-    def store_state(self, key: BlockKey, state: torch.Tensor) -> bool:
-        """Put a linear-attention state snapshot (`StatePool.export`) under its `state_key`:
-        the block codec's layout and checksum, the raw codec always (a state is carried into
-        every later token: a quantised one would move them), the tiers' compression. False when
-        the tier already had it or the cache faulted."""
-        data = encode_block(state, key=key, codec="raw", compression=self.compression)
+    def store_aux(self, key: BlockKey, tensor: torch.Tensor) -> bool:
+        """Put a block's companion tensor (a hybrid's state snapshot under its `state_key`, a
+        DSA block's indexer keys under its `index_key`): the block codec's layout and checksum,
+        the raw codec always (a state is carried into every later token, an index key decides
+        which tokens are read: quantised, either would move them), the tiers' compression.
+        False when the tier already had it or the cache faulted."""
+        data = encode_block(tensor, key=key, codec="raw", compression=self.compression)
         try:
             stored = bool(self.cache.put(key, data))
         except Exception:  # the cache boundary: a fault is a counted miss
             self.counts["faults"] += 1
             return False
-        self.counts["states_stored"] += int(stored)
+        self.counts["aux_stored"] += int(stored)
         return stored
 
-    def load_state(self, key: BlockKey) -> torch.Tensor | None:
-        """The state snapshot under `key`, verified (key and checksum); None when missing,
+    def load_aux(self, key: BlockKey) -> torch.Tensor | None:
+        """The companion tensor under `key`, verified (key and checksum); None when missing,
         corrupt or the cache faulted (each counted)."""
         try:
             data = self.cache.get(key)
@@ -160,7 +161,7 @@ class KVTiers(TierIO):
             self.counts["faults"] += 1
             return None
         if data is None:
-            self.counts["state_misses"] += 1
+            self.counts["aux_misses"] += 1
             return None
         try:
             return decode_block(data, expected_key=key)

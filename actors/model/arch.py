@@ -84,7 +84,11 @@ class ArchConfig:
     tie_word_embeddings: bool = False
     linear_layers: tuple[int, ...] = ()
     """Layers with a per-sequence state in place of KV (linear attention: gated DeltaNet, KDA):
-    the engine gives each sequence a state slot and caches no prefix for such a model."""
+    the engine gives each sequence a state slot and a prefix is cached with a state snapshot."""
+    indexed_layers: tuple[int, ...] = ()
+    """Layers whose attention a DeepSeek Sparse Attention indexer restricts to its top-k tokens
+    (actors/model/sparse_index.py): they decode on the paged path, their prefixes stay on the
+    device (the index keys are not in the tiers)."""
     generic: bool = False
     """Layers run as transformers' own modules (`actors/model/generic.py`): `family` is then the
     config's model_type, and the fields past the sizes the runners read are informative."""

@@ -24,21 +24,26 @@ Step 4 (expert parallelism): every fused experts module runs through transformer
         through the native `ExpertParallel` dispatch and combine.
 
 What is refused, in one line naming the layer's module path and class: an attention kind other
-than full or sliding-window softmax attention and linear attention that keeps its state through
-transformers' cache interface (a sparse indexer, a per-layer rotary), attention sinks, and
-tensor parallelism (transformers' layers run whole). Routers, norms and shared experts run as
-transformers wrote them.
+than full or sliding-window softmax attention, linear attention that keeps its state through
+transformers' cache interface and DeepSeek Sparse Attention (compressed attention, a per-layer
+rotary), attention sinks, and tensor parallelism (transformers' layers run whole). Routers,
+norms and shared experts run as transformers wrote them.
 
 Step 5 (linear attention, hybrids such as qwen3_next): a `linear_attention` layer keeps a
         state per sequence, not KV blocks. The scheduler gives each running sequence a state
-        slot; the layer runs transformers' own recurrence (flash-linear-attention's kernels where
-        installed) over a cache view of its sequences' conv and recurrent rows
-        (actors/model/linear_state.py), decodes batched and each prompt chunk on its own. A
-        state covers a whole sequence, so these models are served without prefix caching.
+        slot; the layer runs transformers' module over a cache view of its sequences' conv and
+        recurrent rows (actors/model/linear_state.py), with our gated delta rule in place of
+        its own (actors/kernels/delta_rule.py), decodes batched and each prompt chunk on its
+        own; prefixes are cached with state snapshots (actors/engine/snapshots.py).
+
+Step 6 (DeepSeek Sparse Attention: deepseek_v32, glm_moe_dsa, axk2): an `indexed_attention`
+        layer's indexer keeps its keys beside the paged KV and picks each query's top-k tokens;
+        `paged_attention` attends to those only (actors/model/sparse_index.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -59,6 +64,8 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries the paged cache serves."""
 LINEAR_LAYER_TYPE = "linear_attention"
 """The `config.layer_types` entry of a layer with a state per sequence (actors/model/linear_state.py)."""
+INDEXED_LAYER_TYPE = "indexed_attention"
+"""The `config.layer_types` entry of a DeepSeek Sparse Attention layer (actors/model/sparse_index.py)."""
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -107,6 +114,7 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
         top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR_LAYER_TYPE),
+        indexed_layers=tuple(i for i, t in enumerate(types) if t == INDEXED_LAYER_TYPE),
     )
 
 
@@ -164,6 +172,11 @@ def paged_attention(
         d = max(q.shape[-1], dv)  # cache holds both zero-padded to the larger (kv_head_dim)
         q, k, v = (nn.functional.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
     view.write(k, v)
+    indices = kwargs.get("indices")
+    if indices is not None:  # DeepSeek Sparse Attention: the indexer's top-k tokens only
+        from actors.model.sparse_index import sparse_attend
+
+        return sparse_attend(q.contiguous(), view, indices[0], scale=scale)[None, ..., :dv], None
     if isinstance(view, DecodeView):
         return view.gqa(q.contiguous(), scale)[None, ..., :dv], None
     rep = q.shape[1] // k.shape[1]
@@ -275,6 +288,17 @@ class GenericStage(nn.Module):
         """The linear-attention layers' states, one row per engine state slot."""
         linear = {i: linear_module(layers[i]) for i in arch.linear_layers if start <= i < stop}
         attach({i: m for i, m in linear.items() if m is not None}, self.states)
+        from actors.model import sparse_index
+
+        self.index_keys = sparse_index.IndexKeys()
+        """The DSA indexers' keys, one row per KV slot (actors/model/sparse_index.py)."""
+        indexed = {i: attention_module(layers[i]) for i in arch.indexed_layers if start <= i < stop}
+        sparse_index.attach(indexed, self.index_keys)
+        self._topk_passed = {
+            i: "prev_topk_indices" in inspect.signature(type(layers[i]).forward).parameters
+            for i in range(start, stop)
+        }
+        """Layers taking the previous layer's DSA indices (glm_moe_dsa's shared indexers)."""
         self.embedding_multiplier = float(getattr(text, "embedding_multiplier", 1.0) or 1.0)
         self.logits_scaling = float(getattr(text, "logits_scaling", 1.0) or 1.0)
         self.device_ = torch.device(device) if device is not None else torch.device("cpu")
@@ -381,11 +405,14 @@ class GenericStage(nn.Module):
             if self.rotary_emb is not None
             else None  # no positions in any attention (NoPE: kimi_linear's MLA)
         )
-        for layer in self.layers.values():
-            out = layer(
-                x, attention_mask=None, position_ids=pos, position_embeddings=rotary, paged=paged
-            )
+        topk = None  # a layer's DSA indices, for a next one sharing them
+        for name, layer in self.layers.items():
+            shared = {"prev_topk_indices": topk} if self._topk_passed[int(name)] else {}
+            out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary,
+                        paged=paged, **shared)  # fmt: skip
             x = out[0] if isinstance(out, tuple) else out
+            if shared:
+                topk = out[1] if isinstance(out, tuple) and len(out) > 1 else None
         x = x[0]
         if not self.last:
             return x
@@ -573,6 +600,19 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
         name = next(
             (n for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None
         )
+        if kind == INDEXED_LAYER_TYPE and name is not None:
+            from actors.model.sparse_index import indexer_of, is_indexed
+
+            attn = getattr(layer, name)
+            path = f"model.layers.{i}.{name}: {type(attn).__name__}"
+            if not (is_indexed(attn) and _dispatches(attn)):
+                raise InputError(f"{path} (indexed_attention) has no DSA indexer we can run")
+            if i == layer_range[0] and indexer_of(attn) is None:
+                raise InputError(
+                    f"{path} shares the indexer of the layer before it: a stage cannot start "
+                    "there (its indices do not travel between stages)"
+                )
+            continue
         if kind not in ATTENTION_LAYER_TYPES or name is None:
             name, mod = next(
                 ((n, m) for n, m in layer.named_children() if n not in ("mlp", "feed_forward")
@@ -591,6 +631,13 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
             raise InputError(f"{path} has attention sinks, which the paged path does not add")
 
 
+def attention_module(layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's attention module (by the names of ATTENTION_NAMES), None."""
+    return next(
+        (m for n in ATTENTION_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)), None
+    )
+
+
 def linear_module(layer: nn.Module) -> nn.Module | None:
     """The layer's linear-attention module that keeps its state through transformers' cache
     interface (`linear_state.keeps_cache_state`), None when it has none."""
@@ -602,8 +649,6 @@ def linear_module(layer: nn.Module) -> nn.Module | None:
 def _dispatches(attn: nn.Module) -> bool:
     """Whether the module's forward hands q/k/v to transformers' attention interface (where
     `moe_paged` takes over) and knows its layer index."""
-    import inspect
-
     try:
         source = inspect.getsource(type(attn).forward)
     except (OSError, TypeError):

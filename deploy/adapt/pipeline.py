@@ -37,8 +37,15 @@ GENERIC_COST = (
 )
 HYBRID_COST = (
     "; its {n} linear-attention layers keep a state per sequence (actors/model/linear_state.py), "
-    "so no prefix is cached and no KV goes to the tiers for it, and they run transformers' "
-    "reference recurrences (flash-linear-attention's kernels where installed)"
+    "a prefix cached with a state snapshot where a chunk ended on its last block (prefill "
+    "chunks cut at block boundaries; not over Ray ranks), through our gated delta rule "
+    "(actors/kernels/delta_rule.py, Triton on CUDA)"
+)
+DSA_COST = (
+    "; its {n} DeepSeek Sparse Attention layers keep indexer keys beside the KV "
+    "(actors/model/sparse_index.py) and attend to their top-k tokens as a masked dense product "
+    "per sequence, on the paged path (no CUDA fast decode); index keys go to the tiers from one "
+    "process only (not over Ray ranks)"
 )
 MLA_COST = (
     "; its latent attention (MLA) is cached expanded to keys and values per head, both at the "
@@ -87,6 +94,8 @@ class AdaptResult:
     """"native" (our layers) or "generic" (transformers' layers, actors/model/generic.py)."""
     linear_layers: int = 0
     """Layers keeping a state per sequence (linear attention), on the generic path."""
+    indexed_layers: int = 0
+    """DeepSeek Sparse Attention layers, on the generic path."""
     mla_expansion: float = 0.0
     """KV bytes a token the generic path keeps for an MLA model over the latent's (0: no MLA)."""
     runtime_error: str | None = None
@@ -180,6 +189,7 @@ def _parse(r: AdaptResult) -> None:
             arch = generic_check(text, r.source)
             r.runtime_family, r.runtime_path = arch.family, "generic"
             r.linear_layers = len(arch.linear_layers)
+            r.indexed_layers = len(arch.indexed_layers)
             if text.get("kv_lora_rank"):
                 latent = int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)
                 r.mla_expansion = 2 * arch.num_kv_heads * arch.head_dim / latent
@@ -366,6 +376,7 @@ def summary(r: AdaptResult) -> dict:
         "runtime_cost": (
             GENERIC_COST
             + (HYBRID_COST.format(n=r.linear_layers) if r.linear_layers else "")
+            + (DSA_COST.format(n=r.indexed_layers) if r.indexed_layers else "")
             + (MLA_COST.format(x=r.mla_expansion) if r.mla_expansion else "")
             if r.runtime_path == "generic"
             else None

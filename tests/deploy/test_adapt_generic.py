@@ -43,8 +43,8 @@ def test_a_family_the_generic_path_runs_is_ready_generic(model_type, moectl, tmp
 
 
 def test_a_family_whose_attention_has_no_paged_path_needs_work_naming_it(moectl, tmp_path):
-    code, out, _ = moectl("adapt", _config("deepseek_v32", tmp_path), "--json", "--out", tmp_path)
+    code, out, _ = moectl("adapt", _config("deepseek_v4", tmp_path), "--json", "--out", tmp_path)
     s = json.loads(out)
     assert (code, s["verdict"]) == (1, "needs-work")
-    family = next(r for r in s["reasons"] if r.startswith("family deepseek_v32"))
-    assert "model.layers.0.self_attn: DeepseekV32Attention (" in family  # its layer type
+    family = next(r for r in s["reasons"] if r.startswith("family deepseek_v4"))
+    assert "model.layers.0.self_attn: DeepseekV4Attention (" in family  # its layer type

@@ -146,6 +146,6 @@ def test_a_corrupt_state_snapshot_is_a_miss_and_the_prefix_is_recomputed(model, 
         assert shared.put_many([(skey, raw[: len(raw) // 2])]).stored == [True]
 
     stats, outs = first_then_second(path, namespace, damage)
-    assert stats["state_tier_loads"] == 0 and stats["cache"]["state_misses"] >= 1
+    assert stats["state_tier_loads"] == 0 and stats["cache"]["aux_misses"] >= 1
     assert outs[-1].cached_tokens == 0
     assert tokens(outs) == generate(ref, SECOND)

@@ -147,7 +147,8 @@ def test_a_preempted_hybrid_sequence_restarts_its_state(tmp_path):
 @pytest.mark.ray
 @pytest.mark.parametrize(("model_type", "layout"), [("olmoe", "pp2"), ("qwen2_moe", "ep2"),
                                                     ("olmoe", "ep2xpp2"),
-                                                    ("qwen3_next", "pp2")])  # fmt: skip
+                                                    ("qwen3_next", "pp2"),
+                                                    ("deepseek_v32", "pp2")])  # fmt: skip
 def test_generic_layouts_over_rank_actors_equal_transformers(
     model_type, layout, ray_session, tmp_path
 ):
@@ -205,7 +206,7 @@ def test_an_ep_rank_keeps_only_its_experts_rows(tmp_path):
     [
         ("granitemoe_swa", r"GraniteMoeSWAModel: no single rotary_emb"),
         ("gpt_oss", r"model\.layers\.0\.self_attn: GptOssAttention has attention sinks"),
-        ("deepseek_v32", r"model\.layers\.0\.self_attn: DeepseekV32Attention \("),
+        ("deepseek_v4", r"model\.layers\.0\.self_attn: DeepseekV4Attention \(heavily_compressed"),
     ],
 )
 def test_attention_the_paged_cache_cannot_serve_is_refused_naming_the_module(
