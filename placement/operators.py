@@ -35,12 +35,18 @@ REGISTRY: dict[str, dict[str, str]] = {
     "lm_head": _both("actors.model.stage.StageModel.lm_head"),
     "fp8_block_dequant": _both("actors.model.weights.CheckpointIndex"),
     "mxfp4_dequant": _both("actors.model.weights.CheckpointIndex"),
+    # through the generic path (transformers' modules over our cache and kernels)
+    "kda_linear_attention": _both("actors.kernels.delta_rule (generic path: linear_state)"),
+    "gated_deltanet_linear_attention": _both(
+        "actors.kernels.delta_rule (generic path: linear_state)"
+    ),
+    "dsa_indexer": _both("actors.model.sparse_index (generic path)"),
 }
-"""Operators the runtime implements. Not yet: sliding_window_attention, chunked_attention,
-kda_linear_attention, lightning_attention, gated_deltanet_linear_attention, mamba_ssm, dsa_indexer,
-attention_sinks, clamped_swiglu, shared_expert_gate,
-mla_output_gate, latent_moe_projection, l2_qk_norm, qkv_clip, layernorm, other activations and
-quantisation formats."""
+"""Operators the runtime implements (natively, or on the generic path where transformers has the
+family's modules). Not yet: sliding_window_attention, chunked_attention, lightning_attention,
+mamba_ssm, attention_sinks, clamped_swiglu, shared_expert_gate, mla_output_gate,
+latent_moe_projection, l2_qk_norm, qkv_clip, layernorm, other activations and quantisation
+formats."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -475,6 +475,34 @@ def check_mxfp4(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
                          rel_err_fp64=None, ran=f"[{rows}, {groups * 32}] mxfp4, {groups} groups of 32 per row, box {box}")  # fmt: skip
 
 
+def check_delta_rule(ctx: CheckContext, op: str, impl: str) -> OperatorCheck:
+    """Our chunked delta rule (actors/kernels/delta_rule.py, chunks of 16 so the run's tokens
+    span several) at the model's linear-attention head sizes, against the float64 recurrence
+    (deploy.adapt.references.gated_delta_rule); KDA with a decay per key channel."""
+    from actors.kernels.delta_rule import chunk_delta_rule
+
+    kinds = ("linear", "deltanet")
+    layer = next(x.attention for x in ctx.spec.layers if x.attention.kind in kinds)
+    heads = min(layer.num_heads, 4)
+    kd, vd = layer.head_dim, layer.v_head_dim
+    gen = torch.Generator().manual_seed(ctx.seed)
+    t = max(ctx.tokens, 40)
+    q, k = _rand(gen, t, heads, kd), _rand(gen, t, heads, kd)
+    v = _rand(gen, t, heads, vd)
+    vector = layer.kind == "linear"
+    g = -torch.rand((t, heads, kd) if vector else (t, heads), generator=gen, dtype=torch.float64)
+    beta = torch.rand(t, heads, generator=gen, dtype=torch.float64)
+    want = ref.gated_delta_rule(q, k, v, g, beta)
+    got, _ = chunk_delta_rule(*(x.float()[None] for x in (q, k, v, g, beta)), chunk_size=16,
+                              use_qk_l2norm_in_kernel=True)  # fmt: skip
+    return OperatorCheck(
+        operator=op, implementation=impl, rel_err_fp32=rel_err(got[0], want), rel_err_fp64=None,
+        ran=(f"{heads} of {layer.num_heads} heads, keys {kd} x values {vd}, "
+             f"{'a decay per key channel' if vector else 'one decay per head'}, {t} tokens "
+             "in chunks of 16 (float32 only: the kernel computes in float32)"),
+    )  # fmt: skip
+
+
 CHECKS: dict[str, Callable[[CheckContext, str, str], OperatorCheck]] = {
     "embedding": check_embedding,
     "rmsnorm": check_rmsnorm,
@@ -491,6 +519,8 @@ CHECKS: dict[str, Callable[[CheckContext, str, str], OperatorCheck]] = {
     "lm_head": check_lm_head,
     "fp8_block_dequant": check_fp8_block,
     "mxfp4_dequant": check_mxfp4,
+    "kda_linear_attention": check_delta_rule,
+    "gated_deltanet_linear_attention": check_delta_rule,
 }
 """Operator name (as in placement.operators) -> its check."""
 

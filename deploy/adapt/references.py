@@ -15,6 +15,9 @@ blocks), so it shares no code path with the batched runtime kernels it checks. S
 - Experts: SwiGLU, down(silu(gate x) * up x) (Shazeer 2020).
 - fp8 e4m3 block scales (DeepSeek-V3: one float32 `scale_inv` per 128 x 128 block) and mxfp4
   (OCP Microscaling v1.0: fp4 e2m1 codes, one e8m0 exponent per 32 values).
+- The gated delta rule (Yang et al. 2024, Gated Delta Networks; Kimi Linear's KDA with one
+  decay per key channel): per token S <- diag(exp g) S, S <- S + k beta (v - S^T k)^T,
+  o = S^T q / sqrt(d_k), q and k L2-normalised.
 """
 
 from __future__ import annotations
@@ -297,4 +300,23 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
                 for n, code in enumerate((byte & 0xF, byte >> 4)):
                     sign = -1.0 if code & 0x8 else 1.0
                     out[row, grp * 32 + 2 * j + n] = sign * table[code & 0x7].item() * scale
+    return out
+
+
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """q, k [T, H, K], v [T, H, V], g [T, H] or [T, H, K] (log decay), beta [T, H] -> o [T, H, V],
+    head by head and token by token from a zero state."""
+    t_len, heads, kd = k.shape
+    out = torch.zeros(t_len, heads, v.shape[-1], dtype=F64)
+    for h in range(heads):
+        s = torch.zeros(kd, v.shape[-1], dtype=F64)
+        for t in range(t_len):
+            qt = q[t, h] / q[t, h].norm().clamp_min(1e-300) / math.sqrt(kd)
+            kt = k[t, h] / k[t, h].norm().clamp_min(1e-300)
+            decay = g[t, h].exp()
+            s = s * (decay[:, None] if decay.dim() else decay)
+            s = s + torch.outer(kt, beta[t, h] * (v[t, h] - s.T @ kt))
+            out[t, h] = s.T @ qt
     return out

@@ -67,19 +67,22 @@ def test_gqa_families_are_ready(name):
     assert s["alignment"]["layouts"][0]["passed"]
 
 
-def test_kimi_class_needs_kda_and_still_gets_a_plan_and_report(tmp_path):
+def test_kimi_class_needs_what_k3_adds_and_still_gets_a_plan_and_report(tmp_path):
+    """KDA (the generic path runs kimi_linear's with our delta rule) is not a reason; what
+    Kimi-K3 adds to kimi_linear is: the latent MoE, the gated MLA output."""
     s = _run(EXAMPLES / "kimi-k3-class.config.json")
     assert s["verdict"] == "needs-work"
-    kda = [r for r in s["reasons"] if "kda_linear_attention" in r]
-    assert kda and "needs a Kimi Delta Attention layer" in kda[0]
-    assert any(r.startswith("family kimi_linear") for r in s["reasons"])
+    assert not [r for r in s["reasons"] if "kda_linear_attention" in r]
+    latent = [r for r in s["reasons"] if "latent_moe_projection" in r]
+    assert latent and "down-projection of the hidden state" in latent[0]
+    assert any("mla_output_gate" in r for r in s["reasons"])
     assert not s["alignment"]["ran"] and s["plan"]["fits"]
     # 1.5 TB of weights do not fit one 8-GPU node: the default ladder moves on.
     assert s["topology"]["name"] == "hgx-h200-2node-ib"
     assert s["tp"] is not None and s["ep"] is not None
     write_report(s, tmp_path)
     md = (tmp_path / "report.md").read_text()
-    assert "NEEDS WORK" in md and "kda_linear_attention" in md and "Not run" in md
+    assert "NEEDS WORK" in md and "latent_moe_projection" in md and "Not run" in md
 
 
 def test_minimax_needs_lightning_attention(shared_dir, moectl, tmp_path):

@@ -41,7 +41,8 @@ def test_json_has_the_required_keys_for_the_shipped_kimi_k3_example(moectl):
     assert report["active_params"] == pytest.approx(104e9, rel=0.01)
     assert report["kv_bytes_at_context"] == (512 + 64) * 24 * 2 * 1048576
     unsupported = {op["name"] for op in report["operators"] if not op["supported"]}
-    assert "kda_linear_attention" in unsupported and "mla_attention" not in unsupported
+    assert "latent_moe_projection" in unsupported and "mla_attention" not in unsupported
+    assert "kda_linear_attention" not in unsupported  # the generic path and our delta rule
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.config.json")), ids=lambda p: p.name)
@@ -70,11 +71,11 @@ def test_context_beyond_max_is_flagged_and_kv_dtype_halves_bytes(moectl, tmp_pat
 
 def test_operator_registry_is_data_a_caller_can_change(tmp_path):
     spec = load_model_spec(EXAMPLES / "kimi-k3-class.config.json")
-    registry = dict(REGISTRY, kda_linear_attention={"cuda": "actors.model.layers.kda.KDA"})
+    registry = dict(REGISTRY, mla_output_gate={"cuda": "actors.model.layers.mla.Gate"})
     uses = {u.name: u for u in operator_inventory(spec, "cuda", registry)}
-    assert uses["kda_linear_attention"].supported and uses["kda_linear_attention"].count == 69
+    assert uses["mla_output_gate"].supported and uses["mla_output_gate"].count == 24
     assert not {u.name: u for u in operator_inventory(spec, "cpu", registry)}[
-        "kda_linear_attention"
+        "mla_output_gate"
     ].supported
     assert not operator_inventory(spec, "cuda", {})[0].supported
 
