@@ -140,8 +140,12 @@ def hf_config(cfg: dict[str, Any], source: str) -> Any:
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         return transformers.AutoConfig.for_model(cfg["model_type"], **fields)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise InputError(f"{source}: transformers cannot build this config: {exc}") from None
+    except Exception as exc:  # its validators raise their own classes (strict dataclasses)
+        message = " ".join(str(exc).split())
+        raise InputError(
+            f"{source}: transformers {transformers.__version__} rejects this config: "
+            f"{type(exc).__name__}: {message}"
+        ) from None
 
 
 def paged_attention(

@@ -219,6 +219,19 @@ def test_attention_the_paged_cache_cannot_serve_is_refused_naming_the_module(
         load_stage_model(path, layer_range=(0, 4))
 
 
+@pytest.mark.skipif(not HYBRID, reason="no linear-attention hybrid in this transformers")
+def test_a_hybrid_whose_layer_types_miss_a_layer_names_both_counts(tmp_path):
+    path, _ = make_generic_checkpoint(HYBRID[0], tmp_path / "h")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = cfg["layer_types"][:3]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError) as err:
+        CheckpointIndex.open(path).arch()
+    message = str(err.value)
+    assert "\n" not in message and "config.json" in message
+    assert "num_hidden_layers` (4)" in message and "layer_types` (3)" in message
+
+
 def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path):
     path, _ = make_generic_checkpoint("olmoe", tmp_path / "o")
     cfg = json.loads((path / "config.json").read_text())
