@@ -64,8 +64,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """`config.layer_types` entries the paged cache serves."""
 LINEAR_LAYER_TYPE = "linear_attention"
 """The `config.layer_types` entry of a layer with a state per sequence (actors/model/linear_state.py)."""
-INDEXED_LAYER_TYPE = "indexed_attention"
-"""The `config.layer_types` entry of a DeepSeek Sparse Attention layer (actors/model/sparse_index.py)."""
+INDEXED_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+"""`config.layer_types` entries of a DeepSeek Sparse Attention layer (transformers 5.2x, 5.1x;
+actors/model/sparse_index.py)."""
 
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -114,7 +115,7 @@ def generic_arch(cfg: dict[str, Any], source: str) -> ArchConfig:
         top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR_LAYER_TYPE),
-        indexed_layers=tuple(i for i, t in enumerate(types) if t == INDEXED_LAYER_TYPE),
+        indexed_layers=tuple(i for i, t in enumerate(types) if t in INDEXED_LAYER_TYPES),
     )
 
 
@@ -604,13 +605,13 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
         name = next(
             (n for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None
         )
-        if kind == INDEXED_LAYER_TYPE and name is not None:
+        if kind in INDEXED_LAYER_TYPES and name is not None:
             from actors.model.sparse_index import indexer_of, is_indexed
 
             attn = getattr(layer, name)
             path = f"model.layers.{i}.{name}: {type(attn).__name__}"
             if not (is_indexed(attn) and _dispatches(attn)):
-                raise InputError(f"{path} (indexed_attention) has no DSA indexer we can run")
+                raise InputError(f"{path} ({kind}) has no DSA indexer we can run")
             if i == layer_range[0] and indexer_of(attn) is None:
                 raise InputError(
                     f"{path} shares the indexer of the layer before it: a stage cannot start "

@@ -34,6 +34,7 @@ here) and CUDA fast decode for these layers (they decode on the paged path).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -121,12 +122,15 @@ def indexer_forward(indexer: nn.Module, forward, pool: IndexKeys):
     """The indexer's forward inside a stage step: transformers' own, once per sequence (see the
     module docstring); outside one, the module's own."""
 
+    params = inspect.signature(inspect.unwrap(forward)).parameters
+    key = "cache" if "cache" in params else "past_key_values"  # 5.2x / 5.1x
+
     def run(hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
-            cache=None, **kwargs):  # fmt: skip
+            **kwargs):  # fmt: skip
         paged = indexer.__dict__.get("_moe_paged")
         if paged is None:
             return forward(hidden_states, q_resid, position_embeddings, attention_mask,
-                           position_ids, cache=cache, **kwargs)  # fmt: skip
+                           position_ids, **kwargs)  # fmt: skip
         dev = hidden_states.device
         out = torch.full((1, hidden_states.shape[1], indexer.index_topk), -1, dtype=torch.int32,
                          device=dev)  # fmt: skip
@@ -139,7 +143,7 @@ def indexer_forward(indexer: nn.Module, forward, pool: IndexKeys):
                 torch.arange(c, device=dev)[None, :] <= torch.arange(c - q, c, device=dev)[:, None]
             )
             got = forward(hidden_states[:, rows], q_resid[:, rows], (cos[:, rows], sin[:, rows]),
-                          past[None], None, cache=view)  # fmt: skip
+                          past[None], None, **{key: view})  # fmt: skip
             out[0, rows, : got.shape[-1]] = got[0]
             start += q
         return out

@@ -19,7 +19,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v2", *HYBRID])
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v2", "deepseek_v32", *HYBRID])
 def test_a_generic_family_on_cuda_decodes_as_transformers_generate(model_type, tmp_path):
     """Three requests at once (batched decodes, chunked prompts) on the CUDA engine after its
     warm-up: transformers' tokens on the CPU in float32."""
