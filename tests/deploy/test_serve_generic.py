@@ -1,7 +1,7 @@
 """Families the native layers do not implement, served: transformers' own decoder layers over the
 paged cache (`actors/model/generic.py`) behind the OpenAI endpoint, OLMoE over two pipeline stages
-of ShardWorker actors and five more families (a linear-attention hybrid and an MLA family among
-them) in replicas of their own (one Serve instance, an app each); every greedy completion equals
+of ShardWorker actors and five more families (a linear-attention hybrid, an MLA family and a
+DeepSeek Sparse Attention family among them) in replicas of their own (one Serve instance, an app each); every greedy completion equals
 transformers' `generate`."""
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def test_a_greedy_completion_equals_transformers_generate(server, checkpoint):
     _greedy_equals_generate(server, MODEL, path, model)
 
 
-MORE = ("qwen2_moe", "ernie4_5_moe", "minimax_m2", "qwen3_next", "deepseek_v2")
+MORE = ("deepseek_v32", "ernie4_5_moe", "minimax_m2", "qwen3_next", "deepseek_v2")
 """qwen3_next: a linear-attention hybrid (gated DeltaNet layers keep a state per sequence);
-deepseek_v2: latent attention expanded per head, keys and values of different sizes."""
+deepseek_v2: latent attention expanded per head, keys and values of different sizes;
+deepseek_v32: DeepSeek Sparse Attention (an indexer's top-k tokens per query)."""
 
 
 @pytest.fixture(scope="module")
