@@ -122,6 +122,28 @@ def test_a_linear_attention_hybrid_decodes_as_transformers_generate(
     assert stage.states.recurrent[arch.linear_layers[0]].shape[0] <= KW["max_num_seqs"]
 
 
+@pytest.mark.parametrize("model_type", HYBRID)
+def test_a_hybrids_logprobs_equal_transformers_over_a_chunked_prefill_and_32_steps(
+    model_type, tmp_path
+):
+    """Float32, relative error below 1e-4: a 20-token prompt in chunks of 8 (cut at block
+    boundaries), then 32 greedy decode steps from the carried states."""
+    from tests.actors.model.test_generic_dsa import SCORED, logprobs, reference
+
+    path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
+    ids = prompt(20, 1)
+    want_tokens, want = reference(ref, ids)
+    engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False,
+                          **{**KW, "max_num_batched_tokens": 8})  # fmt: skip
+    engine.add_request("r", ids, SCORED)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == want_tokens
+    got = logprobs(outs)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+
+
 @pytest.mark.skipif(not HYBRID, reason="no linear-attention hybrid in this transformers")
 def test_a_preempted_hybrid_sequence_restarts_its_state(tmp_path):
     """Blocks for one and a half sequences: the newer one is preempted (its state slot freed,
@@ -148,6 +170,7 @@ def test_a_preempted_hybrid_sequence_restarts_its_state(tmp_path):
 @pytest.mark.parametrize(("model_type", "layout"), [("olmoe", "pp2"), ("qwen2_moe", "ep2"),
                                                     ("olmoe", "ep2xpp2"),
                                                     ("qwen3_next", "pp2"),
+                                                    ("kimi_linear", "ep2xpp2"),
                                                     ("deepseek_v32", "pp2")])  # fmt: skip
 def test_generic_layouts_over_rank_actors_equal_transformers(
     model_type, layout, ray_session, tmp_path
