@@ -94,18 +94,31 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def _tile(s, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """This program's state slice: key and value offsets, their masks, its addresses in the
+        [B x H, K, V] state and their mask (program 0: value block, program 1: batch x head)."""
+        pv, bh = tl.program_id(0), tl.program_id(1)
+        ks = tl.arange(0, BK)
+        vs = pv * BV + tl.arange(0, BV)
+        km, vm = ks < K, vs < V
+        return (
+            ks,
+            vs,
+            km,
+            vm,
+            s + bh * K * V + ks[:, None] * V + vs[None, :],
+            km[:, None] & vm[None, :],
+        )
+
+    @triton.jit
     def _recurrent(
         q, k, v, g, beta, s, out, T, H, GROUP, scale,
         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         VECTOR: tl.constexpr, L2: tl.constexpr, STATIC_T: tl.constexpr,
     ):  # fmt: skip
-        pv, bh = tl.program_id(0), tl.program_id(1)
+        bh = tl.program_id(1)
         bi, hi = bh // H, bh % H
-        ks = tl.arange(0, BK)
-        vs = pv * BV + tl.arange(0, BV)
-        km, vm = ks < K, vs < V
-        state_at = s + bh * K * V + ks[:, None] * V + vs[None, :]
-        m2 = km[:, None] & vm[None, :]
+        ks, vs, km, vm, state_at, m2 = _tile(s, K, V, BK, BV)
         st = tl.load(state_at, mask=m2, other=0.0)
         if STATIC_T > 0:  # the interpreter cannot loop to a runtime bound
             for ti in range(STATIC_T):
@@ -148,12 +161,8 @@ if triton_available():
         C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         STATIC_N: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        pv, bh = tl.program_id(0), tl.program_id(1)
-        ks = tl.arange(0, BK)
-        vs = pv * BV + tl.arange(0, BV)
-        km, vm = ks < K, vs < V
-        state_at = s + bh * K * V + ks[:, None] * V + vs[None, :]
-        m2 = km[:, None] & vm[None, :]
+        bh = tl.program_id(1)
+        ks, vs, km, vm, state_at, m2 = _tile(s, K, V, BK, BV)
         st = tl.load(state_at, mask=m2, other=0.0)
         if STATIC_N > 0:  # the interpreter cannot loop to a runtime bound
             for i in range(STATIC_N):

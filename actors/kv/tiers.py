@@ -83,12 +83,16 @@ class KVTiers(TierIO):
     def store(self, key: BlockKey, block: torch.Tensor) -> bool:
         """Encode and put one block; False when the tier already had it or the cache faulted."""
         data = encode_block(block, key=key, codec=self.codec, compression=self.compression)
+        return self._put(key, data, "stored")
+
+    def _put(self, key: BlockKey, data: bytes, counter: str) -> bool:
+        """Put encoded `data`; `counter` counts a value newly stored (a fault: `faults`)."""
         try:
             stored = bool(self.cache.put(key, data))
         except Exception:  # the cache boundary: a fault is a counted miss
             self.counts["faults"] += 1
             return False
-        self.counts["stored"] += int(stored)
+        self.counts[counter] += int(stored)
         return stored
 
     def store_many(self, keys: Sequence[BlockKey], blocks: torch.Tensor) -> list[bool]:
@@ -144,13 +148,7 @@ class KVTiers(TierIO):
         which tokens are read: quantised, either would move them), the tiers' compression.
         False when the tier already had it or the cache faulted."""
         data = encode_block(tensor, key=key, codec="raw", compression=self.compression)
-        try:
-            stored = bool(self.cache.put(key, data))
-        except Exception:  # the cache boundary: a fault is a counted miss
-            self.counts["faults"] += 1
-            return False
-        self.counts["aux_stored"] += int(stored)
-        return stored
+        return self._put(key, data, "aux_stored")
 
     def load_aux(self, key: BlockKey) -> torch.Tensor | None:
         """The companion tensor under `key`, verified (key and checksum); None when missing,
