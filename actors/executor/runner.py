@@ -42,6 +42,7 @@ from actors.kernels.decode_step import DecodeGraphs, run_decode
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext
 from actors.kv.tiers import KVTiers
+from actors.model import sparse_index
 from actors.model.arch import ArchConfig
 from actors.model.stage import StageModel
 from cache_service.block_key import BlockKey, index_key
@@ -440,6 +441,7 @@ class LocalRunner:
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv.copy_block(src, dst)
+        sparse_index.copy_block(self.model, self.kv, src, dst)
         if self.mirror is not None:
             self.mirror.drop()
 

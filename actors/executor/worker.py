@@ -39,6 +39,7 @@ from actors.kernels.decode_step import DecodeGraphs, run_decode
 from actors.kv import paged
 from actors.kv.cache import KVCache, KVLayout, PagedContext, to_device
 from actors.kv.tiers import KVTiers
+from actors.model import sparse_index
 from actors.model.generic import is_experts
 from actors.model.layers.moe import MoE
 from actors.model.microbatch import (
@@ -430,8 +431,10 @@ class ShardWorker:
         self._cache().write_block(block_id, data)
 
     def copy_kv_block(self, src: int, dst: int) -> None:
-        """This rank's part of block `dst` becomes a copy of its part of block `src`."""
+        """This rank's part of block `dst` becomes a copy of its part of block `src` (and the
+        DSA index keys of its layers)."""
         self._cache().copy_block(src, dst)
+        sparse_index.copy_block(self.model, self._cache(), src, dst)
 
     def _cache(self) -> KVCache:
         if self.kv is None:

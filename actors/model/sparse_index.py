@@ -92,8 +92,24 @@ class IndexKeys:
             table = self.table(layer, cache, data.new_empty(0, self.dim))
             table[rows] = data[:, j].reshape(-1, self.dim).to(table.device, table.dtype)
 
+    def copy_block(self, cache: Any, src: int, dst: int) -> None:
+        """Block `dst`'s index keys := block `src`'s (a cached block's partial copy, as the
+        paged KV's `copy_block`)."""
+        if self.layers:
+            self.put_blocks(cache, [dst], self.blocks(cache, [src]))
+
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys.values())
+
+
+def copy_block(model: Any, cache: Any, src: int, dst: int) -> None:
+    """The stage model's index keys of block `src` copied to `dst` (a model with no indexer:
+    nothing); beside every `KVCache.copy_block`. In inference mode: the keys were written by
+    steps that ran in it."""
+    index = getattr(model, "index_keys", None)
+    if index is not None:
+        with torch.inference_mode():
+            index.copy_block(cache, src, dst)
 
 
 def _rows(ids: list[int], bs: int, device) -> torch.Tensor:

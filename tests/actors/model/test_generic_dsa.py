@@ -74,6 +74,20 @@ def test_a_dsa_family_equals_transformers_over_a_prefill_and_32_decode_steps(
     assert tokens(outs) == reference(ref, again)[0]
 
 
+def test_a_copied_block_tail_takes_its_index_keys(tmp_path):
+    """Blocks of 8: a request sharing the first 20 tokens of one that ran gets 2 blocks and a
+    copy of the third's first 4 tokens (`take_tail`), their index keys copied with them."""
+    path, ref = make_generic_checkpoint(DSA[0], tmp_path / DSA[0])
+    engine = build_engine(path, cache_key_secret=SECRET, batch_invariant=False,
+                          **{**KW, "block_size": 8})  # fmt: skip
+    ids = prompt(20, 1)
+    run(engine, {"first": (ids, SCORED)})
+    tail = ids + prompt(4, 3)
+    outs = run(engine, {"tail": (tail, SCORED)})["tail"]
+    assert outs[-1].cached_tokens == 20 and engine.stats()["prefix_tail_tokens"] == 4
+    assert tokens(outs) == reference(ref, tail)[0]
+
+
 @pytest.fixture
 def cache(tmp_path):
     from cache_service.namespace import CacheNamespace
