@@ -204,6 +204,10 @@ class EngineSection(_Strict):
     max_ongoing_requests: int = Field(default=64, ge=1)
     """Requests one replica accepts at once (Serve's max_ongoing_requests); above
     max_num_seqs they wait in the engine's queue, which the autoscaling policy watches."""
+    state_snapshot_rows: int | None = Field(default=None, ge=0)
+    """A linear-attention hybrid's state snapshots kept for prefix caching (each one
+    sequence's whole recurrent state: Qwen3-Next-80B ~75 MB); null: min(4 x max_num_seqs, 64),
+    0: no prefix caching for hybrids (actors/engine/snapshots.py)."""
 
     @field_validator("kv_memory", mode="before")
     @classmethod

@@ -64,6 +64,7 @@ def engine_kwargs(cfg: ServeConfig, model_path: Path, role: str = "mixed") -> di
         "role": role,
         "device": device,
         "dtype": dtype,
+        "state_snapshot_rows": e.state_snapshot_rows,
     }
 
 

@@ -99,8 +99,8 @@ class Engine:
         """async_scheduling: launch each decode step before the last one's tokens are read
         (actors/engine/overlap.py) where the runner can; None: on for a CUDA runner.
         state_snapshot_rows: a hybrid model's state snapshots kept on the runner for prefix
-        caching (`actors/engine/snapshots.py`); None: 4 x max_num_seqs, 0: no prefix caching
-        for hybrids."""
+        caching (`actors/engine/snapshots.py`); None: min(4 x max_num_seqs, 64), 0: no prefix
+        caching for hybrids. A step saves into at most half of them (prompt chunks first)."""
         if role not in ROLES:
             raise InputError(f"engine role {role!r}: expected one of {', '.join(ROLES)}")
         if role == "prefill" and cache is None:
@@ -122,11 +122,11 @@ class Engine:
         self.stateful = bool(getattr(getattr(runner, "arch", None), "linear_layers", ()))
         """The model keeps a state per sequence (linear attention): each step carries the
         sequences' state slots; a prefix is matched only up to a block with a state snapshot."""
-        rows = 4 * max_num_seqs if state_snapshot_rows is None else state_snapshot_rows
-        if rows and rows < 2 * max_num_seqs:
+        rows = min(4 * max_num_seqs, 64) if state_snapshot_rows is None else state_snapshot_rows
+        if rows == 1 or rows < 0:
             raise InputError(
-                f"state_snapshot_rows={rows}: expected 0 or at least 2 x max_num_seqs = "
-                f"{2 * max_num_seqs} (a step may restore and save one row per sequence)"
+                f"state_snapshot_rows={rows}: expected 0 (none) or at least 2 (a step saves "
+                "into at most half of them)"
             )
         self.snapshots = (
             SnapshotRows(rows)
@@ -209,6 +209,7 @@ class Engine:
             "handoff_bytes": 0,
             "overlapped_steps": 0,
             "state_saves": 0,
+            "state_saves_skipped": 0,
             "state_restores": 0,
             "state_tier_loads": 0,
             "state_stored": 0,
@@ -328,7 +329,7 @@ class Engine:
         after one still in flight (actors/engine/overlap.py), whose token is not appended yet:
         positions one further, the ids zeros (the device's sampled tokens stand in for them)."""
         tokens, positions, slots, sample_seqs, sampling = [], [], [], [], []
-        restores, saves = [], []
+        restores, ends = [], []
         bs = self.block_size  # a decode token (n == 1, most rows) gets its slot without a list
         for i, (seq, n) in enumerate(batch):
             start, stop = seq.num_computed + ahead, seq.num_computed + ahead + n
@@ -337,9 +338,7 @@ class Engine:
                     restores.append((seq.restore_row, seq.state_slot))
                     seq.restore_row = -1
                 if stop % bs == 0:  # the chunk ends on a block boundary: keep the state there
-                    row = self.snapshots.take()
-                    self._saves[row] = (seq, stop // bs - 1)
-                    saves.append((seq.state_slot, row))
+                    ends.append((n == 1, seq, stop // bs - 1))
             tokens += seq.token_slice(start, stop) if not ahead else [0] * n
             positions += range(start, stop)
             if n == 1:
@@ -360,6 +359,7 @@ class Engine:
                 else:
                     row = RowSampling.of(seq.params, seed=seq.seed, step=step)
                 sampling.append(row)
+        saves = self._take_rows(ends)
         return StepInput(
             token_ids=torch.tensor(tokens, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -374,6 +374,23 @@ class Engine:
             state_restores=tuple(restores),
             state_saves=tuple(saves),
         )
+
+    def _take_rows(self, ends: list[tuple[bool, Sequence, int]]) -> list[tuple[int, int]]:
+        """(state slot, snapshot row) of the chunks of a step that end on a block boundary
+        (`ends`: decode or not, sequence, block index): prompt chunks first, at most half the
+        rows a step (so no row taken is taken twice, and half stay as they were); the rest
+        are skipped (`state_saves_skipped`)."""
+        if not ends:
+            return []
+        ends.sort(key=lambda e: e[0])
+        room = self.snapshots.rows // 2
+        self.counts["state_saves_skipped"] += max(0, len(ends) - room)
+        saves = []
+        for _, seq, index in ends[:room]:
+            row = self.snapshots.take()
+            self._saves[row] = (seq, index)
+            saves.append((seq.state_slot, row))
+        return saves
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Step 3 for one sampled token: append, detokenise, decide whether the request ends."""

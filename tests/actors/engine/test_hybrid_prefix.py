@@ -149,3 +149,17 @@ def test_a_corrupt_state_snapshot_is_a_miss_and_the_prefix_is_recomputed(model, 
     assert stats["state_tier_loads"] == 0 and stats["cache"]["aux_misses"] >= 1
     assert outs[-1].cached_tokens == 0
     assert tokens(outs) == generate(ref, SECOND)
+
+
+def test_a_step_saves_into_at_most_half_the_rows_prompt_chunks_first(model):
+    """Two snapshot rows and three prompts in one step, each cut at a block boundary: one save
+    (the others skipped and counted), the tokens still transformers'."""
+    path, ref = model
+    e = build_engine(path, cache_key_secret=SECRET, batch_invariant=False, state_snapshot_rows=2,
+                     **{**KW, "max_num_batched_tokens": 64})  # fmt: skip
+    prompts = {f"r{i}": (prompt(2 * BS + 1, 10 + i), GREEDY) for i in range(3)}
+    outs = run(e, prompts)
+    first = e.stats()
+    assert first["state_saves_skipped"] >= 2 and first["state_saves"] >= 1
+    for rid, (ids, _) in prompts.items():
+        assert tokens(outs[rid]) == generate(ref, ids), rid
