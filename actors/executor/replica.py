@@ -478,6 +478,22 @@ class Replica(InOrder):
             self._dag.teardown()
             self._dag = None
 
+    @property
+    def state_snapshots(self) -> bool:
+        """A hybrid's state snapshots, on each rank for its layers (saved and restored by the
+        step, `StepInput.state_saves` / `state_restores` on the wire): with one DP rank only
+        (several keep each sequence's state where it runs; a snapshot would have to move)."""
+        return bool(self.arch.linear_layers) and self.layout.dims.dp == 1
+
+    def store_state(self, row: int, key: BlockKey) -> bool:
+        """Snapshots do not go down the tiers from a multi-rank replica yet (each rank would
+        store its layers' part): the engine counts none stored and keeps them on the ranks."""
+        return False
+
+    def load_state(self, key: BlockKey, row: int) -> bool:
+        """No snapshot comes back from the tiers to a multi-rank replica yet (a miss)."""
+        return False
+
     def copy_block(self, src: int, dst: int) -> None:
         """Block `dst` becomes a copy of block `src` on every rank (each copies its own part;
         nothing passes through the driver); `dst` is valid on the DP ranks where `src` was."""

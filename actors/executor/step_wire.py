@@ -11,11 +11,13 @@ Step layout (int64 words; S sequences, T new tokens, R sampled rows, N block-tab
 C block copies):
 
     header [8]       MAGIC_STEP, S, T, R, N, C, flags (bit 0: per_sequence, bit 1: state
-                     slots), P
+                     slots, bit 2: state snapshot ops), P
     token_ids [T]    positions [T]    slot_mapping [T]
     query_lens [S]   context_lens [S] owners [S]       table_lens [S]
     tables [N]       every sequence's block table, one after another
     state_slots [S]  (flag bit 1 only) each sequence's linear-attention state slot
+    snapshots        (flag bit 2 only) n_restores, n_saves, then (row, slot) pairs to restore
+                     before the step and (slot, row) pairs to save after it
     sample_seqs [R]  top_k [R]  seed [R]  step [R]  logprobs [R] (-1: None)
     output_lens [R]  prompt_lens [R]  (the penalty tokens each row carries)
     temperature [R]  top_p [R]  min_p [R]  presence [R]  frequency [R]  repetition [R]
@@ -82,8 +84,12 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
     rows = step.sampling
     p = sum(len(row.output_ids) + len(row.prompt_ids) for row in rows)
     st = s if step.state_slots else 0
-    words = np.empty(HEADER + 3 * t + 4 * s + n + st + ROW_WORDS * r + p + 3 * c, dtype=np.int64)
-    flags = int(step.per_sequence) | (2 if st else 0)
+    ops = [*chain.from_iterable(step.state_restores), *chain.from_iterable(step.state_saves)]
+    snap = 2 + len(ops) if ops else 0
+    words = np.empty(
+        HEADER + 3 * t + 4 * s + n + st + snap + ROW_WORDS * r + p + 3 * c, dtype=np.int64
+    )
+    flags = int(step.per_sequence) | (2 if st else 0) | (4 if snap else 0)
     words[:HEADER] = (MAGIC_STEP, s, t, r, n, c, flags, p)
     at = HEADER
     for tensor in (step.token_ids, step.positions, step.slot_mapping):
@@ -97,6 +103,9 @@ def pack_step(step: StepInput, owners, copies=()) -> bytes:
     if st:
         words[at : at + s] = step.state_slots
         at += s
+    if snap:
+        words[at : at + snap] = [len(step.state_restores), len(step.state_saves), *ops]
+        at += snap
     words[at : at + r] = step.sample_seqs
     words[at + r : at + 2 * r] = [row.top_k for row in rows]
     words[at + 2 * r : at + 3 * r] = [_int64(row.seed) for row in rows]
@@ -147,6 +156,14 @@ def unpack_step(blob: bytes) -> tuple[StepInput, tuple[int, ...], tuple[tuple[in
     if flags & 2:
         state_slots = tuple(words[at : at + s].tolist())
         at += s
+    restores: tuple = ()
+    saves: tuple = ()
+    if flags & 4:
+        nr, ns = words[at : at + 2].tolist()
+        pairs = words[at + 2 : at + 2 + 2 * (nr + ns)].tolist()
+        restores = tuple(tuple(pairs[i : i + 2]) for i in range(0, 2 * nr, 2))
+        saves = tuple(tuple(pairs[i : i + 2]) for i in range(2 * nr, 2 * (nr + ns), 2))
+        at += 2 + 2 * (nr + ns)
     sample_seqs = words[at : at + r].tolist()
     top_k, seed, index, logprobs, output_lens, prompt_lens = (
         words[at + k * r : at + (k + 1) * r].tolist() for k in range(1, 7)
@@ -186,6 +203,8 @@ def unpack_step(blob: bytes) -> tuple[StepInput, tuple[int, ...], tuple[tuple[in
         sampling=sampling,
         per_sequence=bool(flags & 1),
         state_slots=state_slots,
+        state_restores=restores,
+        state_saves=saves,
     )
     copies = tuple(tuple(flat_copies[i : i + 3]) for i in range(0, 3 * c, 3))
     return step, tuple(owners), copies

@@ -495,9 +495,14 @@ class ShardWorker:
         if self.broken is not None:
             raise CommError(f"rank {self.rank} is broken ({self.broken}); rebuild the replica")
         cache = self._cache()
+        states = getattr(self.model, "states", None)
         with self._timed_step():
             self._copy_blocks(cache, shard.copies)
+            for row, slot in shard.step.state_restores:  # (a rank's steps run in plain
+                states.restore(row, slot)  # grad-free mode: so do the pools' copies)
             rows, tokens, logprobs = self._execute(cache, shard)
+            for slot, row in shard.step.state_saves:
+                states.save(slot, row)
         return ShardStepOutput(
             rank=self.rank,
             rows=rows,

@@ -22,7 +22,8 @@ Step 3: each group's states are gathered from the pool by slot, handed to the mo
 The pool grows to the highest slot seen (at most max_num_seqs rows a layer); a slot's state is
 whatever its last sequence left, and a fresh sequence (context length = its new tokens) starts
 from none. What is not done here: snapshots inside a chunk (only where a chunk ends), snapshots
-over the Ray replica's ranks, CUDA graphs and Triton kernels for these layers (issue 38).
+of the Ray replica's ranks in the tiers (they stay on the ranks) or with several DP ranks, and
+CUDA graphs for these layers (issue 38).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ GENERIC_COST = (
 HYBRID_COST = (
     "; its {n} linear-attention layers keep a state per sequence (actors/model/linear_state.py), "
     "a prefix cached with a state snapshot where a chunk ended on its last block (prefill "
-    "chunks cut at block boundaries; not over Ray ranks), through our gated delta rule "
+    "chunks cut at block boundaries; not with several DP ranks), through our gated delta rule "
     "(actors/kernels/delta_rule.py, Triton on CUDA)"
 )
 DSA_COST = (

@@ -10,7 +10,9 @@ from actors.executor.step import StepInput
 from actors.executor.step_wire import pack_output, pack_step, unpack_output, unpack_step
 
 
-def make_step(per_sequence: bool = False, state_slots: tuple[int, ...] = ()) -> StepInput:
+def make_step(
+    per_sequence: bool = False, state_slots: tuple[int, ...] = (), snapshots=((), ())
+) -> StepInput:
     """Three sequences: a prefill chunk of 5, two decodes; two sampled rows with every kind of
     sampling field (greedy, temperature/top-k/top-p, a seed past 2**63, logprobs, min-p and
     penalties with the tokens they read)."""
@@ -43,14 +45,18 @@ def make_step(per_sequence: bool = False, state_slots: tuple[int, ...] = ()) -> 
         ),
         per_sequence=per_sequence,
         state_slots=state_slots,
+        state_restores=snapshots[0],
+        state_saves=snapshots[1],
     )
 
 
 @pytest.mark.parametrize(
-    ("per_sequence", "state_slots"), [(False, ()), (True, ()), (False, (3, 0, 7))]
-)
-def test_step_round_trip_is_exact(per_sequence, state_slots):
-    step = make_step(per_sequence, state_slots)
+    ("per_sequence", "state_slots", "snapshots"),
+    [(False, (), ((), ())), (True, (), ((), ())), (False, (3, 0, 7), ((), ())),
+     (False, (3, 0, 7), (((5, 3),), ((0, 9), (7, 2)))), (False, (3, 0, 7), ((), ((3, 1),)))],
+)  # fmt: skip
+def test_step_round_trip_is_exact(per_sequence, state_slots, snapshots):
+    step = make_step(per_sequence, state_slots, snapshots)
     owners, copies = (1, 0, 1), ((4, 0, 1), (9, 0, 1))
     blob = pack_step(step, owners, copies)
     assert isinstance(blob, bytes)
@@ -60,7 +66,7 @@ def test_step_round_trip_is_exact(per_sequence, state_slots):
         assert getattr(got, name).dtype == torch.int64
         assert torch.equal(getattr(got, name), getattr(step, name)), name
     for name in ("query_lens", "context_lens", "block_tables", "sample_seqs", "per_sequence",
-                 "state_slots"):  # fmt: skip
+                 "state_slots", "state_restores", "state_saves"):  # fmt: skip
         assert getattr(got, name) == getattr(step, name), name
     assert got.sampling == step.sampling  # seeds below 2**64 keep their value
     # The tensors are writable (a copy of the buffer, not a view of the immutable bytes).

@@ -178,12 +178,17 @@ def test_generic_layouts_over_rank_actors_equal_transformers(
     """Over ShardWorker actors: pp (hidden states between the stages through the step channel,
     each stage building and loading only its own layers) and ep (each rank keeps its experts'
     rows of the fused weights; the (token, k) rows go to the rank holding their expert through
-    transformers' experts interface `moe_ep`, attention data-parallel): transformers' tokens."""
+    transformers' experts interface `moe_ep`, attention data-parallel): transformers' tokens.
+    A hybrid over pp2 keeps its state snapshots on the ranks (each its layers'), restored by
+    a later request's first step."""
     path, ref = make_generic_checkpoint(model_type, tmp_path / model_type)
     want = {rid: generate(ref, ids) for rid, ids in requests().items()}
-    engine = build_engine(path, layout=layout, num_cpus=0.25, cache_key_secret=SECRET, **KW)
+    kw = {**KW, "max_num_batched_tokens": 8} if model_type in HYBRID else KW  # chunked
+    engine = build_engine(path, layout=layout, num_cpus=0.25, cache_key_secret=SECRET, **kw)
     try:
         assert run_engine(engine) == want
+        if model_type in HYBRID and layout == "pp2":  # one DP rank: snapshots on the ranks
+            assert engine.stats()["state_restores"] >= 1  # c started from a's blocks and state
     finally:
         engine.runner.shutdown()
 
