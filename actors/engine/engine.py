@@ -133,8 +133,8 @@ class Engine:
             if self.stateful and rows and getattr(runner, "state_snapshots", False)
             else None
         )
-        """A hybrid's snapshot rows (None: no prefix of it is matched; a runner without
-        snapshots, the Ray replica's today, or none asked for)."""
+        """A hybrid's snapshot rows (None: no prefix of it is matched: a runner without
+        snapshots, such as a replica of several DP ranks, or none asked for)."""
         self._saves: dict[int, tuple[Sequence, int]] = {}
         """Snapshot rows a step in flight saves into: row -> (sequence, its block index)."""
         self.cache_key_secret = cache_key_secret
