@@ -137,7 +137,6 @@ class Engine:
         snapshots, such as a replica of several DP ranks, or none asked for)."""
         self._saves: dict[int, tuple[Sequence, int]] = {}
         """Snapshot rows a step in flight saves into: row -> (sequence, its block index)."""
-        self.cache_key_secret = cache_key_secret
         config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -485,11 +484,11 @@ class Engine:
             self.blocks.acquire(block)
         self.counts["prefix_queries"] += cap
         on_device = len(table)
-        self._tier_blocks(seq, table, keys)
         if self.snapshots is not None:
             self._match_state(seq, table, keys)
             self.counts["prefix_hits"] += min(on_device, len(table))
             return
+        self._tier_blocks(seq, table, keys)
         self.counts["prefix_hits"] += on_device
         i, bs, tail = len(table), self.block_size, 0
         if self.blocks.children and seq.num_tokens - 2 > i * bs:
@@ -529,19 +528,26 @@ class Engine:
                 self.counts["tier_hits"] += 1
 
     def _match_state(self, seq: Sequence, table: list[int], keys: list[BlockKey]) -> None:
-        """A hybrid's prefix: the matched blocks up to the last one whose state snapshot is in
-        a row (`SnapshotRows.find`) or, above that, in the tiers (at most STATE_TIER_TRIES
-        tried, from the longest); the blocks past it are released (still cached). The first
-        step restores the row into the sequence's state slot; no partial block is copied (no
-        state is kept inside a block)."""
-        j = len(table)
-        while j and self.snapshots.find(table[j - 1], keys[j - 1]) is None:
+        """A hybrid's prefix (`table`: its device hits): the matched blocks up to the last one
+        whose state snapshot is in a row (`SnapshotRows.find`) or, past that, in the tiers (at
+        most STATE_TIER_TRIES tried, from the longest; the KV blocks a found state needs are
+        read from the tiers only then); the device blocks past it are released (still cached).
+        The first step restores the row into the sequence's state slot; no partial block is
+        copied (no state is kept inside a block)."""
+        j, row = len(table), None
+        while j and (row := self.snapshots.find(table[j - 1], keys[j - 1])) is None:
             j -= 1
-        row = self.snapshots.find(table[j - 1], keys[j - 1]) if j else None
-        if self.tiers is not None:
-            for top in range(len(table), j, -1)[:STATE_TIER_TRIES]:
-                loaded = self._load_state(table[top - 1], keys[top - 1])
-                if loaded is not None:
+        if self.tiers is None:
+            seq.prefetched = None
+        else:
+            for top in range(len(keys), j, -1)[:STATE_TIER_TRIES]:
+                loaded = self._load_state(keys[top - 1])
+                if loaded is None:
+                    continue
+                self._tier_blocks(seq, table, keys[:top])
+                if len(table) >= top:  # (a state without its blocks: the row stays free)
+                    self.snapshots.bind(loaded, table[top - 1], keys[top - 1], stored=True)
+                    self.counts["state_tier_loads"] += 1
                     j, row = top, loaded
                     break
         self.blocks.release(table[j:])
@@ -552,16 +558,13 @@ class Engine:
         if seq.cached_tokens is None:
             seq.cached_tokens = min(seq.num_computed, len(seq.prompt_token_ids))
 
-    def _load_state(self, block: int, key: BlockKey) -> int | None:
-        """The tiers' snapshot after `block` (key `key`) in a row taken for it; None."""
-        row = self.snapshots.take()
+    def _load_state(self, key: BlockKey) -> int | None:
+        """The tiers' snapshot after the block of `key`, in the least recently used row, taken
+        (not yet bound) when it came; None, the row untouched, when it did not."""
+        row = self.snapshots.oldest()
         with self._tier_lock:
-            found = self.runner.load_state(state_key(key, secret=self.cache_key_secret), row)
-        if not found:
-            return None
-        self.snapshots.bind(row, block, key, stored=True)
-        self.counts["state_tier_loads"] += 1
-        return row
+            found = self.runner.load_state(state_key(key, secret=self.keyer.secret), row)
+        return self.snapshots.take() if found else None
 
     def _bind_saves(self, step: StepInput) -> None:
         """The snapshot rows the step saved into, tied to their blocks (now registered)."""
@@ -582,7 +585,7 @@ class Engine:
         for i in range(seq.registered):
             row = self.snapshots.find(self._holder(seq, i), seq.block_keys[i])
             if row is not None and not self.snapshots.stored[row]:
-                key = state_key(seq.block_keys[i], secret=self.cache_key_secret)
+                key = state_key(seq.block_keys[i], secret=self.keyer.secret)
                 with self._tier_lock:
                     self.snapshots.stored[row] = self.runner.store_state(row, key)
                 self.counts["state_stored"] += self.snapshots.stored[row]

@@ -41,9 +41,13 @@ class SnapshotRows:
         self.block = [-1] * self.rows
         self.order: OrderedDict[int, None] = OrderedDict((r, None) for r in range(self.rows))
 
+    def oldest(self) -> int:
+        """The least recently used row (what `take` would give), left as it is."""
+        return next(iter(self.order))
+
     def take(self) -> int:
         """The least recently used row, forgotten and made the most recent."""
-        row = next(iter(self.order))
+        row = self.oldest()
         self.order.move_to_end(row)
         if self.by_block.get(self.block[row]) == row:
             del self.by_block[self.block[row]]

@@ -124,7 +124,8 @@ def chunk_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunkwise-parallel form (see the module docstring), in torch on any device."""
+    """The chunkwise-parallel form (see the module docstring): the chunk-local products and
+    solves in torch, the scan over chunks in torch or, on CUDA, the Triton kernel."""
     q, k, v, g, beta, vector = _prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel)
     b, h, t, kd = k.shape
     vd = v.shape[-1]

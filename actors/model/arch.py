@@ -87,8 +87,8 @@ class ArchConfig:
     the engine gives each sequence a state slot and a prefix is cached with a state snapshot."""
     indexed_layers: tuple[int, ...] = ()
     """Layers whose attention a DeepSeek Sparse Attention indexer restricts to its top-k tokens
-    (actors/model/sparse_index.py): they decode on the paged path, their prefixes stay on the
-    device (the index keys are not in the tiers)."""
+    (actors/model/sparse_index.py): they decode on the paged path; their index keys go to the
+    tiers from an in-process runner only."""
     generic: bool = False
     """Layers run as transformers' own modules (`actors/model/generic.py`): `family` is then the
     config's model_type, and the fields past the sizes the runners read are informative."""

@@ -602,9 +602,7 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
                     "update_recurrent_state)"
                 )
             continue
-        name = next(
-            (n for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None
-        )
+        name = attention_name(layer)
         if kind in INDEXED_LAYER_TYPES and name is not None:
             from actors.model.sparse_index import indexer_of, is_indexed
 
@@ -636,11 +634,17 @@ def refuse_unpaged(base: nn.Module, text: Any, layer_range: tuple[int, int]) -> 
             raise InputError(f"{path} has attention sinks, which the paged path does not add")
 
 
-def attention_module(layer: nn.Module) -> nn.Module | None:
-    """The decoder layer's attention module (by the names of ATTENTION_NAMES), None."""
+def attention_name(layer: nn.Module) -> str | None:
+    """The name the decoder layer keeps its attention module by (ATTENTION_NAMES), None."""
     return next(
-        (m for n in ATTENTION_NAMES if isinstance(m := getattr(layer, n, None), nn.Module)), None
+        (n for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None
     )
+
+
+def attention_module(layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's attention module, None."""
+    name = attention_name(layer)
+    return None if name is None else getattr(layer, name)
 
 
 def linear_module(layer: nn.Module) -> nn.Module | None:

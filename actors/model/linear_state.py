@@ -127,8 +127,8 @@ class StatePool:
         return torch.cat([torch.tensor(head, dtype=torch.float32), *values])
 
     def load(self, row: int, flat: torch.Tensor, device: torch.device) -> None:
-        """Snapshot row `row` := an `export`ed tensor; ValueError when it is not one of this
-        stage's (its layers, or its length, differ)."""
+        """Snapshot row `row` := an `export`ed tensor; ValueError, the row untouched, when it is
+        not one of this stage's (its layers, or its length, differ)."""
         flat = flat.reshape(-1).float()
         head = flat.tolist()
         at, entries = 1, []
@@ -140,16 +140,14 @@ class StatePool:
         for kind in (0, 1):
             if sorted(e[1] for e in entries if e[0] == kind) != sorted(self.layers):
                 raise ValueError(f"a state snapshot for other layers than {self.layers}")
+        if at + sum(math.prod(e[3]) for e in entries) != flat.numel():
+            raise ValueError("a state snapshot of another length than its header says")
         at_row = torch.tensor([row], device=device)
         for kind, layer, dtype, shape in entries:
             n = math.prod(shape)
-            if at + n > flat.numel():
-                raise ValueError("a state snapshot shorter than its header says")
             value = flat[at : at + n].reshape(1, *shape).to(device, dtype)
             self.put(self._pairs()[kind][1], layer, at_row, value)
             at += n
-        if at != flat.numel():
-            raise ValueError("a state snapshot longer than its header says")
 
     def put(self, table: dict[int, torch.Tensor], layer: int, slots: torch.Tensor, value):
         rows = int(slots.max()) + 1
@@ -248,20 +246,25 @@ class _LayerView:
         self.recurrent_states = [states.recurrent]
 
 
-@contextlib.contextmanager
 def native_kernels(module: nn.Module):
-    """Within: the module's modeling file calls our gated delta rule (`actors.kernels.
-    delta_rule`: torch on the CPU, Triton on CUDA) where it would call its own (the names of
-    `KERNELS` it has). Its short convolution, gates, norms and projections stay transformers'."""
+    """A context manager factory: within one of its contexts, the module's modeling file calls
+    our gated delta rule (`actors.kernels.delta_rule`: torch on the CPU, Triton on CUDA) where
+    it would call its own (the names of `KERNELS` it has, found once here). Its short
+    convolution, gates, norms and projections stay transformers'."""
     home = sys.modules.get(type(module).__module__)
     theirs = {n: getattr(home, n) for n in KERNELS if home is not None and hasattr(home, n)}
-    for name in theirs:
-        setattr(home, name, KERNELS[name])
-    try:
-        yield
-    finally:
-        for name, function in theirs.items():
-            setattr(home, name, function)
+
+    @contextlib.contextmanager
+    def swapped():
+        for name in theirs:
+            setattr(home, name, KERNELS[name])
+        try:
+            yield
+        finally:
+            for name, function in theirs.items():
+                setattr(home, name, function)
+
+    return swapped
 
 
 def cache_keyword(forward) -> str:
@@ -284,6 +287,7 @@ def mixed_forward(module: nn.Module, forward, pool: StatePool):
     keyword with query/context lengths and state slots), runs each group of sequences over its
     states; outside one it is the module's own forward."""
     key = cache_keyword(forward)
+    kernels = native_kernels(module)
 
     def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         paged = kwargs.pop("paged", None)
@@ -304,30 +308,25 @@ def mixed_forward(module: nn.Module, forward, pool: StatePool):
         for n in q:
             starts.append(starts[-1] + n)
         out = torch.empty_like(x)
-        with native_kernels(module):
-            _run_groups(module, forward, pool, key, x, out, starts, slots_of, q, c, kwargs)
+        decodes, alone = groups(q, c)
+        dev = x.device
+        with kernels():
+            if decodes:
+                rows = torch.tensor([starts[i] for i in decodes], device=dev)
+                slots = torch.tensor([slots_of[i] for i in decodes], device=dev)
+                view = SlotStates(pool, module.layer_idx, slots, fresh=False)
+                y = forward(x[rows][:, None], **{key: view}, **kwargs)
+                view.store()
+                out[rows] = y[:, 0].to(out.dtype)
+            for i in alone:
+                slots = torch.tensor([slots_of[i]], device=dev)
+                view = SlotStates(pool, module.layer_idx, slots, fresh=c[i] == q[i])
+                y = forward(x[starts[i] : starts[i + 1]][None], **{key: view}, **kwargs)
+                view.store()
+                out[starts[i] : starts[i + 1]] = y[0].to(out.dtype)
         return out[None]
 
     return run
-
-
-def _run_groups(module, forward, pool, key, x, out, starts, slots_of, q, c, kwargs) -> None:
-    """`mixed_forward`'s step: the decodes as one batch, then every other sequence alone."""
-    decodes, alone = groups(q, c)
-    dev = x.device
-    if decodes:
-        rows = torch.tensor([starts[i] for i in decodes], device=dev)
-        slots = torch.tensor([slots_of[i] for i in decodes], device=dev)
-        view = SlotStates(pool, module.layer_idx, slots, fresh=False)
-        y = forward(x[rows][:, None], **{key: view}, **kwargs)
-        view.store()
-        out[rows] = y[:, 0].to(out.dtype)
-    for i in alone:
-        slots = torch.tensor([slots_of[i]], device=dev)
-        view = SlotStates(pool, module.layer_idx, slots, fresh=c[i] == q[i])
-        y = forward(x[starts[i] : starts[i + 1]][None], **{key: view}, **kwargs)
-        view.store()
-        out[starts[i] : starts[i + 1]] = y[0].to(out.dtype)
 
 
 def attach(layers: dict[int, nn.Module], pool: StatePool) -> None:

@@ -40,8 +40,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from actors.kv.cache import slots_for
-
 
 def indexer_of(attn: nn.Module) -> nn.Module | None:
     """The attention module's DSA indexer (None: none, or a shared layer's None)."""
@@ -112,10 +110,16 @@ def copy_block(model: Any, cache: Any, src: int, dst: int) -> None:
             index.copy_block(cache, src, dst)
 
 
-def _rows(ids: list[int], bs: int, device) -> torch.Tensor:
+def _rows(ids, bs: int, device) -> torch.Tensor:
     """The slots of whole blocks `ids`, block after block."""
     ids_t = torch.as_tensor(ids, dtype=torch.int64)
     return (ids_t[:, None] * bs + torch.arange(bs)[None]).reshape(-1).to(device)
+
+
+def _past(new: int, context: int, device) -> torch.Tensor:
+    """[new, context] bool: which context positions each of the last `new` tokens sees."""
+    cols = torch.arange(context, device=device)
+    return cols[None, :] <= torch.arange(context - new, context, device=device)[:, None]
 
 
 class IndexView:
@@ -130,8 +134,8 @@ class IndexView:
         table[self.new_slots] = key[0].to(table.dtype)
         bs = self.paged.cache.layout.block_size
         context = self.paged.context_lens[self.seq]
-        slots = slots_for(self.paged.block_tables[self.seq], 0, context, bs)
-        return table[torch.as_tensor(slots, device=table.device)][None]
+        blocks = self.paged.block_tables[self.seq][: -(-context // bs)]
+        return table[_rows(blocks, bs, table.device)[:context]][None]
 
 
 def indexer_forward(indexer: nn.Module, forward, pool: IndexKeys):
@@ -155,11 +159,8 @@ def indexer_forward(indexer: nn.Module, forward, pool: IndexKeys):
         for i, (q, c) in enumerate(zip(paged.query_lens, paged.context_lens, strict=True)):
             rows = slice(start, start + q)
             view = IndexView(pool, paged, i, paged.slot_mapping[rows].to(dev))
-            past = (
-                torch.arange(c, device=dev)[None, :] <= torch.arange(c - q, c, device=dev)[:, None]
-            )
             got = forward(hidden_states[:, rows], q_resid[:, rows], (cos[:, rows], sin[:, rows]),
-                          past[None], None, **{key: view})  # fmt: skip
+                          _past(q, c, dev)[None], None, **{key: view})  # fmt: skip
             out[0, rows, : got.shape[-1]] = got[0]
             start += q
         return out
@@ -220,11 +221,7 @@ def sparse_attend(
         chosen = torch.zeros(n, c + 1, dtype=torch.bool, device=q.device)
         picked = indices[rows].long()
         chosen.scatter_(1, torch.where(picked < 0, c, picked), True)
-        past = (
-            torch.arange(c, device=q.device)[None, :]
-            <= torch.arange(c - n, c, device=q.device)[:, None]
-        )
-        allowed = chosen[:, :c] & past  # [n, c]
+        allowed = chosen[:, :c] & _past(n, c, q.device)  # [n, c]
         scores = torch.einsum("nhd,chd->hnc", q[rows].float(), k.float()) * scale
         scores = scores.masked_fill(~allowed[None], -torch.inf)
         probs = scores.softmax(-1)
